@@ -1,0 +1,560 @@
+"""The ``CheckpointPolicy`` model: the single source of truth.
+
+Everything that means something about a policy is defined here once:
+
+* the CRD's OpenAPI schema (``crds/`` and the chart are generated from these
+  classes by ``python -m ckpt_agent.policy.crdgen``; a test fails on drift);
+* the agent's runtime configuration (:mod:`ckpt_agent.policy.agent_config`);
+* the defaults every component falls back to.
+
+Field names are camelCase on the wire (Kubernetes convention) and snake_case in
+Python. Cross-field rules are written twice on purpose, in the same words: as a
+pydantic validator (for the agent and the operator) and as a CEL rule
+(``x-kubernetes-validations``) so that the API server itself rejects a bad
+policy at ``kubectl apply`` time, naming the field.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "ckpt.dev"
+API_VERSION = "v1alpha1"
+KIND = "CheckpointPolicy"
+PLURAL = "checkpointpolicies"
+SINGULAR = "checkpointpolicy"
+SHORT_NAMES = ["ckptpol"]
+
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:
+    """A CEL validation rule for the CRD schema (``x-kubernetes-validations``)."""
+    out: dict[str, JsonValue] = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+class CamelModel(BaseModel):
+    """Base: camelCase aliases, unknown fields are errors, docstrings become descriptions."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        frozen=False,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The camelCase dict as stored in Kubernetes (defaults included)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Tier(StrEnum):
+    """Checkpoint tiers, cheapest first."""
+
+    HEARTBEAT = "heartbeat"
+    """L0: step, epoch, data position and every RNG state. Tiny, every step."""
+    PULSE = "pulse"
+    """L1: weights + optimizer + LR scheduler + AMP scaler. Adaptive interval."""
+    FULL = "full"
+    """L2: everything in a pulse plus the training config. Periodic."""
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+class LossLayerSpec(CamelModel):
+    """Fast-descent detector on the loss curve (works on log10(loss + epsilon))."""
+
+    weight: Fraction = 0.4
+    """Score contribution when the layer fires."""
+    ewma_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
+    """Smoothing factor of the EWMA over the log-loss."""
+    window: Annotated[int, Field(ge=2, le=10_000)] = 20
+    """Number of recent smoothed points the slope is fitted over."""
+    slope_threshold: Annotated[float, Field(gt=0.0)] = 0.05
+    """|slope| of the smoothed log10-loss per step above which the run is in a fast phase.
+
+    Measured in decades per `window` steps (the fitted per-step slope times `window`)
+    so that the threshold does not depend on the window length."""
+    consecutive_steps: PositiveInt = 3
+    """Steps in a row the slope must exceed the threshold before the layer fires."""
+    epsilon: Annotated[float, Field(gt=0.0)] = 1e-8
+    """Added to the loss before the log transform."""
+
+
+class GradientLayerSpec(CamelModel):
+    """Gradient-norm anomaly detector."""
+
+    weight: Fraction = 0.35
+    """Score contribution when the layer fires."""
+    sample_every: PositiveInt = 10
+    """Sample the global gradient L2 norm every N steps."""
+    history: Annotated[int, Field(ge=2, le=100_000)] = 50
+    """Samples kept for mean and standard deviation."""
+    std_multiplier: Annotated[float, Field(gt=0.0)] = 1.0
+    """A sample outside mean ± k·std is anomalous."""
+    consecutive_anomalies: PositiveInt = 2
+    """Anomalous samples in a row that fire the layer (and request a lightweight pulse)."""
+    min_samples: Annotated[int, Field(ge=2)] = 5
+    """Samples needed before anything can be called anomalous."""
+
+
+class SystemLayerSpec(CamelModel):
+    """System-health alarm (GPU errors, slow storage)."""
+
+    weight: Fraction = 0.25
+    """Score contribution when the layer fires."""
+    gpu_error_threshold: Annotated[int, Field(ge=0)] = 0
+    """GPU error count above which the layer fires."""
+    write_latency_ms: Annotated[float, Field(gt=0.0)] = 15.0
+    """Storage write latency (ms) that is unhealthy when sustained."""
+    sustained_seconds: Annotated[float, Field(ge=0.0)] = 5.0
+    """How long the latency must stay above the threshold."""
+    emergency_tier: Literal["pulse", "full"] = "full"
+    """Tier of the emergency checkpoint requested when the layer fires."""
+    emergency_cooldown_steps: Annotated[int, Field(ge=0)] = 100
+    """Minimum steps between two emergency checkpoints for the same alarm."""
+
+
+class RiskSpec(CamelModel):
+    """Risk-aware cap on the pulse interval (Young/Daly) and a stall budget."""
+
+    enabled: bool = True
+    """Cap the pulse interval at the Young/Daly optimum sqrt(2·cost·MTBF)."""
+    mtbf_seconds: Annotated[float, Field(gt=0.0)] = 86_400.0
+    """Mean time between failures of the job (the operator refines it from observed failures)."""
+    stall_budget: Annotated[float, Field(gt=0.0, le=1.0)] = 0.03
+    """Maximum fraction of training time spent stalled in checkpoint saves."""
+
+
+class SchedulerSpec(CamelModel):
+    """When to save: the three-layer adaptive score."""
+
+    loss: LossLayerSpec = Field(default_factory=LossLayerSpec)
+    """Loss-curve layer."""
+    gradient: GradientLayerSpec = Field(default_factory=GradientLayerSpec)
+    """Gradient-norm layer."""
+    system: SystemLayerSpec = Field(default_factory=SystemLayerSpec)
+    """System-health layer."""
+    pulse_now_score: Fraction = 0.7
+    """A score at or above this triggers a pulse immediately."""
+    max_interval_score: Fraction = 0.95
+    """The score is capped at this value when shrinking the interval."""
+    risk: RiskSpec = Field(default_factory=RiskSpec)
+    """Young/Daly cap and stall budget."""
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+class HeartbeatTierSpec(CamelModel):
+    """L0 heartbeat settings."""
+
+    enabled: bool = True
+    """Write heartbeats at all."""
+    every_steps: PositiveInt = 1
+    """Write a heartbeat every N steps."""
+
+
+class PulseTierSpec(CamelModel):
+    """L1 pulse settings: the dynamic interval is clamp(base·(1−score), min, max)."""
+
+    base_interval: PositiveInt = 100
+    """Interval in steps when the score is 0."""
+    min_interval: PositiveInt = 10
+    """Lower clamp of the dynamic interval, in steps."""
+    max_interval: PositiveInt = 500
+    """Upper clamp; a pulse is always taken at least this often."""
+
+
+class FullTierSpec(CamelModel):
+    """L2 full checkpoint settings."""
+
+    every_steps: PositiveInt = 1000
+    """Full checkpoint period in steps."""
+    long_run_every_steps: PositiveInt = 500
+    """Period once the job has run longer than `longRunAfterHours`."""
+    long_run_after_hours: Annotated[float, Field(gt=0.0)] = 360.0
+    """Wall-clock age (hours) after which the long-run period applies (default 15 days)."""
+
+
+class TiersSpec(CamelModel):
+    """Per-tier frequencies."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.pulse.minInterval <= self.pulse.maxInterval",
+                    "pulse.minInterval must be <= pulse.maxInterval",
+                    ".pulse.minInterval",
+                ),
+                cel(
+                    "self.pulse.minInterval <= self.pulse.baseInterval"
+                    " && self.pulse.baseInterval <= self.pulse.maxInterval",
+                    "pulse.baseInterval must lie within [minInterval, maxInterval]",
+                    ".pulse.baseInterval",
+                ),
+            ]
+        }
+    )
+
+    heartbeat: HeartbeatTierSpec = Field(default_factory=HeartbeatTierSpec)
+    """L0 heartbeat."""
+    pulse: PulseTierSpec = Field(default_factory=PulseTierSpec)
+    """L1 pulse."""
+    full: FullTierSpec = Field(default_factory=FullTierSpec)
+    """L2 full."""
+
+    @model_validator(mode="after")
+    def _check_intervals(self) -> TiersSpec:
+        p = self.pulse
+        if p.min_interval > p.max_interval:
+            raise ValueError("tiers.pulse.minInterval must be <= pulse.maxInterval")
+        if not p.min_interval <= p.base_interval <= p.max_interval:
+            raise ValueError("tiers.pulse.baseInterval must lie within [minInterval, maxInterval]")
+        return self
+
+
+# --------------------------------------------------------------------------- storage
+
+
+class SecretKeyRef(CamelModel):
+    """A reference to a Kubernetes Secret holding S3 credentials (never inlined)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    """Secret name in the policy's namespace."""
+    access_key_id_key: str = "AWS_ACCESS_KEY_ID"
+    """Key of the access key id in the Secret."""
+    secret_access_key_key: str = "AWS_SECRET_ACCESS_KEY"
+    """Key of the secret access key in the Secret."""
+
+
+class SSEMode(StrEnum):
+    """Server-side encryption mode."""
+
+    NONE = "none"
+    AES256 = "AES256"
+    KMS = "aws:kms"
+
+
+class ServerSideEncryptionSpec(CamelModel):
+    """S3 server-side encryption."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.mode != 'aws:kms' || has(self.kmsKeyId)",
+                    "kmsKeyId is required when mode is aws:kms",
+                    ".kmsKeyId",
+                )
+            ]
+        }
+    )
+
+    mode: SSEMode = SSEMode.NONE
+    """none, AES256 (SSE-S3) or aws:kms (SSE-KMS)."""
+    kms_key_id: str | None = None
+    """KMS key id (required for aws:kms)."""
+
+    @model_validator(mode="after")
+    def _kms_needs_key(self) -> ServerSideEncryptionSpec:
+        if self.mode == SSEMode.KMS and not self.kms_key_id:
+            raise ValueError("storage.s3.serverSideEncryption.kmsKeyId is required for aws:kms")
+        return self
+
+
+class LocalStorageSpec(CamelModel):
+    """A local or shared (NFS) filesystem path, optionally a PVC mounted at that path."""
+
+    path: Annotated[str, Field(min_length=1, pattern=r"^/")] = "/var/lib/ckpt"
+    """Absolute path inside the pod where checkpoints are written."""
+    pvc_name: str | None = None
+    """PersistentVolumeClaim mounted at `path` (none: the path must already exist on the node)."""
+
+
+class S3StorageSpec(CamelModel):
+    """An S3-compatible bucket (AWS S3, MinIO, Ceph RGW)."""
+
+    bucket: Annotated[str, Field(min_length=3, max_length=63)]
+    """Bucket name."""
+    prefix: str = ""
+    """Key prefix inside the bucket; leading/trailing slashes are dropped."""
+    endpoint: str | None = None
+    """Custom endpoint URL (MinIO/Ceph); empty for AWS."""
+    region: str = "us-east-1"
+    """Region."""
+    path_style: bool = False
+    """Path-style addressing (needed by most MinIO/Ceph setups)."""
+    credentials_secret: SecretKeyRef | None = None
+    """Secret with the credentials; none: the standard AWS chain (IRSA, instance profile)."""
+    server_side_encryption: ServerSideEncryptionSpec = Field(
+        default_factory=ServerSideEncryptionSpec
+    )
+    """Server-side encryption."""
+    part_size_mb: Annotated[int, Field(ge=5, le=5120)] = 16
+    """Multipart part size in MiB."""
+    max_concurrency: Annotated[int, Field(ge=1, le=64)] = 4
+    """Parallel multipart uploads per blob."""
+    max_attempts: Annotated[int, Field(ge=1, le=20)] = 3
+    """Attempts for retryable errors (timeouts, 5xx, throttling)."""
+
+    @field_validator("prefix")
+    @classmethod
+    def _normalize_prefix(cls, v: str) -> str:
+        return v.strip("/")
+
+
+class StorageType(StrEnum):
+    LOCAL = "local"
+    S3 = "s3"
+
+
+class StorageSpec(CamelModel):
+    """Where checkpoints go."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.type != 's3' || has(self.s3)", "s3 is required when type is s3", ".s3"),
+            ]
+        }
+    )
+
+    type: StorageType = StorageType.LOCAL
+    """local (filesystem / PVC) or s3."""
+    local: LocalStorageSpec = Field(default_factory=LocalStorageSpec)
+    """Filesystem settings (type local)."""
+    s3: S3StorageSpec | None = None
+    """Bucket settings (type s3)."""
+
+    @model_validator(mode="after")
+    def _s3_needs_bucket(self) -> StorageSpec:
+        if self.type == StorageType.S3 and self.s3 is None:
+            raise ValueError("storage.s3 is required when storage.type is s3")
+        return self
+
+    def url(self) -> str:
+        """The storage URL the agent opens (``file:///path`` or ``s3://bucket/prefix``)."""
+        if self.type == StorageType.S3:
+            assert self.s3 is not None
+            prefix = self.s3.prefix.strip("/")
+            return f"s3://{self.s3.bucket}/{prefix}" if prefix else f"s3://{self.s3.bucket}"
+        return f"file://{self.local.path}"
+
+
+# ----------------------------------------------------------------- compression / validation
+
+
+class CompressionSpec(CamelModel):
+    """Payload compression."""
+
+    codec: Literal["none", "zstd"] = "zstd"
+    """Codec for tensor payloads."""
+    level: Annotated[int, Field(ge=1, le=22)] = 3
+    """zstd level."""
+    byte_shuffle: bool = True
+    """Byte-shuffle float data before compressing (helps fp32/bf16)."""
+    min_size_bytes: Annotated[int, Field(ge=0)] = 4096
+    """Blobs smaller than this are stored uncompressed."""
+
+
+class ValidationSpec(CamelModel):
+    """What is checked before a checkpoint is recorded as valid."""
+
+    verify_hashes: bool = True
+    """Re-read every blob and compare its SHA-256."""
+    load_in_subprocess: bool = True
+    """Load the checkpoint in a separate process (not a thread)."""
+    check_shapes: bool = True
+    """Compare every tensor's shape and dtype with the live model."""
+
+
+# --------------------------------------------------------------------------- retention
+
+
+class RetentionSpec(CamelModel):
+    """Retention classes by score, and optional budgets."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.importantScore <= self.criticalScore",
+                    "importantScore must be <= criticalScore",
+                    ".importantScore",
+                )
+            ]
+        }
+    )
+
+    critical_score: Fraction = 0.8
+    """Score at or above which a checkpoint is critical (kept forever)."""
+    important_score: Fraction = 0.5
+    """Score at or above which a checkpoint is important."""
+    important_keep: PositiveInt = 3
+    """Important checkpoints kept (newest first)."""
+    routine_keep: PositiveInt = 1
+    """Routine checkpoints kept (newest first)."""
+    max_age_hours: Annotated[float, Field(gt=0.0)] | None = None
+    """Delete non-protected checkpoints older than this."""
+    max_total_gb: Annotated[float, Field(gt=0.0)] | None = None
+    """Delete the oldest non-protected checkpoints beyond this total size."""
+    reconcile_interval_seconds: Annotated[int, Field(ge=10)] = 300
+    """How often the operator applies retention to storage."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetentionSpec:
+        if self.important_score > self.critical_score:
+            raise ValueError("retention.importantScore must be <= retention.criticalScore")
+        return self
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+class RecoverySpec(CamelModel):
+    """Automatic resume of failed jobs."""
+
+    auto_resume: bool = True
+    """Restart failed opted-in jobs from the last valid checkpoint."""
+    max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
+    """Restarts across the whole chain of a run."""
+    backoff_seconds: Annotated[float, Field(ge=0.0)] = 10.0
+    """Delay before the first restart; doubles each time."""
+    max_backoff_seconds: Annotated[float, Field(ge=0.0)] = 600.0
+    """Upper bound of the backoff."""
+    max_chain_links: Annotated[int, Field(ge=0, le=100)] = 5
+    """How far back the ladder may follow the prev-hash chain from the newest checkpoint."""
+    allow_heartbeat_rebuild: bool = True
+    """Allow rebuilding from a heartbeat + saved config when no weights checkpoint is usable."""
+
+
+# --------------------------------------------------------------------------- agent
+
+
+class AgentSpec(CamelModel):
+    """How the agent is injected into pods."""
+
+    sidecar: bool = False
+    """Run the persisting agent as a sidecar container (flash checkpoints via shared memory)."""
+    image: str | None = None
+    """Agent image for the sidecar (default: the operator's image)."""
+    metrics_port: Annotated[int, Field(ge=1024, le=65535)] = 9400
+    """Prometheus metrics port of the agent."""
+    shm_size_mb: Annotated[int, Field(ge=16)] = 1024
+    """Size of the injected memory-backed volume for snapshots."""
+    container_name: str = "pytorch"
+    """Training container to configure."""
+
+
+# --------------------------------------------------------------------------- spec / status
+
+
+class CheckpointPolicySpec(CamelModel):
+    """Desired checkpointing behaviour for the jobs that reference this policy."""
+
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    """Adaptive scheduling."""
+    tiers: TiersSpec = Field(default_factory=TiersSpec)
+    """Tier frequencies."""
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    """Storage."""
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    """Compression."""
+    validation: ValidationSpec = Field(default_factory=ValidationSpec)
+    """Validation after write."""
+    retention: RetentionSpec = Field(default_factory=RetentionSpec)
+    """Retention classes."""
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    """Automatic recovery."""
+    agent: AgentSpec = Field(default_factory=AgentSpec)
+    """Agent injection."""
+
+
+class Condition(CamelModel):
+    """A standard Kubernetes condition."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    """Condition type (Ready, Reconciled, ...)."""
+    status: Literal["True", "False", "Unknown"]
+    """Condition status."""
+    reason: str = ""
+    """CamelCase reason."""
+    message: str = ""
+    """Human-readable details."""
+    last_transition_time: str | None = None
+    """RFC 3339 time of the last status change."""
+    observed_generation: int | None = None
+    """Generation the condition was computed for."""
+
+
+class JobCheckpointStatus(CamelModel):
+    """The newest valid checkpoint of one job."""
+
+    step: int
+    """Global step."""
+    tier: Tier
+    """Tier."""
+    checkpoint_id: str
+    """Checkpoint id (storage key of its commit)."""
+    time: str | None = None
+    """When it was committed."""
+
+
+class CheckpointPolicyStatus(CamelModel):
+    """Observed state, written by the operator."""
+
+    model_config = ConfigDict(extra="allow")
+
+    observed_generation: int | None = None
+    """The spec generation last reconciled."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready / Reconciled conditions."""
+    jobs: int = 0
+    """Jobs referencing this policy."""
+    checkpoints: int = 0
+    """Checkpoints kept in storage."""
+    valid_checkpoints: int = 0
+    """Valid checkpoints kept in storage."""
+    bytes_stored: int = 0
+    """Bytes kept in storage."""
+    deleted_by_retention: int = 0
+    """Checkpoints deleted by retention so far."""
+    last_valid: dict[str, JobCheckpointStatus] = Field(default_factory=dict)
+    """Newest valid checkpoint per job (run id)."""
+
+
+class ObjectMeta(BaseModel):
+    """The bits of metadata the models care about (the rest passes through)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    namespace: str | None = None
+    generation: int | None = None
+
+
+class CheckpointPolicy(CamelModel):
+    """A ``CheckpointPolicy`` object as stored in Kubernetes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_version: Literal["ckpt.dev/v1alpha1"] = "ckpt.dev/v1alpha1"
+    kind: Literal["CheckpointPolicy"] = "CheckpointPolicy"
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: CheckpointPolicySpec = Field(default_factory=CheckpointPolicySpec)
+    status: CheckpointPolicyStatus | None = None

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Install everything this project needs on a fresh machine (idempotent, cached).
+#
+#   scripts/setup.sh            Python venv (.venv) with the project and its dev tools
+#   scripts/setup.sh --tools    ... and the Go-built control plane / S3 server binaries
+#
+# Needs: python3.11+ and Go >= 1.24 (both on this project's machines). Everything
+# else comes from PyPI and the Go module proxy. Re-running is cheap: the venv is
+# reused while pyproject.toml is unchanged and Go binaries are cached by version
+# under ~/.cache/ckpt-operator/tools.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*" >&2; }
+die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+want_tools=0
+for a in "$@"; do
+  case "$a" in
+    --tools) want_tools=1 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) die "unknown option $a (try --help)" ;;
+  esac
+done
+
+py="${PYTHON:-}"
+if [ -z "$py" ]; then
+  for c in python3.11 python3.12 python3.13 python3; do
+    if command -v "$c" >/dev/null && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      py="$c"; break
+    fi
+  done
+fi
+[ -n "$py" ] || die "Python >= 3.11 not found; install it (apt-get install python3.11) or set PYTHON=/path/to/python"
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $("$py" --version)"
+  "$py" -m venv .venv
+fi
+
+stamp=".venv/.ckpt-installed"
+want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing the project and dev tools into .venv (torch is large: first run takes a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+else
+  log ".venv up to date"
+fi
+
+if [ "$want_tools" = 1 ]; then
+  command -v go >/dev/null || die "Go >= 1.24 is needed to build the test control plane (apt's golang is too old; this project's machines ship Go)"
+  log "building/reusing Go tools (kube-apiserver, etcd, kwok, helm, training-operator, minio, toxiproxy)"
+  log "a cold build takes a long time on 2 cores; later runs reuse ~/.cache/ckpt-operator/tools"
+  e2e/build-tools.sh
+fi

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up everything and run every check: lint, types, import contracts, generated-file
+# drift, unit tests, real-S3 tests and the end-to-end tests on a real control plane.
+#
+#   scripts/test.sh                 everything (what CI runs)
+#   scripts/test.sh -m "not e2e"    extra arguments go to pytest
+#
+# Environment: CKPT_TOOLS_CACHE (Go binaries cache, default ~/.cache/ckpt-operator/tools).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+stage() { printf '\n\033[1;34m==> %s\033[0m\n' "$*"; }
+t0=$(date +%s)
+
+stage "setup (venv + Go tools)"
+scripts/setup.sh --tools
+export PATH="$PWD/.venv/bin:$PATH"
+
+stage "ruff (lint + format)"
+ruff check .
+ruff format --check .
+
+stage "mypy --strict"
+mypy
+
+stage "import contracts (operator has no torch, agent has no kopf, pure logic has no I/O)"
+lint-imports
+
+stage "generated CRDs match the models"
+python -m ckpt_agent.policy.crdgen --check
+
+stage "pytest"
+python -m pytest "$@"
+
+printf '\n\033[1;32mall checks passed in %ss\033[0m\n' "$(( $(date +%s) - t0 ))"
