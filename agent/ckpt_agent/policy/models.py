@@ -90,6 +90,11 @@ class LossLayerSpec(CamelModel):
     """Steps in a row the slope must exceed the threshold before the layer fires."""
     epsilon: Annotated[float, Field(gt=0.0)] = 1e-8
     """Added to the loss before the log transform."""
+    spike_decades: Annotated[float, Field(gt=0.0)] = 0.5
+    """A loss this many decades (log10) above the smoothed loss is a `loss_spike` anomaly.
+
+    0.5 decades is about 3.2x the smoothed loss. Only reported (it pins the last
+    known good checkpoint in retention); it adds nothing to the score."""
 
 
 class GradientLayerSpec(CamelModel):
