@@ -1,0 +1,228 @@
+"""The local-process stand-in for a pod's container (ckpt_e2e.localpod) against the real
+API server: env resolution, volumes, path translation, live downward-API updates,
+deletion with SIGTERM, and the exit report."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from ckpt_e2e import LocalCluster, LocalPod, PathTranslator, pvc_path
+
+pytestmark = pytest.mark.e2e
+
+# The "training" program: dumps what it sees, then waits for the downward-API annotation
+# file to announce a save request, writes it to the PVC and exits 0.
+PROGRAM = r"""
+import json, os, pathlib, sys, time
+out = pathlib.Path(os.environ["OUT_DIR"])
+cfg = json.loads(pathlib.Path(os.environ["CKPT_CONFIG"]).read_text())
+seen = {
+    "env": {k: os.environ.get(k) for k in ["POD_NAME", "NODE", "S3_KEY", "MODE", "mode",
+                                           "STORAGE", "DERIVED", "CKPT_E2E_PATH_MAP"]},
+    "argv": sys.argv[1:],
+    "cwd": os.getcwd(),
+    "config": cfg,
+}
+(out / "seen.json").write_text(json.dumps(seen))
+ann = pathlib.Path(os.environ["PODINFO"]) / "annotations"
+deadline = time.time() + 60
+while time.time() < deadline:
+    if 'ckpt.dev/save-now="req-7"' in ann.read_text():
+        pathlib.Path(cfg["storage"], "saved").write_text("req-7")
+        sys.exit(0)
+    time.sleep(0.2)
+sys.exit(9)
+"""
+
+SIGTERM_PROGRAM = r"""
+import os, pathlib, signal, sys, time
+def term(*_):
+    pathlib.Path(os.environ["MARK"]).write_text("got SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+pathlib.Path(os.environ["MARK"] + ".started").write_text("1")
+time.sleep(120)
+sys.exit(5)
+"""
+
+
+def _pod(name: str, containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> str:
+    return json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "annotations": {"ckpt.dev/save-now": ""}},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 20,
+                "containers": containers,
+                "volumes": volumes,
+            },
+        }
+    )
+
+
+def test_path_translator() -> None:
+    t = PathTranslator({"/ckpt": "/tmp/x/ckpt", "/ckpt/inner": "/tmp/y", "/etc/c.json": "/tmp/c"})
+    assert t.text("/ckpt") == "/tmp/x/ckpt"
+    assert t.text("file:///ckpt/run-1") == "file:///tmp/x/ckpt/run-1"
+    assert t.text("--out=/ckpt/a,/ckpt/inner/b") == "--out=/tmp/x/ckpt/a,/tmp/y/b"
+    assert t.text("/ckpt-other /data/ckpt") == "/ckpt-other /data/ckpt"
+    assert t.text('{"c": "/etc/c.json"}') == '{"c": "/tmp/c"}'
+
+
+def test_local_pod_env_volumes_and_downward_api(cluster: LocalCluster, namespace: str) -> None:
+    cluster.kubectl(
+        "create", "secret", "generic", "s3", "--from-literal=key=s3cr3t", "-n", namespace
+    )
+    config = {"storage": "/ckpt/run-1", "shm": "/dev/shm"}
+    cluster.kubectl(
+        "create",
+        "configmap",
+        "ckpt-config",
+        f"--from-literal=config.json={json.dumps(config)}",
+        "--from-literal=mode=fast",
+        "-n",
+        namespace,
+    )
+    data_dir = cluster.create_pvc(namespace, "ckpt-data")
+    assert data_dir == pvc_path(cluster, namespace, "ckpt-data")
+    container: dict[str, Any] = {
+        "name": "pytorch",
+        "image": "none",
+        "command": ["python", "-c", PROGRAM],
+        "args": ["--storage=/ckpt/run-1", "$(MODE)"],
+        "workingDir": "/workspace",
+        "env": [
+            {"name": "OUT_DIR", "value": "/out"},
+            {"name": "CKPT_CONFIG", "value": "/etc/ckpt/config.json"},
+            {"name": "PODINFO", "value": "/etc/podinfo"},
+            {"name": "STORAGE", "value": "file:///ckpt/run-1"},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "S3_KEY", "valueFrom": {"secretKeyRef": {"name": "s3", "key": "key"}}},
+            {"name": "DERIVED", "value": "$(POD_NAME)-$$(x)"},
+        ],
+        "envFrom": [{"configMapRef": {"name": "ckpt-config"}, "prefix": ""}],
+        "volumeMounts": [
+            {"name": "out", "mountPath": "/out"},
+            {"name": "work", "mountPath": "/workspace"},
+            {"name": "cfg", "mountPath": "/etc/ckpt"},
+            {"name": "podinfo", "mountPath": "/etc/podinfo"},
+            {"name": "data", "mountPath": "/ckpt"},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    # envFrom exports the configmap keys as they are ("mode"); MODE comes from a key ref
+    container["env"].append(
+        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "ckpt-config", "key": "mode"}}}
+    )
+    volumes = [
+        {"name": "out", "emptyDir": {}},
+        {"name": "work", "emptyDir": {}},
+        {
+            "name": "cfg",
+            "configMap": {
+                "name": "ckpt-config",
+                "items": [{"key": "config.json", "path": "config.json"}],
+            },
+        },
+        {
+            "name": "podinfo",
+            "downwardAPI": {
+                "items": [
+                    {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}
+                ]
+            },
+        },
+        {"name": "data", "persistentVolumeClaim": {"claimName": "ckpt-data"}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    cluster.kubectl(
+        "create", "-n", namespace, "-f", "-", input=_pod("trainer", [container], volumes)
+    )
+
+    with LocalPod(cluster, namespace, "trainer", timeout=60) as lp:
+        seen_file = lp.local_path("/out/seen.json")
+        cluster.wait_for(seen_file.exists, timeout=30, what="program started")
+        seen = json.loads(seen_file.read_text())
+
+        assert seen["env"]["POD_NAME"] == "trainer"
+        assert seen["env"]["NODE"] == "kwok-node-0"
+        assert seen["env"]["S3_KEY"] == "s3cr3t"
+        assert seen["env"]["MODE"] == "fast"
+        assert seen["env"]["mode"] == "fast"  # envFrom
+        assert seen["env"]["DERIVED"] == "trainer-$(x)"
+        assert seen["env"]["STORAGE"] == f"file://{data_dir}/run-1"
+        assert json.loads(seen["env"]["CKPT_E2E_PATH_MAP"])["/ckpt"] == str(data_dir)
+        assert seen["argv"] == [f"--storage={data_dir}/run-1", "fast"]
+        assert seen["cwd"] == str(lp.local_path("/workspace"))
+        # config file content is translated too
+        assert seen["config"]["storage"] == f"{data_dir}/run-1"
+        assert seen["config"]["shm"].startswith("/dev/shm/ckpt-e2e-")
+        (data_dir / "run-1").mkdir(exist_ok=True)
+
+        # A live annotation change reaches the downward-API file while the process runs.
+        time.sleep(1.0)
+        assert lp.running
+        cluster.kubectl(
+            "annotate", "pod", "trainer", "-n", namespace, "--overwrite", "ckpt.dev/save-now=req-7"
+        )
+        assert lp.wait(60) == 0
+
+    assert (data_dir / "run-1" / "saved").read_text() == "req-7"
+    pod = cluster.get_json("pod", "trainer", "-n", namespace)
+    assert pod["status"]["phase"] == "Succeeded"
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "Completed"
+
+
+def test_local_pod_deletion_sends_sigterm(cluster: LocalCluster, namespace: str) -> None:
+    container = {
+        "name": "main",
+        "image": "none",
+        "command": ["python3", "-c", SIGTERM_PROGRAM],
+        "env": [{"name": "MARK", "value": "/out/mark"}],
+        "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+    }
+    volumes = [{"name": "out", "emptyDir": {}}]
+    cluster.kubectl(
+        "create", "-n", namespace, "-f", "-", input=_pod("victim", [container], volumes)
+    )
+    lp = LocalPod(cluster, namespace, "victim", timeout=60).start()
+    try:
+        cluster.wait_for(lp.local_path("/out/mark.started").exists, timeout=30, what="started")
+        pod = cluster.get_json("pod", "victim", "-n", namespace)
+        assert pod["metadata"]["annotations"]["e2e.ckpt.dev/local-process"] == str(lp.pid)
+        cluster.kubectl("delete", "pod", "victim", "-n", namespace, "--wait=false")
+        assert lp.wait(30) == 0
+        assert lp.terminated_by_deletion
+        assert lp.local_path("/out/mark").read_text() == "got SIGTERM"
+    finally:
+        lp.stop()
+
+    # With the process gone, kwok finishes the deletion.
+    cluster.wait_for(
+        lambda: (
+            cluster.kubectl("get", "pod", "victim", "-n", namespace, check=False).returncode != 0
+        ),
+        timeout=30,
+        what="pod victim deleted",
+    )
+
+
+def test_sigkill_reports_137(cluster: LocalCluster, namespace: str) -> None:
+    container = {"name": "pytorch", "image": "none", "command": ["sleep", "60"]}
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=_pod("crash", [container], []))
+    with LocalPod(cluster, namespace, "crash", timeout=60) as lp:
+        time.sleep(0.5)
+        lp.signal(signal.SIGKILL)
+        assert lp.wait(30) == 137
+    pod = cluster.get_json("pod", "crash", "-n", namespace)
+    assert pod["status"]["phase"] == "Failed"
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 137
