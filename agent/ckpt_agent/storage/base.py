@@ -196,7 +196,7 @@ class ObjectWriter(io.BufferedIOBase, BinaryIO):
     def name(self) -> str:
         return self.key
 
-    def write(self, data: ReadableBuffer) -> int:  # type: ignore[override]
+    def write(self, data: ReadableBuffer) -> int:
         if self.closed:
             raise ValueError(f"write to a closed writer for {self.key!r}")
         mv = memoryview(data).cast("B")
@@ -292,13 +292,14 @@ class Storage(abc.ABC):
         raise NotImplementedError(f"{cls.__name__} does not implement from_url()")
 
     @abc.abstractmethod
-    def open_write(self, key: str) -> BinaryIO:
+    def open_write(self, key: str) -> ObjectWriter:
         """Stream bytes to ``key``; the object appears (atomically) on ``close()``.
 
         On an exception inside a ``with`` block nothing is published and
-        partial data is cleaned up (temp file removed / multipart aborted).
-        Backends return an :class:`ObjectWriter`; an existing object under
-        ``key`` is replaced atomically.
+        partial data is cleaned up (temp file removed / multipart aborted);
+        :meth:`ObjectWriter.abort` does the same explicitly. An existing object
+        under ``key`` is replaced atomically. (An :class:`ObjectWriter` is a
+        ``BinaryIO``.)
         """
 
     def write(self, key: str, data: bytes | memoryview) -> None:
