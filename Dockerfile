@@ -1,0 +1,65 @@
+# syntax=docker/dockerfile:1.7
+#
+# Two images from one file, both non-root, on a pinned slim Python base:
+#
+#   docker build --target operator -t ckpt-operator .   # the kopf operator: no torch, no numpy
+#   docker build --target agent    -t ckpt-agent    .   # the in-pod agent / sidecar (torch)
+#
+# Wheels are built in throw-away stages; the final stages install them from a bind mount
+# without network access, so the runtime layers hold no build tools, caches or wheels.
+
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+
+# --------------------------------------------------------------------------- base
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp
+WORKDIR /app
+
+# --------------------------------------------------------------------------- sources
+FROM base AS source
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY agent ./agent
+COPY operator ./operator
+
+# --------------------------------------------------------------------------- operator wheels
+FROM source AS operator-wheels
+RUN pip wheel --wheel-dir /wheels ".[operator]"
+
+# --------------------------------------------------------------------------- agent wheels
+FROM source AS agent-wheels
+# CPU wheels by default; pass e.g. https://download.pytorch.org/whl/cu124 for CUDA.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip wheel --wheel-dir /wheels --extra-index-url "${TORCH_INDEX_URL}" ".[agent]"
+
+# --------------------------------------------------------------------------- operator image
+FROM base AS operator
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="ckpt-operator" \
+      org.opencontainers.image.description="Kubernetes operator: agent injection, auto-resume, retention" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN --mount=type=bind,from=operator-wheels,source=/wheels,target=/wheels \
+    pip install --no-index --find-links=/wheels "ckpt-operator[operator]==${VERSION}" \
+    && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'numpy')))"
+USER 65532:65532
+# 8080 health probes, 9090 metrics, 9443 admission webhooks (HTTPS)
+EXPOSE 8080 9090 9443
+ENTRYPOINT ["ckpt-operator"]
+
+# --------------------------------------------------------------------------- agent image
+FROM base AS agent
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="ckpt-agent" \
+      org.opencontainers.image.description="ckpt-operator in-pod checkpoint agent and sidecar" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN --mount=type=bind,from=agent-wheels,source=/wheels,target=/wheels \
+    pip install --no-index --find-links=/wheels "ckpt-operator[agent]==${VERSION}"
+USER 65532:65532
+EXPOSE 9400
+ENTRYPOINT ["ckpt"]

@@ -1,0 +1,116 @@
+"""Names shared by the webhook, the watchers and the agent (the contract in one place).
+
+Everything the operator writes on Kubernetes objects or into pods is named
+here, so the injection, the restart planner, the disruption watcher, the chart
+and ``docs/operator.md`` cannot drift apart. The environment variable names
+themselves come from :mod:`ckpt_agent.policy.agent_config` (the agent reads
+what the webhook injects).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: Annotation/label prefix of everything the project owns.
+PREFIX: Final = "ckpt.dev"
+
+# --------------------------------------------------------------------------- PyTorchJob (user)
+#: Name of the CheckpointPolicy (same namespace) the job uses. Opts the job's pods in to injection.
+ANN_POLICY: Final = f"{PREFIX}/policy"
+#: ``"true"``: restart the job from its last valid checkpoint when it fails.
+ANN_AUTO_RESUME: Final = f"{PREFIX}/auto-resume"
+
+# --------------------------------------------------------------------------- PyTorchJob (operator)
+#: Stable identity of the training run across restarts (its storage folder).
+ANN_RUN_ID: Final = f"{PREFIX}/run-id"
+#: Restarts so far in this run's chain (0 on the user's job).
+ANN_RESTART_COUNT: Final = f"{PREFIX}/restart-count"
+#: Checkpoint id the job resumes from (set on restarts).
+ANN_RESUME_FROM: Final = f"{PREFIX}/resume-from"
+#: Step of ``resume-from`` (for crash-loop detection and humans).
+ANN_RESUME_STEP: Final = f"{PREFIX}/resume-step"
+#: Comma-separated checkpoint ids that made a resumed run fail before it advanced.
+ANN_POISONED: Final = f"{PREFIX}/poisoned"
+#: On a failed job: the name of the job it was restarted as (written before the create).
+ANN_RESTARTED_AS: Final = f"{PREFIX}/restarted-as"
+#: On a failed job: the restart decision (JSON), so a crash between the decision and the
+#: create replays exactly the same restart.
+ANN_RESTART_DECISION: Final = f"{PREFIX}/restart-decision"
+#: On a restarted job: the name of the job it replaces.
+ANN_RESTART_OF: Final = f"{PREFIX}/restart-of"
+#: The operator's view of the job, as JSON ``{"state", "reason", "message", "time"}``.
+ANN_STATUS: Final = f"{PREFIX}/status"
+
+# --------------------------------------------------------------------------- pods
+#: Pod annotation: a request id; a change means "take an emergency checkpoint now".
+#: Exposed to the agent as the file ``$CKPT_SIGNAL_FILE`` through a downward-API volume.
+ANN_SAVE_NOW: Final = f"{PREFIX}/save-now"
+#: Pod annotation: why ``save-now`` was requested (humans only; not in the volume).
+ANN_SAVE_NOW_REASON: Final = f"{PREFIX}/save-now-reason"
+#: Pod label and annotation set by the webhook; the label selects the pods the
+#: disruption watcher follows, the annotation (injection format version) makes
+#: re-admission a no-op.
+LABEL_INJECTED: Final = f"{PREFIX}/injected"
+ANN_INJECTED: Final = f"{PREFIX}/injected"
+INJECTION_VERSION: Final = "v1"
+
+#: Annotations on user objects that the operator owns (never copied onto a restart).
+OPERATOR_JOB_ANNOTATIONS: Final = frozenset(
+    {
+        ANN_RESTARTED_AS,
+        ANN_RESTART_DECISION,
+        ANN_STATUS,
+        ANN_RESTART_COUNT,
+        ANN_RESUME_FROM,
+        ANN_RESUME_STEP,
+        ANN_POISONED,
+        ANN_RESTART_OF,
+    }
+)
+#: kopf's own bookkeeping annotations use this prefix (configured in main.py).
+KOPF_PREFIX: Final = f"operator.{PREFIX}"
+
+# --------------------------------------------------------------------------- Kubeflow
+PYTORCHJOB_GROUP: Final = "kubeflow.org"
+PYTORCHJOB_VERSION: Final = "v1"
+PYTORCHJOB_PLURAL: Final = "pytorchjobs"
+PYTORCHJOB_KIND: Final = "PyTorchJob"
+#: Label the training-operator puts on every pod of a job (value: the job name).
+LABEL_TO_JOB_NAME: Final = "training.kubeflow.org/job-name"
+LABEL_TO_REPLICA_TYPE: Final = "training.kubeflow.org/replica-type"
+LABEL_TO_REPLICA_INDEX: Final = "training.kubeflow.org/replica-index"
+
+# --------------------------------------------------------------------------- injected pod layout
+VOL_CONFIG: Final = "ckpt-config"
+VOL_SHM: Final = "ckpt-shm"
+VOL_SIGNAL: Final = "ckpt-signal"
+VOL_WORK: Final = "ckpt-work"
+VOL_STORAGE: Final = "ckpt-storage"
+INJECTED_VOLUMES: Final = (VOL_CONFIG, VOL_SHM, VOL_SIGNAL, VOL_WORK, VOL_STORAGE)
+
+CONFIG_DIR: Final = "/etc/ckpt"
+CONFIG_KEY: Final = "config.json"
+CONFIG_PATH: Final = f"{CONFIG_DIR}/{CONFIG_KEY}"
+SHM_DIR: Final = "/var/run/ckpt/shm"
+SIGNAL_DIR: Final = "/var/run/ckpt/signal"
+SIGNAL_KEY: Final = "save-now"
+SIGNAL_FILE: Final = f"{SIGNAL_DIR}/{SIGNAL_KEY}"
+WORK_DIR: Final = "/var/run/ckpt/work"
+
+SIDECAR_NAME: Final = "ckpt-agent"
+METRICS_PORT_NAME: Final = "ckpt-metrics"
+SIDECAR_METRICS_PORT_NAME: Final = "ckpt-sc-metrics"
+
+#: S3 credentials env names the agent's StorageOptions read (never the job's own AWS_*).
+ENV_S3_ACCESS_KEY_ID: Final = "CKPT_S3_ACCESS_KEY_ID"
+ENV_S3_SECRET_ACCESS_KEY: Final = "CKPT_S3_SECRET_ACCESS_KEY"
+ENV_S3_ENDPOINT_URL: Final = "CKPT_S3_ENDPOINT_URL"
+ENV_S3_REGION: Final = "CKPT_S3_REGION"
+ENV_S3_PATH_STYLE: Final = "CKPT_S3_PATH_STYLE"
+ENV_S3_SSE: Final = "CKPT_S3_SSE"
+ENV_S3_KMS_KEY_ID: Final = "CKPT_S3_KMS_KEY_ID"
+
+# --------------------------------------------------------------------------- webhooks
+#: kopf serves each admission handler at ``/<handler id>``; the chart points there.
+WEBHOOK_INJECT_ID: Final = "inject-pods"
+WEBHOOK_VALIDATE_ID: Final = "validate-policy"

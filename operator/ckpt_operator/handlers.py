@@ -1,0 +1,242 @@
+"""kopf handlers: thin glue from kopf's callbacks to :mod:`ckpt_operator.service`.
+
+:func:`register` wires them onto a registry (``main.py`` uses a fresh one;
+tests do the same). The shared state travels in kopf's ``memo`` as a
+:class:`Runtime` under the key ``"ckpt"``.
+
+==========================  ==================================================================
+CheckpointPolicy            create/update/resume → validate, ``Ready`` + ``observedGeneration``,
+                            publish the agent ConfigMap; every watch event feeds the retention
+                            loop (each policy at its own interval); validating webhook
+                            ``validate-policy`` (field-level messages)
+PyTorchJob (opted in)       every watch event → bookkeeping (run id, missing policy) and, when
+                            Failed, the recovery scheduler (plan → Events → recreate)
+Pod (mutating webhook)      ``inject-pods``: CREATE of training-operator pods → JSON Patch
+Pod (injected, events)      DisruptionTarget / deletion → ``ckpt.dev/save-now``
+Node (events)               cordon / going-away taint → ``ckpt.dev/save-now`` on its pods
+probe                       liveness details (loops, tracked policies, active recoveries)
+==========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, cast
+
+import kopf
+
+from ckpt_operator import constants as c
+from ckpt_operator.jsonpatch import JSONPatchOp, apply_patch_in_place
+from ckpt_operator.loops import RecoveryScheduler, RetentionLoop
+from ckpt_operator.service import (
+    Deps,
+    inject_pod,
+    observe_job,
+    reconcile_policy,
+    reconcile_retention,
+    recover_job,
+    signal_node,
+    signal_pod,
+    validate_policy,
+)
+
+__all__ = ["Runtime", "make_runtime", "register"]
+
+POLICY = ("ckpt.dev", "v1alpha1", "checkpointpolicies")
+PYTORCHJOB = (c.PYTORCHJOB_GROUP, c.PYTORCHJOB_VERSION, c.PYTORCHJOB_PLURAL)
+MEMO_KEY = "ckpt"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """The operator's shared state (in kopf's memo)."""
+
+    deps: Deps
+    recovery: RecoveryScheduler
+    retention: RetentionLoop
+
+
+def make_runtime(deps: Deps) -> Runtime:
+    async def recover(job: dict[str, Any]) -> float | None:
+        return await recover_job(deps, job)
+
+    async def reconcile(policy: dict[str, Any]) -> object:
+        return await reconcile_retention(deps, policy)
+
+    return Runtime(
+        deps=deps,
+        recovery=RecoveryScheduler(
+            deps.api.get_job, recover, error_backoff_s=deps.config.recovery.error_backoff_s
+        ),
+        retention=RetentionLoop(reconcile, clock=deps.clock, tick_s=deps.config.retention.tick_s),
+    )
+
+
+def _rt(memo: Any) -> Runtime:
+    return cast(Runtime, memo[MEMO_KEY])
+
+
+def _raw(body: Any) -> dict[str, Any]:
+    return dict(body)
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+async def on_startup(memo: kopf.Memo, **_: Any) -> None:
+    rt = _rt(memo)
+    if rt.deps.config.retention.enabled:
+        rt.retention.start()
+
+
+async def on_cleanup(memo: kopf.Memo, **_: Any) -> None:
+    rt = _rt(memo)
+    await rt.retention.stop()
+    await rt.recovery.stop()
+
+
+def on_probe(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
+    rt = _rt(memo)
+    return {
+        "policies": len(rt.retention.policies),
+        "retentionPasses": rt.retention.passes,
+        "retentionLastError": rt.retention.last_error,
+        "activeRecoveries": len(rt.recovery.active),
+    }
+
+
+# --------------------------------------------------------------------------- policies
+
+
+async def on_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    rt = _rt(memo)
+    status = await reconcile_policy(rt.deps, _raw(body))
+    patch.status.update(status)
+    rt.retention.upsert(_raw(body))
+
+
+async def on_policy_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    rt = _rt(memo)
+    meta = body.get("metadata") or {}
+    if type == "DELETED":
+        rt.retention.remove(str(meta.get("namespace")), str(meta.get("name")))
+    else:
+        rt.retention.upsert(_raw(body))
+
+
+def on_validate_policy(spec: kopf.Spec, **_: Any) -> None:
+    errors = validate_policy(dict(spec))
+    if errors:
+        raise kopf.AdmissionError("invalid CheckpointPolicy: " + "; ".join(errors), code=422)
+
+
+# --------------------------------------------------------------------------- pods: injection
+
+
+def _apply(ops: list[JSONPatchOp], body: Any) -> None:
+    apply_patch_in_place(cast(dict[str, Any], body), ops)
+
+
+async def on_mutate_pod(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    warnings: list[str],
+    dryrun: bool = False,
+    **_: Any,
+) -> None:
+    pod = _raw(body)
+    namespace = str((pod.get("metadata") or {}).get("namespace") or "")
+    deps = _rt(memo).deps
+    try:
+        outcome = await inject_pod(deps, pod, namespace, dryrun=dryrun)
+    except Exception as e:
+        # An answer of "not allowed" would block the pod whatever the failurePolicy says:
+        # a failure here admits the pod unchanged, like an unreachable webhook would.
+        log.exception("injection into a pod in %s failed; admitting it unchanged", namespace)
+        deps.metrics.injections.labels("error").inc()
+        warnings.append(f"ckpt-operator: checkpoint agent not injected: {e}")
+        return
+    warnings.extend(outcome.warnings)
+    if outcome.ops:
+        patch.fns.append(functools.partial(_apply, outcome.ops))
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+async def on_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    rt = _rt(memo)
+    job = _raw(body)
+    meta = job.get("metadata") or {}
+    ns, name = str(meta.get("namespace")), str(meta.get("name"))
+    if type == "DELETED":
+        rt.recovery.cancel(ns, name)
+        return
+    if await observe_job(rt.deps, job):
+        rt.recovery.schedule(ns, name)
+
+
+# --------------------------------------------------------------------------- disruption
+
+
+async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    if type == "DELETED":
+        return
+    await signal_pod(_rt(memo).deps, _raw(body))
+
+
+async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    deps = _rt(memo).deps
+    if type == "DELETED":
+        deps.node_signals.pop(str((body.get("metadata") or {}).get("name")), None)
+        return
+    await signal_node(deps, _raw(body))
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def register(registry: kopf.OperatorRegistry, *, webhooks: bool = True) -> kopf.OperatorRegistry:
+    """Register every handler on ``registry`` (``webhooks=False``: no admission handlers)."""
+    kopf.on.startup(registry=registry)(on_startup)
+    kopf.on.cleanup(registry=registry)(on_cleanup)
+    kopf.on.probe(id="ckpt", registry=registry)(on_probe)
+
+    for decorator in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        decorator(*POLICY, registry=registry, id="reconcile")(on_policy)
+    kopf.on.event(*POLICY, registry=registry, id="track")(on_policy_event)
+
+    kopf.on.event(
+        *PYTORCHJOB,
+        annotations={c.ANN_POLICY: kopf.PRESENT},
+        registry=registry,
+        id="job",
+    )(on_job_event)
+    kopf.on.event(
+        "v1", "pods", labels={c.LABEL_INJECTED: "true"}, registry=registry, id="disruption"
+    )(on_pod_event)
+    kopf.on.event("v1", "nodes", registry=registry, id="drain")(on_node_event)
+
+    if webhooks:
+        kopf.on.mutate(
+            "v1",
+            "pods",
+            id=c.WEBHOOK_INJECT_ID,
+            operations=["CREATE"],
+            side_effects=True,
+            ignore_failures=True,
+            labels={c.LABEL_TO_JOB_NAME: kopf.PRESENT},
+            registry=registry,
+        )(on_mutate_pod)
+        kopf.on.validate(
+            *POLICY,
+            id=c.WEBHOOK_VALIDATE_ID,
+            operations=["CREATE", "UPDATE"],
+            registry=registry,
+        )(on_validate_policy)
+    return registry

@@ -1,0 +1,265 @@
+"""The Kubernetes API, as the handlers use it (the only module that talks to it directly).
+
+:class:`KubeApi` is the interface (unit tests use a fake); :class:`KubernetesApi`
+implements it with the official ``kubernetes`` client, run in worker threads.
+Objects go in and out as the raw JSON dicts the API server speaks, so the
+builders see exactly what a real server returns. HTTP errors are mapped once,
+here: 404 → ``None`` or :class:`NotFoundError`, 409 → :class:`ConflictError`, the rest
+→ :class:`ApiError` (with the status).
+
+kopf talks to the API server on its own (watches, status patches of the
+objects it handles, Events); this client covers the rest: reading the job and
+the policy from the webhook, creating restarts, signalling pods, publishing
+the policy's ConfigMap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol, cast
+
+from ckpt_operator import constants as c
+
+__all__ = ["ApiError", "ConflictError", "KubeApi", "KubernetesApi", "NotFoundError"]
+
+Obj = dict[str, Any]
+
+POLICY_GROUP = "ckpt.dev"
+POLICY_VERSION = "v1alpha1"
+POLICY_PLURAL = "checkpointpolicies"
+
+
+class ApiError(Exception):
+    """An API call failed; ``status`` is the HTTP status (0: no response)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class NotFoundError(ApiError):
+    pass
+
+
+class ConflictError(ApiError):
+    pass
+
+
+class KubeApi(Protocol):
+    """The calls the handlers make (all async, all raw JSON)."""
+
+    async def get_job(self, namespace: str, name: str) -> Obj | None: ...
+
+    async def list_jobs(self, namespace: str) -> list[Obj]: ...
+
+    async def create_job(self, namespace: str, body: Obj) -> Obj:
+        """Raises :class:`ConflictError` when a job of that name exists."""
+        ...
+
+    async def patch_job_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None: ...
+
+    async def get_policy(self, namespace: str, name: str) -> Obj | None: ...
+
+    async def patch_policy_status(self, namespace: str, name: str, status: Obj) -> None: ...
+
+    async def apply_config_map(self, body: Obj) -> None:
+        """Create, or replace the data of, a ConfigMap."""
+        ...
+
+    async def list_pods(self, *, node_name: str | None, label_selector: str) -> list[Obj]: ...
+
+    async def patch_pod(self, namespace: str, name: str, patch: Obj) -> None: ...
+
+    async def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """Decoded ``data`` of a Secret (None when missing)."""
+        ...
+
+
+def _error(exc: Exception) -> ApiError:
+    status = int(getattr(exc, "status", 0) or 0)
+    reason = str(getattr(exc, "reason", "") or exc)
+    body = getattr(exc, "body", None)
+    if body:
+        try:
+            reason = str(json.loads(body).get("message") or reason)
+        except (ValueError, AttributeError):
+            pass
+    if status == 404:
+        return NotFoundError(status, reason)
+    if status == 409:
+        return ConflictError(status, reason)
+    return ApiError(status, reason)
+
+
+class KubernetesApi:
+    """:class:`KubeApi` over the official client (blocking calls in threads)."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client
+
+        self._client = api_client
+        self._custom = client.CustomObjectsApi(api_client)
+        self._core = client.CoreV1Api(api_client)
+
+    @classmethod
+    def from_environment(cls) -> KubernetesApi:
+        """In-cluster service account, else ``$KUBECONFIG`` / ``~/.kube/config``."""
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]
+        return cls(client.ApiClient())
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except ApiException as e:
+            raise _error(e) from None
+
+    async def _raw(self, fn: Any, *args: Any, **kwargs: Any) -> Obj:
+        resp = await self._call(fn, *args, _preload_content=False, **kwargs)
+        return cast(Obj, json.loads(resp.data))
+
+    # ------------------------------------------------------------------ PyTorchJobs
+    async def get_job(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return cast(
+                Obj,
+                await self._call(
+                    self._custom.get_namespaced_custom_object,
+                    c.PYTORCHJOB_GROUP,
+                    c.PYTORCHJOB_VERSION,
+                    namespace,
+                    c.PYTORCHJOB_PLURAL,
+                    name,
+                ),
+            )
+        except NotFoundError:
+            return None
+
+    async def list_jobs(self, namespace: str) -> list[Obj]:
+        items: list[Obj] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"limit": 500}
+            if token:
+                kwargs["_continue"] = token
+            page = cast(
+                Obj,
+                await self._call(
+                    self._custom.list_namespaced_custom_object,
+                    c.PYTORCHJOB_GROUP,
+                    c.PYTORCHJOB_VERSION,
+                    namespace,
+                    c.PYTORCHJOB_PLURAL,
+                    **kwargs,
+                ),
+            )
+            items += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
+    async def create_job(self, namespace: str, body: Obj) -> Obj:
+        return cast(
+            Obj,
+            await self._call(
+                self._custom.create_namespaced_custom_object,
+                c.PYTORCHJOB_GROUP,
+                c.PYTORCHJOB_VERSION,
+                namespace,
+                c.PYTORCHJOB_PLURAL,
+                body,
+            ),
+        )
+
+    async def patch_job_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None:
+        await self._call(
+            self._custom.patch_namespaced_custom_object,
+            c.PYTORCHJOB_GROUP,
+            c.PYTORCHJOB_VERSION,
+            namespace,
+            c.PYTORCHJOB_PLURAL,
+            name,
+            {"metadata": {"annotations": dict(annotations)}},
+        )
+
+    # ------------------------------------------------------------------ policies
+    async def get_policy(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return cast(
+                Obj,
+                await self._call(
+                    self._custom.get_namespaced_custom_object,
+                    POLICY_GROUP,
+                    POLICY_VERSION,
+                    namespace,
+                    POLICY_PLURAL,
+                    name,
+                ),
+            )
+        except NotFoundError:
+            return None
+
+    async def patch_policy_status(self, namespace: str, name: str, status: Obj) -> None:
+        await self._call(
+            self._custom.patch_namespaced_custom_object_status,
+            POLICY_GROUP,
+            POLICY_VERSION,
+            namespace,
+            POLICY_PLURAL,
+            name,
+            {"status": status},
+        )
+
+    # ------------------------------------------------------------------ core
+    async def apply_config_map(self, body: Obj) -> None:
+        meta = body["metadata"]
+        try:
+            await self._call(self._core.create_namespaced_config_map, meta["namespace"], body)
+        except ConflictError:
+            await self._call(
+                self._core.patch_namespaced_config_map,
+                meta["name"],
+                meta["namespace"],
+                {"metadata": {"labels": meta.get("labels", {})}, "data": body["data"]},
+            )
+
+    async def list_pods(self, *, node_name: str | None, label_selector: str) -> list[Obj]:
+        items: list[Obj] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"label_selector": label_selector, "limit": 500}
+            if node_name:
+                kwargs["field_selector"] = f"spec.nodeName={node_name}"
+            if token:
+                kwargs["_continue"] = token
+            page = await self._raw(self._core.list_pod_for_all_namespaces, **kwargs)
+            items += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
+    async def patch_pod(self, namespace: str, name: str, patch: Obj) -> None:
+        await self._call(self._core.patch_namespaced_pod, name, namespace, patch)
+
+    async def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            secret = await self._raw(self._core.read_namespaced_secret, name, namespace)
+        except NotFoundError:
+            return None
+        return {
+            str(k): base64.b64decode(v).decode("utf-8")
+            for k, v in (secret.get("data") or {}).items()
+        }

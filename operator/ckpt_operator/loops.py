@@ -1,0 +1,187 @@
+"""Background work without finalizers: the recovery scheduler and the retention loop.
+
+kopf daemons and timers put a finalizer on every object they run for; on a
+user's PyTorchJob (or on policies when the chart is uninstalled) a finalizer
+left behind by a stopped operator blocks deletion. These two small loops are
+fed by kopf's watch events instead (``on.event``: no finalizer, no
+annotations) and keep no state that matters: after an operator restart the
+initial listing re-feeds them, and every step they take is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_agent.policy import RetentionSpec
+
+__all__ = ["RecoveryScheduler", "RetentionLoop"]
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+Key = tuple[str, str]
+
+#: Upper bound of the error backoff.
+MAX_ERROR_BACKOFF_S = 600.0
+
+
+class RecoveryScheduler:
+    """At most one recovery task per job; each re-reads the job before every attempt.
+
+    ``fetch(namespace, name)`` returns the current job (None when deleted);
+    ``recover(job)`` returns seconds until the next attempt, or None when done.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[str, str], Awaitable[Obj | None]],
+        recover: Callable[[Obj], Awaitable[float | None]],
+        *,
+        error_backoff_s: float = 15.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._fetch = fetch
+        self._recover = recover
+        self._error_backoff_s = error_backoff_s
+        self._sleep = sleep
+        self._tasks: dict[Key, asyncio.Task[None]] = {}
+
+    @property
+    def active(self) -> frozenset[Key]:
+        return frozenset(k for k, t in self._tasks.items() if not t.done())
+
+    def schedule(self, namespace: str, name: str) -> bool:
+        """Start handling the job unless it is already being handled; True when started."""
+        key = (namespace, name)
+        task = self._tasks.get(key)
+        if task is not None and not task.done():
+            return False
+        self._tasks[key] = asyncio.create_task(self._run(key), name=f"recover {namespace}/{name}")
+        return True
+
+    def cancel(self, namespace: str, name: str) -> None:
+        task = self._tasks.pop((namespace, name), None)
+        if task is not None:
+            task.cancel()
+
+    async def _run(self, key: Key) -> None:
+        backoff = self._error_backoff_s
+        while True:
+            try:
+                job = await self._fetch(*key)
+                if job is None:
+                    return
+                delay = await self._recover(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("recovery of %s/%s failed; retrying in %.0fs", *key, backoff)
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, MAX_ERROR_BACKOFF_S)
+                continue
+            if delay is None:
+                return
+            backoff = self._error_backoff_s
+            await self._sleep(max(delay, 0.5))
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+@dataclass
+class _Entry:
+    body: Obj
+    due: float
+
+
+class RetentionLoop:
+    """Runs ``reconcile(policy)`` for each known policy every ``reconcileIntervalSeconds``."""
+
+    def __init__(
+        self,
+        reconcile: Callable[[Obj], Awaitable[object]],
+        *,
+        clock: Callable[[], float],
+        tick_s: float = 10.0,
+    ) -> None:
+        self._reconcile = reconcile
+        self._clock = clock
+        self._tick_s = tick_s
+        self._policies: dict[Key, _Entry] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.passes = 0
+        self.last_error: str | None = None
+
+    @staticmethod
+    def interval_of(body: Mapping[str, Any]) -> float:
+        raw = ((body.get("spec") or {}).get("retention") or {}).get("reconcileIntervalSeconds")
+        try:
+            return (
+                float(raw) if raw is not None else float(RetentionSpec().reconcile_interval_seconds)
+            )
+        except (TypeError, ValueError):
+            return float(RetentionSpec().reconcile_interval_seconds)
+
+    def upsert(self, body: Obj) -> None:
+        """Track a policy (new ones run on the next tick; updates keep their schedule)."""
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        entry = self._policies.get(key)
+        if entry is None:
+            self._policies[key] = _Entry(body, self._clock())
+        else:
+            entry.body = body
+
+    def remove(self, namespace: str, name: str) -> None:
+        self._policies.pop((namespace, name), None)
+
+    @property
+    def policies(self) -> frozenset[Key]:
+        return frozenset(self._policies)
+
+    async def run_due(self) -> int:
+        """Reconcile every policy that is due; returns how many ran."""
+        now = self._clock()
+        n = 0
+        for key, entry in list(self._policies.items()):
+            if entry.due > now:
+                continue
+            entry.due = now + self.interval_of(entry.body)
+            try:
+                await self._reconcile(entry.body)
+                self.last_error = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.last_error = f"{key[0]}/{key[1]}: {e}"
+                log.exception("retention of %s/%s failed", *key)
+            n += 1
+        self.passes += 1
+        return n
+
+    async def _forever(self) -> None:
+        while True:
+            await self.run_due()
+            await asyncio.sleep(self._tick_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._forever(), name="retention loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

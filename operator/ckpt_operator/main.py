@@ -1,0 +1,106 @@
+"""``ckpt-operator``: run the operator (kopf) with the settings from flags/env.
+
+See ``ckpt-operator --help`` and ``docs/operator.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import kopf
+
+from ckpt_operator import constants as c
+from ckpt_operator.certs import write_webhook_certs
+from ckpt_operator.config import OperatorConfig, parse_config
+from ckpt_operator.events import KopfEvents
+from ckpt_operator.handlers import MEMO_KEY, make_runtime, register
+from ckpt_operator.kube import KubernetesApi
+from ckpt_operator.metrics import Metrics
+from ckpt_operator.service import Deps
+from ckpt_operator.sources import StorageSourceFactory
+from ckpt_operator.webhook import InstrumentedWebhookServer
+
+__all__ = ["build_settings", "main", "webhook_server"]
+
+log = logging.getLogger("ckpt_operator")
+
+
+def webhook_server(cfg: OperatorConfig, metrics: Metrics) -> InstrumentedWebhookServer:
+    """The HTTPS admission server: certificate files from ``cert_dir``, or generated now."""
+    w = cfg.webhook
+    if w.cert_dir is not None:
+        cert_dir = w.cert_dir
+    else:
+        cert_dir = Path(tempfile.mkdtemp(prefix="ckpt-webhook-"))
+        sans = [s for s in (w.host, "localhost", "127.0.0.1", *w.extra_sans) if s]
+        if w.listen not in ("0.0.0.0", "::"):
+            sans.append(w.listen)
+        write_webhook_certs(cert_dir, sans)
+        log.info("generated a webhook certificate for %s in %s", ", ".join(sans), cert_dir)
+    ca = cert_dir / "ca.crt"
+    return InstrumentedWebhookServer(
+        metrics=metrics,
+        addr=w.listen,
+        port=w.port,
+        host=w.host,
+        certfile=cert_dir / "tls.crt",
+        pkeyfile=cert_dir / "tls.key",
+        cafile=ca if ca.exists() else None,
+    )
+
+
+def build_settings(cfg: OperatorConfig, metrics: Metrics) -> kopf.OperatorSettings:
+    """kopf settings: our annotation prefix, quiet Event posting, the webhook server."""
+    settings = kopf.OperatorSettings()
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.KOPF_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{c.KOPF_PREFIX}/finalizer"
+    # Our own Events say what happened; kopf's per-handler "succeeded" Events would be noise.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 600
+    settings.watching.client_timeout = 660
+    if cfg.webhook.enabled:
+        settings.admission.server = webhook_server(cfg, metrics)
+        settings.admission.managed = cfg.webhook.managed
+    return settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    kopf.configure(
+        verbose=cfg.verbose,
+        log_format=kopf.LogFormat.JSON if cfg.log_format == "json" else kopf.LogFormat.PLAIN,
+    )
+    api = KubernetesApi.from_environment()
+    metrics = Metrics()
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port)
+    sources = StorageSourceFactory(
+        api.get_secret_data,
+        read_secrets=cfg.read_storage_secrets,
+        gc_grace_s=cfg.retention.gc_grace_s,
+    )
+    deps = Deps(api=api, events=KopfEvents(), metrics=metrics, sources=sources, config=cfg)
+    registry = register(kopf.OperatorRegistry(), webhooks=cfg.webhook.enabled)
+    try:
+        kopf.run(
+            registry=registry,
+            settings=build_settings(cfg, metrics),
+            standalone=cfg.standalone,
+            clusterwide=not cfg.namespaces,
+            namespaces=list(cfg.namespaces),
+            liveness_endpoint=cfg.liveness,
+            memo=kopf.Memo({MEMO_KEY: make_runtime(deps)}),
+        )
+    finally:
+        sources.close()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,417 @@
+"""The Helm chart: `helm lint`, `helm template`, and the rendered objects that matter.
+
+Needs the `helm` binary: ``$HELM``, ``helm`` on PATH, or the one built by
+``e2e/build-tools.sh helm`` (``$CKPT_TOOLS_CACHE``, default
+``~/.cache/ckpt-operator/tools/helm-*/helm``). The tests skip, saying so, only
+when none exists; the project's test command builds it first.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cryptography import x509
+
+from ckpt_operator import constants as c
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ckpt-operator"
+NS = "ckpt-system"
+RELEASE = "ckpt"
+
+
+def find_helm() -> str | None:
+    explicit = os.environ.get("HELM")
+    if explicit:
+        return explicit
+    on_path = shutil.which("helm")
+    if on_path:
+        return on_path
+    cache = Path(os.environ.get("CKPT_TOOLS_CACHE", Path.home() / ".cache/ckpt-operator/tools"))
+    built = sorted(
+        (
+            p / "helm"
+            for p in cache.glob("helm-*")
+            if (p / ".complete").exists() and (p / "helm").exists()
+        ),
+        key=lambda p: p.stat().st_mtime,
+    )
+    return str(built[-1]) if built else None
+
+
+HELM = find_helm()
+pytestmark = pytest.mark.skipif(
+    HELM is None,
+    reason="helm binary not found ($HELM, PATH, or e2e/build-tools.sh helm): chart not checked",
+)
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": "/tmp/ckpt-helm/cache",
+        "HELM_CONFIG_HOME": "/tmp/ckpt-helm/config",
+        "HELM_DATA_HOME": "/tmp/ckpt-helm/data",
+    }
+    return subprocess.run(
+        [HELM, *args], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+Rendered = dict[tuple[str, str], dict[str, Any]]
+
+
+def render(*sets: str) -> Rendered:
+    args = ["template", RELEASE, str(CHART), "--namespace", NS]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    objs: Rendered = {}
+    for d in docs:
+        key = (d["kind"], d["metadata"]["name"])
+        assert key not in objs, f"duplicate {key}"
+        objs[key] = d
+    return objs
+
+
+@pytest.fixture(scope="module")
+def default() -> Rendered:
+    return render()
+
+
+def only(objs: Rendered, kind: str) -> dict[str, Any]:
+    found = [o for (k, _), o in objs.items() if k == kind]
+    assert len(found) == 1, f"{kind}: {len(found)} objects"
+    return found[0]
+
+
+def kinds(objs: Rendered) -> set[str]:
+    return {k for k, _ in objs}
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ("webhook.certificate.source=certManager",),
+        (
+            "webhook.certificate.source=secret",
+            "webhook.certificate.secret.name=my-tls",
+            "webhook.certificate.secret.caBundle=Zm9v",
+        ),
+        (
+            "metrics.serviceMonitor.enabled=true",
+            "metrics.prometheusRule.enabled=true",
+            "dashboard.enabled=true",
+        ),
+        ("webhook.enabled=false", "rbac.readStorageSecrets=false", "crds.enabled=false"),
+    ],
+    ids=["default", "cert-manager", "own-secret", "monitoring", "minimal"],
+)
+def test_lint(sets: tuple[str, ...]) -> None:
+    args = ["lint", str(CHART), "--strict", "--namespace", NS]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_default_render_has_the_expected_objects(default: Rendered) -> None:
+    assert kinds(default) == {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Service",
+        "Secret",
+        "MutatingWebhookConfiguration",
+        "ValidatingWebhookConfiguration",
+        "CustomResourceDefinition",
+    }
+    for obj in default.values():
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "ckpt-operator"
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["helm.sh/chart"] == "ckpt-operator-0.1.0"
+
+
+def test_deployment_is_hardened(default: Rendered) -> None:
+    dep = only(default, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    (ctr,) = pod["containers"]
+    sc = ctr["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert ctr["resources"]["requests"]["cpu"] and ctr["resources"]["requests"]["memory"]
+    assert ctr["resources"]["limits"]["memory"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert ctr[probe]["httpGet"] == {"path": "/healthz", "port": "probes"}
+    ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
+    assert ports == {"probes": 8080, "metrics": 9090, "webhook": 9443}
+    assert "--liveness=http://0.0.0.0:8080/healthz" in ctr["args"]
+    assert "--webhook-cert-dir=/etc/ckpt-operator/tls" in ctr["args"]
+    assert "--agent-image=ghcr.io/ckpt-operator/ckpt-agent:0.1.0" in ctr["args"]
+    assert ctr["image"] == "ghcr.io/ckpt-operator/ckpt-operator:0.1.0"
+    mounts = {m["name"]: m["mountPath"] for m in ctr["volumeMounts"]}
+    assert mounts == {"tmp": "/tmp", "webhook-tls": "/etc/ckpt-operator/tls"}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["webhook-tls"]["secret"]["secretName"] == "ckpt-ckpt-operator-webhook-tls"
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert pod["serviceAccountName"] == "ckpt-ckpt-operator"
+
+
+def rules(objs: Rendered) -> set[tuple[str, str, tuple[str, ...]]]:
+    role = only(objs, "ClusterRole")
+    out = set()
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.add((group, res, tuple(sorted(rule["verbs"]))))
+    return out
+
+
+def test_rbac_is_least_privilege(default: Rendered) -> None:
+    assert rules(default) == {
+        ("kubeflow.org", "pytorchjobs", ("create", "get", "list", "patch", "watch")),
+        ("ckpt.dev", "checkpointpolicies", ("get", "list", "patch", "watch")),
+        ("ckpt.dev", "checkpointpolicies/status", ("get", "patch")),
+        ("", "pods", ("get", "list", "patch", "watch")),
+        ("", "nodes", ("get", "list", "watch")),
+        ("", "configmaps", ("create", "get", "patch")),
+        ("", "events", ("create",)),
+        ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
+        ("", "secrets", ("get",)),
+    }
+    text = json.dumps(only(default, "ClusterRole"))
+    assert '"*"' not in text
+    for verb in ("delete", "deletecollection", "update", "escalate", "bind", "impersonate"):
+        assert f'"{verb}"' not in text
+    binding = only(default, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == "ckpt-ckpt-operator"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ckpt-ckpt-operator", "namespace": NS}
+    ]
+
+
+def test_rbac_options() -> None:
+    objs = render("rbac.readStorageSecrets=false", "watchNamespaces.team-a=true")
+    granted = {(g, r) for g, r, _ in rules(objs)}
+    assert ("", "secrets") not in granted and ("", "namespaces") in granted
+    args = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--read-storage-secrets=false" in args
+
+
+def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> None:
+    mutating = only(default, "MutatingWebhookConfiguration")
+    (hook,) = mutating["webhooks"]
+    assert hook["failurePolicy"] == "Ignore"
+    assert hook["sideEffects"] == "NoneOnDryRun"
+    assert hook["admissionReviewVersions"] == ["v1"]
+    assert hook["timeoutSeconds"] == 5
+    assert hook["rules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "resources": ["pods"],
+            "operations": ["CREATE"],
+            "scope": "Namespaced",
+        }
+    ]
+    assert hook["objectSelector"] == {
+        "matchExpressions": [{"key": c.LABEL_TO_JOB_NAME, "operator": "Exists"}]
+    }
+    (expr,) = hook["namespaceSelector"]["matchExpressions"]
+    assert expr["operator"] == "NotIn" and "kube-system" in expr["values"]
+    svc = hook["clientConfig"]["service"]
+    assert svc == {
+        "name": "ckpt-ckpt-operator-webhook",
+        "namespace": NS,
+        "path": f"/{c.WEBHOOK_INJECT_ID}",
+        "port": 443,
+    }
+
+    validating = only(default, "ValidatingWebhookConfiguration")
+    (vhook,) = validating["webhooks"]
+    assert vhook["failurePolicy"] == "Fail" and vhook["sideEffects"] == "None"
+    assert vhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_VALIDATE_ID}"
+    assert vhook["rules"][0]["resources"] == ["checkpointpolicies"]
+    assert set(vhook["rules"][0]["operations"]) == {"CREATE", "UPDATE"}
+
+    service = default[("Service", "ckpt-ckpt-operator-webhook")]
+    assert service["spec"]["ports"] == [
+        {"name": "https", "port": 443, "targetPort": "webhook", "protocol": "TCP"}
+    ]
+    # one CA for both configurations and the mounted Secret; the serving cert chains to it
+    secret = only(default, "Secret")
+    assert secret["type"] == "kubernetes.io/tls"
+    assert (
+        hook["clientConfig"]["caBundle"]
+        == vhook["clientConfig"]["caBundle"]
+        == secret["data"]["ca.crt"]
+    )
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert f"ckpt-ckpt-operator-webhook.{NS}.svc" in sans.get_values_for_type(x509.DNSName)
+    annotations = only(default, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/webhook-cert" in annotations
+
+
+def test_cert_manager_mode() -> None:
+    objs = render("webhook.certificate.source=certManager")
+    assert {"Certificate", "Issuer"} <= kinds(objs) and "Secret" not in kinds(objs)
+    cert = only(objs, "Certificate")
+    assert cert["spec"]["secretName"] == "ckpt-ckpt-operator-webhook-tls"
+    assert f"ckpt-ckpt-operator-webhook.{NS}.svc" in cert["spec"]["dnsNames"]
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        conf = only(objs, kind)
+        assert conf["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+            f"{NS}/ckpt-ckpt-operator-webhook"
+        )
+        assert "caBundle" not in conf["webhooks"][0]["clientConfig"]
+    issuer_ref = render(
+        "webhook.certificate.source=certManager",
+        "webhook.certificate.certManager.issuerRef.name=corp-ca",
+        "webhook.certificate.certManager.issuerRef.kind=ClusterIssuer",
+    )
+    assert "Issuer" not in kinds(issuer_ref)
+    assert only(issuer_ref, "Certificate")["spec"]["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+    }
+
+
+def test_own_secret_mode_requires_its_ca() -> None:
+    out = helm(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--set",
+        "webhook.certificate.source=secret",
+        "--set",
+        "webhook.certificate.secret.name=my-tls",
+    )
+    assert out.returncode != 0 and "caBundle is required" in out.stderr
+
+
+def test_crd_options(default: Rendered) -> None:
+    crd = only(default, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "checkpointpolicies.ckpt.dev"
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert crd["metadata"]["labels"]["app.kubernetes.io/part-of"] == "ckpt-operator"
+    assert (
+        "annotations" not in only(render("crds.keep=false"), "CustomResourceDefinition")["metadata"]
+    )
+    assert "CustomResourceDefinition" not in kinds(render("crds.enabled=false"))
+
+
+def test_monitoring_objects() -> None:
+    objs = render(
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.prometheusRule.enabled=true",
+        "dashboard.enabled=true",
+    )
+    sm = only(objs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    metrics_svc = objs[("Service", "ckpt-ckpt-operator-metrics")]
+    assert (
+        sm["spec"]["selector"]["matchLabels"].items() <= metrics_svc["metadata"]["labels"].items()
+    )
+    rule = only(objs, "PrometheusRule")["spec"]["groups"][0]["rules"][0]
+    assert rule["alert"] == "CkptRecoverySuccessRateLow" and rule["for"] == "5m"
+    assert 'ckpt_operator_recoveries_total{result="success"}' in rule["expr"]
+    assert rule["expr"].strip().endswith("< 0.98")
+    dash = only(objs, "ConfigMap")
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(dash["data"]["ckpt-operator.json"])
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p["targets"])
+    for metric in (
+        "ckpt_operator_restarts_total",
+        "ckpt_operator_failure_to_restart_seconds_bucket",
+        "ckpt_operator_retention_deletions_total",
+        "ckpt_operator_webhook_duration_seconds_bucket",
+    ):
+        assert metric in exprs
+
+
+def test_webhook_disabled() -> None:
+    objs = render("webhook.enabled=false")
+    assert not {"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "Secret"} & kinds(
+        objs
+    )
+    args = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--webhook=false" in args
+
+
+def test_maps_render_as_lists() -> None:
+    objs = render(
+        "storage.extraVolumes.ckpt.persistentVolumeClaim.claimName=ckpt-pvc",
+        "storage.extraVolumeMounts.ckpt.mountPath=/var/lib/ckpt",
+        "tolerations.gpu.key=nvidia.com/gpu",
+        "tolerations.gpu.operator=Exists",
+        "imagePullSecrets.regcred=true",
+        "operator.extraEnv.AWS_REGION=eu-west-1",
+    )
+    pod = only(objs, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt-pvc"}} in pod["volumes"]
+    assert {"name": "ckpt", "mountPath": "/var/lib/ckpt"} in pod["containers"][0]["volumeMounts"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert {"name": "AWS_REGION", "value": "eu-west-1"} in pod["containers"][0]["env"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "webhook.inject.failurePolicy=Sometimes",
+        "replicaCount=2",
+        "operator.logFormat=xml",
+        "webhook.certificate.source=vault",
+        "unknownTopLevel=1",
+    ],
+)
+def test_schema_rejects_bad_values(bad: str) -> None:
+    out = helm("template", RELEASE, str(CHART), "--set", bad)
+    assert out.returncode != 0
+    assert "values don't meet the specifications of the schema" in out.stderr
+
+
+def _leaves(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        out: list[str] = []
+        for key, value in node.items():
+            out += _leaves(value, f"{prefix}{key}.")
+        return out
+    return [prefix.rstrip(".")]
+
+
+def test_every_value_is_documented() -> None:
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(values) <= set(schema["properties"])
+    documented = set(re.findall(r"^\s*# ([\w.]+) --", text, re.M))
+    missing = []
+    for leaf in _leaves(values):
+        parts = leaf.split(".")
+        if not any(".".join(parts[:n]) in documented for n in range(1, len(parts) + 1)):
+            missing.append(leaf)
+    assert missing == [], f"values.yaml: undocumented values {missing}"
