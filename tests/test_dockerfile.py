@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -52,3 +56,52 @@ def test_dockerignore_keeps_the_context_small() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     for entry in (".git", ".venv", "tests", "e2e"):
         assert entry in ignored
+
+
+@pytest.mark.slow
+def test_operator_image_install_steps_give_a_torch_free_operator(tmp_path: Path) -> None:
+    """Replays the operator stage's install steps (no Docker engine here).
+
+    Same commands as the Dockerfile: build the wheels of ``.[operator]``, install them
+    with ``--no-index`` into a fresh environment, and check that torch and numpy are
+    absent and the entry point starts.
+    """
+    wheels = tmp_path / "wheels"
+    venv = tmp_path / "venv"
+    run = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--wheel-dir",
+            str(wheels),
+            f"{ROOT}[operator]",
+        ]
+    )
+    run([sys.executable, "-m", "venv", str(venv)])
+    py = venv / "bin" / "python"
+    run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            f"--find-links={wheels}",
+            "ckpt-operator[operator]",
+        ]
+    )
+    probe = run(
+        [
+            str(py),
+            "-c",
+            "import importlib.util as u; print([m for m in ('torch', 'numpy') if u.find_spec(m)])",
+        ]
+    )
+    assert probe.stdout.strip() == "[]", probe.stdout
+    helped = run([str(venv / "bin" / "ckpt-operator"), "--help"])
+    assert "usage" in helped.stdout.lower()
