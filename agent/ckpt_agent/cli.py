@@ -10,6 +10,7 @@ imports torch or unpickles anything, so it is safe to point at any storage.
     ckpt recover --manual --step 1200 --dry-run     # show what would be loaded
     ckpt recover --manual --step 1200 --force       # make the next start load it
     ckpt gc      --dry-run
+    ckpt sidecar                                    # the pod's persisting sidecar
 
 ``--storage`` and ``--run-id`` default to ``CKPT_STORAGE_URL`` and
 ``CKPT_RUN_ID``; retention and recovery settings come from the policy
@@ -596,6 +597,27 @@ def gc(
     )
     for w in plan.warnings:
         _say(f"[yellow]warning:[/] {w}")
+
+
+# --------------------------------------------------------------------------- sidecar
+
+
+@app.command(
+    "sidecar",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def sidecar(ctx: typer.Context) -> None:
+    """Persist a run's shared-memory snapshots (the pod's sidecar; flash checkpoints).
+
+    Reads the same environment as the trainer (CKPT_CONFIG, CKPT_SHM_DIR,
+    CKPT_STORAGE_URL, CKPT_RUN_ID, CKPT_METRICS_PORT …); [b]ckpt sidecar --help[/]
+    lists its flags. Serves /metrics, /healthz and /readyz; SIGTERM persists
+    what is pending and exits within the grace period (CKPT_GRACE_S).
+    """
+    from ckpt_agent.sidecar import main as sidecar_main
+
+    raise typer.Exit(sidecar_main(list(ctx.args)))
 
 
 # --------------------------------------------------------------------------- entry points

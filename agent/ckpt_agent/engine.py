@@ -58,12 +58,16 @@ import torch
 from ckpt_agent import jsontree
 from ckpt_agent.catalog import Catalog
 from ckpt_agent.codec import CODEC_NONE
+from ckpt_agent.distributed import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
+from ckpt_agent.distributed import Comm, DecisionAgreement, LocalSignals, TwoPhaseCommit
 from ckpt_agent.fastshuffle import NUMPY_SHUFFLER
+from ckpt_agent.flash import FlashTarget
 from ckpt_agent.housekeeping import ManifestCache, append_audit, apply_retention, gc_blobs, who
 from ckpt_agent.manifest import (
     CheckpointFormatError,
     CheckpointMeta,
     CheckpointNotFoundError,
+    CommitManifest,
     Heartbeat,
     IntegrityError,
     RankManifest,
@@ -71,6 +75,7 @@ from ckpt_agent.manifest import (
     list_checkpoints,
     read_checkpoint,
     read_heartbeat,
+    read_rank_manifest,
     recover_request_key,
     validate_run_id,
     validation_key,
@@ -89,10 +94,12 @@ from ckpt_agent.serialization import (
     load_tensors,
     restore_rng,
 )
+from ckpt_agent.sharded import ShardedSave
 from ckpt_agent.snapshot import (
     BackgroundWorker,
     HeartbeatWriter,
     HostArena,
+    JobError,
     Snapshot,
     take_snapshot,
 )
@@ -179,6 +186,7 @@ class _ValidateJob:
     lightweight: bool
     expected: dict[str, tuple[str, tuple[int, ...]]]
     manifest_hash: str
+    world_size: int = 1
 
 
 @dataclass
@@ -189,6 +197,8 @@ class _Candidate:
     loaded: LoadedState | None = None
     heartbeat: Heartbeat | None = None
     manifest_hash: str = ""
+    own: LoadedState | None = None
+    """This rank's own part (rank > 0 of a multi-rank checkpoint): RNG, data position."""
 
 
 @dataclass
@@ -220,6 +230,20 @@ def _storage_options(config: AgentConfig) -> StorageOptions:
         max_concurrency=s3.max_concurrency,
         max_attempts=s3.max_attempts,
     )
+
+
+def _dist_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _has_dtensors(model: torch.nn.Module) -> bool:
+    from ckpt_agent.sharded import is_dtensor
+
+    return any(is_dtensor(v) for v in model.state_dict().values())
 
 
 def _env_int(name: str) -> int | None:
@@ -256,6 +280,18 @@ class Checkpointer:
             first save stalls no more than the others.
         gc_grace_s: age under which an unreferenced blob is kept by the automatic
             GC (default 0 for a single writer, an hour with several ranks).
+        dist_timeout_s: timeout of the agent's own gloo groups (agreement, two-phase
+            commit): a rank that hangs longer fails the save instead of blocking forever.
+
+    Several ranks (``torch.distributed`` initialized, ``world_size > 1``): every
+    call of :meth:`step`, :meth:`save_now` and :meth:`close` is collective. The
+    save decision is agreed by all ranks, each rank writes its own part (rank 0
+    the shared state, every rank its RNG and data position) and rank 0 publishes
+    ``COMMIT`` only when every part is written and verified (two-phase commit).
+
+    With ``config.shm_dir`` (``CKPT_SHM_DIR``) the snapshot goes to shared memory
+    and a persister process — the pod's sidecar, or a local subprocess started
+    here — writes, validates and records it (flash checkpoints, :mod:`ckpt_agent.flash`).
     """
 
     def __init__(
@@ -278,6 +314,7 @@ class Checkpointer:
         on_persist_error: Literal["raise", "warn"] = "raise",
         preallocate: bool = True,
         gc_grace_s: float | None = None,
+        dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
     ) -> None:
         self.config = config if config is not None else AgentConfig.from_env()
         self.run_id = validate_run_id(self.config.run_id)
@@ -299,7 +336,16 @@ class Checkpointer:
         self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
         if not 0 <= self.rank < max(self.world_size, 1):
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        self.writes = self.rank == 0
+        self.coordinator = self.rank == 0
+        """Rank 0: commits, validates, applies retention, records verdicts."""
+        self.distributed = self.world_size > 1 and _dist_initialized()
+        """Several ranks with torch.distributed: agreed decisions, every rank writes its part,
+        two-phase commit (:mod:`ckpt_agent.distributed`). Without an initialized process
+        group, rank 0 writes the (replicated) state alone."""
+        self.writes = self.coordinator or self.distributed
+        self.sharded = self.distributed and _has_dtensors(model)
+        """FSDP2/DTensor state: every rank writes its own shards, planned by DCP
+        (:mod:`ckpt_agent.sharded`); a resume may use another world size."""
         if backpressure not in ("defer", "wait"):
             raise ValueError("backpressure must be 'defer' or 'wait'")
         self.backpressure = backpressure
@@ -325,7 +371,9 @@ class Checkpointer:
 
         self.metrics = Metrics()
         self.decisions = DecisionLog(self.work_dir / f"decisions.rank{self.rank}.jsonl")
-        self.catalog = Catalog(self.work_dir / "catalog.sqlite")
+        # ranks of one pod share the work dir: one catalog file each (rank 0 keeps the usual name)
+        name = "catalog.sqlite" if self.rank == 0 else f"catalog.rank{self.rank}.sqlite"
+        self.catalog = Catalog(self.work_dir / name)
         self.tensorboard = TensorBoard(self.work_dir / "tensorboard")
         self.scheduler = AdaptiveScheduler(self.config.scheduler, self.config.tiers)
         comp = self.config.compression
@@ -366,6 +414,23 @@ class Checkpointer:
         self._heartbeat: HeartbeatWriter | None = None
         self.storage.on_write_latency = self._on_write_latency
         self._write_latency_ms: float | None = None
+        # multi-rank (ckpt_agent.distributed) and flash checkpoints (ckpt_agent.flash)
+        self.dist_timeout_s = dist_timeout_s
+        self._agreement: DecisionAgreement | None = None
+        self._committer: TwoPhaseCommit | None = None
+        self._control: Comm | None = None
+        self._emergency_flag = False
+        self._weights_from: str | None = None
+        self._flash: FlashTarget | None = None
+        self._flash_errors: list[tuple[str, str]] = []
+        self._flash_pending: dict[int, tuple[Tier, str]] = {}
+        if self.config.shm_dir and self.writes:
+            self._flash = FlashTarget(
+                self.config,
+                self.rank,
+                self.world_size if self.distributed else 1,
+                work_dir=self.work_dir,
+            )
 
     # ================================================================== lifecycle
 
@@ -381,7 +446,14 @@ class Checkpointer:
         self._started = True
         t0 = time.perf_counter()
         try:
-            resume = self._resume_point()
+            if self.distributed:
+                self._setup_distributed()
+            if self._flash is not None:
+                self._flash.flush_previous()  # a dead trainer's last snapshot goes first
+            if self.distributed:
+                resume = self._agreed_resume_point()
+            else:
+                resume = self._shm_resume_point() or self._resume_point()
         except BaseException as e:
             self._event("resume_failed", error=f"{type(e).__name__}: {e}")
             try:
@@ -401,13 +473,16 @@ class Checkpointer:
             rejected=[list(r) for r in resume.rejected],
             seconds=round(time.perf_counter() - t0, 4),
         )
-        if self.writes:
+        if self._flash is not None:
+            self._flash.start()  # the persister (sidecar / subprocess) validates and records
+        elif self.writes:
             self._persister = BackgroundWorker(
                 f"ckpt-persist-{self.rank}",
                 self._persist_job,
                 capacity=1,
                 describe=lambda j: f"persisting {j.snapshot.tier.value} of step {j.snapshot.step}",
             )
+        if self.writes and self.coordinator and self._flash is None:
             self._post = BackgroundWorker(
                 f"ckpt-validate-{self.rank}",
                 self._validate_job,
@@ -421,8 +496,15 @@ class Checkpointer:
             except (CheckpointFormatError, StorageError):
                 ring = []
             self._heartbeat.seed(ring, resume.step - 1)
-        if self.preallocate and self.writes:
-            self._warm_arena()
+        if self.preallocate and self.writes and not self.sharded:
+            if self._flash is None:
+                self._warm_arena()
+            else:
+                step = self._last_step if self._last_step is not None else 0
+                self._flash.prepare(
+                    self._sections(lightweight=False, step=step),
+                    len(self._train_config_bytes or b""),
+                )
         self._init_signal_file()
         if self.handle_sigterm:
             self._install_sigterm()
@@ -446,6 +528,12 @@ class Checkpointer:
             self._persister.close(timeout)
         if self._post is not None:
             self._post.close(timeout)
+        if self._flash is not None:
+            self._drain_feedback()
+            if not self._flash.close(timeout if timeout is not None else 300.0):
+                self._flash_errors.append(
+                    ("persisting (local persister)", "the local persister did not finish in time")
+                )
         self.validator.close()
         self.writer.close()
         if self._heartbeat is not None:
@@ -491,15 +579,41 @@ class Checkpointer:
         self._check_running()
         self._raise_errors()
         self._drain_feedback()
-        if self._sigterm:
+        if self._sigterm and self._agreement is None:
             self._on_sigterm_step(step)
         self._poll_signal_file()
-        system = SystemSignals(write_latency_ms=self._write_latency_ms)
+        system = self._system_signals()
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().item()
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.detach().item()
-        decision = self.scheduler.observe(step, float(loss), grad_norm, system=system)
+        busy: bool | None = None
+        stop = False
+        if self._agreement is not None:  # every rank: same inputs, same decision
+            agreed = self._agreement.agree(
+                self.scheduler,
+                LocalSignals(
+                    step=step,
+                    loss=float(loss),
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    system=system,
+                    busy=self._busy(),
+                    emergency=self._emergency_flag,
+                    stop=self._sigterm,
+                ),
+            )
+            self._emergency_flag = False
+            decision, busy, stop = agreed.decision, agreed.any_busy, agreed.stop
+            if agreed.busy_ranks or agreed.emergency_ranks or agreed.stop_ranks:
+                self._event(
+                    "agreement",
+                    step=step,
+                    busy_ranks=list(agreed.busy_ranks),
+                    emergency_ranks=list(agreed.emergency_ranks),
+                    stop_ranks=list(agreed.stop_ranks),
+                )
+        else:
+            decision = self.scheduler.observe(step, float(loss), grad_norm, system=system)
         self._last_step = step
         self.decisions.write({"event": "decision", "time": time.time(), **decision.to_dict()})
         self.metrics.score.set(decision.score)
@@ -518,7 +632,9 @@ class Checkpointer:
         if decision.save and decision.tier is not None:
             self._write_heartbeat(step)
             if decision.tier in (Tier.PULSE, Tier.FULL) and self.writes:
-                self._save(decision)
+                self._save(decision, busy=busy, force=stop)
+        if stop:
+            self._on_agreed_stop(step)
         return decision
 
     def wants_grad_norm(self, step: int) -> bool:
@@ -533,7 +649,8 @@ class Checkpointer:
         Call it between steps. ``step`` defaults to the last step passed to
         :meth:`step`. With ``wait`` it returns once the checkpoint is committed
         (validation continues in the background). Returns the checkpoint id
-        (None on ranks that do not write).
+        (None on ranks that do not write). With several ranks it is collective:
+        call it on every rank.
         """
         self._check_running()
         self._raise_errors()
@@ -548,16 +665,14 @@ class Checkpointer:
         self._event("save_now", step=step, tier=decision.tier, reason=reason)
         self._write_heartbeat(step)
         ckpt_id = self._save(decision, force=True)
-        if wait and self._persister is not None:
-            self._persister.wait_idle()
+        if wait:
+            self._wait_persisted()
             self._raise_errors()
         return ckpt_id
 
     def wait(self, timeout: float | None = None, *, validation: bool = True) -> bool:
         """Wait for the running persist (and validations); False on timeout. Raises errors."""
-        ok = True
-        if self._persister is not None:
-            ok = self._persister.wait_idle(timeout)
+        ok = self._wait_persisted(timeout)
         if ok and validation and self._post is not None:
             ok = self._post.wait_idle(timeout)
         if self._heartbeat is not None:
@@ -568,7 +683,8 @@ class Checkpointer:
 
     @property
     def stop_requested(self) -> bool:
-        """A SIGTERM arrived (with ``exit_on_sigterm=False`` the loop should end)."""
+        """A SIGTERM arrived (on any rank, with several; with ``exit_on_sigterm=False``
+        the loop should end)."""
         return self._sigterm
 
     @property
@@ -595,12 +711,18 @@ class Checkpointer:
     # ================================================================== saving
 
     def _sections(self, *, lightweight: bool, step: int) -> dict[str, object]:
+        # Shared (replicated) state is written once, by rank 0; every rank writes its own
+        # progress, RNG and data position.
+        shared = self.coordinator or not self.distributed
         sections: dict[str, object] = {
             "progress": {"step": step, "world_size": self.world_size, "rank": self.rank},
-            "model": self.model.state_dict(),
         }
-        if not lightweight:
-            if self.optimizer is not None:
+        if self.sharded:  # model + optimizer: this rank's shards (DCP planning)
+            sections["sharded"] = self._sharded_save(lightweight).section()
+        elif shared:
+            sections["model"] = self.model.state_dict()
+        if not lightweight and shared:
+            if self.optimizer is not None and not self.sharded:
                 sections["optimizer"] = self.optimizer.state_dict()
             if self.lr_scheduler is not None:
                 sections["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -610,7 +732,8 @@ class Checkpointer:
         data = self._data_state()
         if data is not None:
             sections["data"] = data
-        sections["scheduler"] = self.scheduler.state_dict()
+        if shared:
+            sections["scheduler"] = self.scheduler.state_dict()
         return sections
 
     def _data_state(self) -> object:
@@ -632,14 +755,19 @@ class Checkpointer:
         step = self._last_step if self._last_step is not None else 0
         take_snapshot(step, Tier.FULL, self._sections(lightweight=False, step=step), self.arena)
 
-    def _save(self, decision: Decision, *, force: bool = False) -> str | None:
-        assert self._persister is not None and decision.tier is not None
+    def _save(
+        self, decision: Decision, *, force: bool = False, busy: bool | None = None
+    ) -> str | None:
+        """Snapshot now (``busy``: agreed by all ranks; None = this rank's persister)."""
+        assert decision.tier is not None
         tier = decision.tier
         step = decision.step
-        if self._persister.busy:
+        if busy is None:
+            busy = self._busy()
+        if busy:
             if self.backpressure == "wait" or force or decision.emergency:
                 t0 = time.perf_counter()
-                self._persister.wait_idle()
+                self._wait_free()
                 waited = time.perf_counter() - t0
                 self.stats.waited += 1
                 self.metrics.backpressure.labels(action="waited").inc()
@@ -660,8 +788,11 @@ class Checkpointer:
                 )
                 return None
         files = {}
-        if tier == Tier.FULL and self._train_config_bytes is not None:
+        if tier == Tier.FULL and self._train_config_bytes is not None and self.coordinator:
             files[TRAIN_CONFIG_FILE] = self._train_config_bytes
+        if self._flash is not None:
+            return self._flash_save(decision, files)
+        assert self._persister is not None
         approx = None if decision.lightweight else self.approximate_threshold
         snap = take_snapshot(
             step,
@@ -699,7 +830,7 @@ class Checkpointer:
             run_id=self.run_id,
             step=snap.step,
             tier=snap.tier,
-            world_size=1,
+            world_size=self.world_size if self._committer is not None else 1,
             created_at=time.time(),
             score=d.score,
             components=dict(d.components),
@@ -713,38 +844,50 @@ class Checkpointer:
             sections=sections,
             versions=library_versions(),
         )
-        with self._store_lock:
-            written = self.writer.write_rank(meta, 0, snap.tree, snap.sources(), snap.files)
-            committed = self.writer.commit(meta, [written])
+        commit: CommitManifest | None
+        if self._committer is not None:  # every rank its part; rank 0 commits when all verified
+            with self._store_lock:
+                result = self._committer.run(meta, snap.tree, snap.sources(), snap.files)
+            written, manifest_hash, size_bytes = result.written, result.manifest_hash, 0
+            commit = result.checkpoint.commit if result.checkpoint is not None else None
+            size_bytes = result.size_bytes if commit is not None else written.bytes_new
+        else:
+            with self._store_lock:
+                written = self.writer.write_rank(meta, 0, snap.tree, snap.sources(), snap.files)
+                committed = self.writer.commit(meta, [written])
+            manifest_hash, size_bytes = committed.manifest_hash, committed.size_bytes
+            commit = committed.commit
         persist_s = time.perf_counter() - job.submitted
-        self._prev_hash = committed.manifest_hash
+        self._prev_hash = manifest_hash
         tier = snap.tier.value
         self.metrics.save_latency.labels(tier=tier).observe(persist_s)
-        self.metrics.bytes_written.labels(tier=tier).inc(committed.size_bytes)
+        self.metrics.bytes_written.labels(tier=tier).inc(size_bytes)
         self.metrics.bytes_reused.labels(tier=tier).inc(written.bytes_reused)
         self.stats.committed += 1
-        self.stats.bytes_written += committed.size_bytes
+        self.stats.bytes_written += size_bytes
         self.stats.bytes_reused += written.bytes_reused
         self._feedback.put((snap.tier, persist_s))
-        record = committed.commit.record(committed.manifest_hash, CheckpointStatus.PENDING)
-        record = replace(record, size_bytes=committed.size_bytes)
-        self.catalog.upsert(
-            self.run_id, record, timings={"stall_s": snap.stall_s, "persist_s": persist_s}
-        )
+        if commit is not None:
+            record = commit.record(manifest_hash, CheckpointStatus.PENDING)
+            record = replace(record, size_bytes=size_bytes)
+            self.catalog.upsert(
+                self.run_id, record, timings={"stall_s": snap.stall_s, "persist_s": persist_s}
+            )
         self._event(
             "committed",
             checkpoint=meta.checkpoint_id,
             step=snap.step,
             tier=snap.tier,
             persist_s=round(persist_s, 6),
-            bytes_new=committed.size_bytes,
+            bytes_new=size_bytes,
             bytes_reused=written.bytes_reused,
             blobs_new=written.blobs_new,
             blobs_reused=written.blobs_reused,
-            manifest_hash=committed.manifest_hash,
+            manifest_hash=manifest_hash,
             timings={k: round(v, 6) for k, v in written.timings.items()},
         )
-        assert self._post is not None
+        if self._post is None:
+            return  # validation, retention and GC are rank 0's
         self._post.wait_below(VALIDATION_BACKLOG)
         self._post.submit(
             _ValidateJob(
@@ -753,7 +896,8 @@ class Checkpointer:
                 step=snap.step,
                 lightweight=d.lightweight,
                 expected=snap.expected,
-                manifest_hash=committed.manifest_hash,
+                manifest_hash=manifest_hash,
+                world_size=meta.world_size,
             )
         )
 
@@ -761,6 +905,13 @@ class Checkpointer:
 
     def _validate_job(self, job: _ValidateJob) -> None:
         outcome = self.validator.validate(job.checkpoint_id, job.expected)
+        for r in range(1, job.world_size):  # every rank's part is loaded and checked
+            other = self.validator.validate(job.checkpoint_id, None, rank=r)
+            outcome.duration_s += other.duration_s
+            outcome.bad_blobs.extend(other.bad_blobs)
+            if outcome.valid and not other.valid:
+                outcome.status = other.status
+                outcome.reason = f"rank {r}: {other.reason}"
         if outcome.manifest_hash and outcome.manifest_hash != job.manifest_hash:
             outcome.status = CheckpointStatus.CORRUPTED
             outcome.reason = "the COMMIT changed after it was written: " + (outcome.reason or "")
@@ -869,6 +1020,9 @@ class Checkpointer:
         for w in (self._persister, self._post):
             if w is not None:
                 errs.extend(w.take_errors())
+        while self._flash_errors:
+            what, why = self._flash_errors.pop(0)
+            errs.append(JobError(what, RuntimeError(why)))
         if not errs:
             return None
         self.metrics.persist_errors.inc(len(errs))
@@ -893,6 +1047,8 @@ class Checkpointer:
         raise err
 
     def _drain_feedback(self) -> None:
+        if self._flash is not None and self._flash.writer is not None:
+            self._flash_feedback()
         while True:
             try:
                 tier, persist_s = self._feedback.get_nowait()
@@ -917,6 +1073,323 @@ class Checkpointer:
         self.decisions.write(out)
         if event != "decision":
             self.decisions.flush()
+
+    # ------------------------------------------------------------------ several ranks
+
+    def _setup_distributed(self) -> None:
+        """Create the agent's gloo groups (collective, same order on every rank)."""
+        self._control = Comm.new_group(timeout_s=self.dist_timeout_s)
+        commit_comm = Comm.new_group(timeout_s=self.dist_timeout_s)
+        if (self._control.rank, self._control.world_size) != (self.rank, self.world_size):
+            raise CheckpointError(
+                f"rank/world size {self.rank}/{self.world_size} disagree with torch.distributed "
+                f"({self._control.rank}/{self._control.world_size})"
+            )
+        self._agreement = DecisionAgreement(self._control)
+        if self._flash is None:
+            self._committer = TwoPhaseCommit(commit_comm, self.writer)
+
+    def _agreed_resume_point(self) -> ResumePoint:
+        """Rank 0 walks the ladder; every rank restores exactly its choice."""
+        assert self._control is not None
+        if self.coordinator:
+            try:
+                point = self._resume_point()
+            except BaseException as e:
+                self._control.broadcast_json({"ok": False, "error": f"{type(e).__name__}: {e}"})
+                raise
+            self._control.broadcast_json(
+                {
+                    "ok": True,
+                    "id": point.checkpoint_id,
+                    "action": point.action,
+                    "weights_from": self._weights_from,
+                    "reason": point.reason,
+                }
+            )
+            return point
+        msg = self._control.broadcast_json(None)
+        if not msg.get("ok"):
+            raise ResumeError(f"rank 0 could not choose a checkpoint: {msg.get('error')}")
+        if not msg.get("id"):
+            return ResumePoint(step=0, reason=str(msg.get("reason") or "fresh start (rank 0)"))
+        return self._resume_point(
+            forced=(str(msg["id"]), msg.get("weights_from"), str(msg.get("action") or "resume"))
+        )
+
+    def _on_agreed_stop(self, step: int) -> None:
+        """SIGTERM on some rank: every rank saved (emergency), waits for the commit, stops."""
+        self._event("sigterm", step=step)
+        self._sigterm = True
+        self._wait_persisted()
+        self._raise_errors()
+        if self.exit_on_sigterm:
+            self.close()
+            raise SystemExit(143)
+
+    # ------------------------------------------------------------------ persister state
+
+    def _busy(self) -> bool:
+        """The previous snapshot's buffers are still in use (persister / shared-memory slots)."""
+        if self._flash is not None and self._flash.writer is not None:
+            return self._flash.busy
+        return self._persister is not None and self._persister.busy
+
+    def _wait_free(self) -> None:
+        if self._flash is not None and self._flash.writer is not None:
+            self._flash.wait_free()
+            self._drain_feedback()
+        elif self._persister is not None:
+            self._persister.wait_idle()
+
+    def _wait_persisted(self, timeout: float | None = None) -> bool:
+        """Wait until the last snapshot is committed (or handled by the persister)."""
+        if self._flash is not None and self._flash.writer is not None:
+            ok = self._flash.wait(timeout=timeout) is not None
+            self._drain_feedback()
+            return ok
+        if self._persister is not None:
+            return self._persister.wait_idle(timeout)
+        return True
+
+    def _system_signals(self) -> SystemSignals:
+        latency = self._write_latency_ms
+        gpu: int | None = None
+        if self._flash is not None and self._flash.writer is not None:
+            gpu, probe = self._flash.system_signals()
+            if probe is not None:
+                latency = probe if latency is None else max(latency, probe)
+        return SystemSignals(gpu_errors=gpu, write_latency_ms=latency)
+
+    # ------------------------------------------------------------------ sharded (FSDP) state
+
+    def _sharded_state(self, lightweight: bool) -> dict[str, object]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None or lightweight:
+            return {"model": get_model_state_dict(self.model)}
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optimizer": osd}
+
+    def _sharded_save(self, lightweight: bool) -> ShardedSave:
+        from ckpt_agent.sharded import plan_save
+
+        return plan_save(self._sharded_state(lightweight), coordinator=self.coordinator)
+
+    def _sharded_compat(self, manifest: RankManifest) -> list[str]:
+        """Global shapes of the saved model shards vs the live (DTensor) model."""
+        if "sharded" not in manifest.meta.sections:
+            return ["the checkpoint holds no sharded state (saved without FSDP)"]
+        if not self.sharded:
+            return ["the checkpoint holds sharded (FSDP) state; the live model is not sharded"]
+        state = manifest.state if isinstance(manifest.state, dict) else {}
+        sec = state.get("sharded")
+        layout = jsontree.decode(sec.get("layout")) if isinstance(sec, dict) else None
+        if not isinstance(layout, dict):
+            return ["the sharded section has no layout"]
+        live = {
+            f"model/{k}": tuple(int(x) for x in v.shape)
+            for k, v in self.model.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+        saved = {
+            k: tuple(int(x) for x in v.get("size") or [])
+            for k, v in layout.items()
+            if k.startswith("model/") and isinstance(v, dict)
+        }
+        problems = [f"{k}: missing from the checkpoint" for k in sorted(live.keys() - saved)]
+        problems += [f"{k}: not in the live model" for k in sorted(saved.keys() - live)]
+        problems += [
+            f"{k}: checkpoint has {list(saved[k])}, live model {list(live[k])}"
+            for k in sorted(live.keys() & saved.keys())
+            if live[k] != saved[k]
+        ]
+        return problems
+
+    def _sharded_restore(self, ckpt_id: str, warnings: list[str]) -> None:
+        """Reshard the saved model (and optimizer) into this world size's DTensors."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from ckpt_agent.sharded import load_sharded
+
+        saved = read_checkpoint(self.storage, self.run_id, ckpt_id, 0)[1]
+        sec = saved.state.get("sharded") if isinstance(saved.state, dict) else None
+        layout = jsontree.decode(sec.get("layout")) if isinstance(sec, dict) else {}
+        has_optim = isinstance(layout, dict) and any(k.startswith("optimizer/") for k in layout)
+        target = self._sharded_state(lightweight=not has_optim)
+        state = load_sharded(self.storage, self.run_id, ckpt_id, target)
+        if self.optimizer is not None and "optimizer" in state:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],  # type: ignore[arg-type]
+                optim_state_dict=state["optimizer"],  # type: ignore[arg-type]
+            )
+        else:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, state["model"])  # type: ignore[arg-type]
+            if self.optimizer is not None:
+                warnings.append(f"optimizer state is not in {ckpt_id} (lightweight checkpoint)")
+
+    # ------------------------------------------------------------------ flash checkpoints
+
+    def _flash_save(self, decision: Decision, files: dict[str, bytes]) -> str | None:
+        """Copy the snapshot into shared memory; the persister process does the rest."""
+        assert self._flash is not None and decision.tier is not None
+        tier, step = decision.tier, decision.step
+        sections = self._sections(lightweight=decision.lightweight, step=step)
+        token = f"{step}-{tier.value}-{time.time_ns()}"
+        if self._control is not None:  # one token for all ranks: parts of the same save
+            token = str(self._control.broadcast_json(token if self.coordinator else None))
+        progress = sections.get("progress")
+        if isinstance(progress, dict):
+            progress["token"] = token
+        meta = {
+            "score": decision.score,
+            "components": dict(decision.components),
+            "retention_class": classify(decision.score, self.config.retention).value,
+            "reason": decision.reason,
+            "anomaly": decision.anomaly,
+            "lightweight": decision.lightweight,
+            "approximate": False,
+            "emergency": decision.emergency,
+            "prev_hash": self._prev_hash,
+            "resume_step": self._resume.checkpoint_step
+            if self._resume is not None and self._resume.checkpoint_step is not None
+            else -1,
+            "versions": library_versions(),
+            "token": token,
+        }
+        desc = self._flash.write(step, tier, sections, files=files, meta=meta)
+        if desc is None:  # the slots were taken between the check and now: wait once
+            self._flash.wait_free()
+            desc = self._flash.write(step, tier, sections, files=files, meta=meta)
+        if desc is None:
+            self.scheduler.record_failed(decision)
+            self._event(
+                "backpressure",
+                step=step,
+                tier=tier,
+                action="deferred",
+                reason="no free shared-memory slot",
+            )
+            return None
+        self._flash_pending[desc.seq] = (tier, checkpoint_id(tier, step))
+        self.scheduler.record_save(decision, step, stall_seconds=desc.stall_s)
+        self.metrics.stall.labels(tier=tier.value).observe(desc.stall_s)
+        self.stats.saves += 1
+        self.stats.stalls.append(desc.stall_s)
+        del self.stats.stalls[:-1000]
+        self._event(
+            "snapshot",
+            step=step,
+            tier=tier,
+            lightweight=decision.lightweight,
+            emergency=decision.emergency,
+            approximate=False,
+            stall_s=round(desc.stall_s, 6),
+            bytes=desc.data_size,
+            shm_seq=desc.seq,
+            shm_slot=desc.slot,
+        )
+        return checkpoint_id(tier, step)
+
+    def _flash_feedback(self) -> None:
+        """The persister's newest result: persist time, commit hash, or the error."""
+        assert self._flash is not None
+        mark = self._flash.poll()
+        if mark is None:
+            return
+        done = [seq for seq in self._flash_pending if seq <= mark.seq]
+        tier = Tier.PULSE
+        for seq in done:
+            tier, _ = self._flash_pending.pop(seq)
+        if not mark.ok:
+            self._flash_errors.append(
+                (f"persisting {tier.value} of step {mark.step} (shared memory)", mark.error)
+            )
+            return
+        self.stats.committed += 1 if mark.committed else 0
+        self.stats.bytes_written += mark.size_bytes
+        self._feedback.put((tier, mark.persist_s))
+        if mark.manifest_hash:
+            self._prev_hash = mark.manifest_hash
+        self.metrics.save_latency.labels(tier=tier.value).observe(mark.persist_s)
+        self._event(
+            "persisted",
+            checkpoint=mark.checkpoint_id,
+            step=mark.step,
+            committed=mark.committed,
+            manifest_hash=mark.manifest_hash,
+            persist_s=round(mark.persist_s, 6),
+            by="shared-memory persister",
+        )
+
+    def _shm_resume_point(self) -> ResumePoint | None:
+        """In-place restart: restore the newest verified shared-memory snapshot when it is at
+        least as new as anything in storage (None: resume from storage as usual)."""
+        if self._flash is None or self.config.resume_from:
+            return None
+        records = self.catalog.rebuild_from_storage(self.storage, self.run_id)
+        bad = (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED)
+        newest = max((r.step for r in records if r.has_weights and r.status not in bad), default=-1)
+        if self._recover_request() is not None:
+            return None  # a person asked for a specific checkpoint
+        found = self._flash.restore_candidate(min_step=max(newest, 0))
+        if found is None:
+            return None
+        desc = found.desc
+        mark = self._flash.reader.persisted()
+        committed_hash = (
+            mark.manifest_hash
+            if mark is not None and mark.seq == desc.seq and mark.committed
+            else None
+        )
+        prev = desc.meta.get("prev_hash")
+        rec = CheckpointRecord(
+            id=desc.checkpoint_id,
+            step=desc.step,
+            tier=desc.tier,
+            status=CheckpointStatus.VALID,
+            manifest_hash=committed_hash or "",
+            lightweight=bool(desc.meta.get("lightweight")),
+            reason="shared-memory snapshot",
+        )
+        from ckpt_agent.manifest import TensorEntry
+
+        meta = CheckpointMeta(
+            run_id=self.run_id,
+            step=desc.step,
+            tier=desc.tier,
+            lightweight=bool(desc.meta.get("lightweight")),
+            sections=tuple(desc.tree),
+            prev_hash=str(prev) if prev else None,
+        )
+        manifest = RankManifest(
+            meta=meta,
+            rank=self.rank,
+            state=desc.tree,
+            tensors={
+                n: TensorEntry(dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
+                for n, t in desc.tensors.items()
+            },
+            blobs={},
+        )
+        problems = self._compat_problems(manifest)
+        if problems:
+            log.warning("shared-memory snapshot does not fit the live model: %s", problems[:3])
+            return None
+        loaded = LoadedState(manifest=manifest, arrays=found.arrays, files=found.files)
+        cand = _Candidate(record=rec, loaded=loaded, manifest_hash=committed_hash or "")
+        point = self._restore(cand, action="resume_shm", weights=None, rejected={})
+        if not committed_hash:
+            self._prev_hash = str(prev) if prev else None
+        return replace(
+            point,
+            reason=f"in-place restart: {desc.checkpoint_id} from shared memory "
+            f"(verified against the persister's hashes; storage newest step {newest})",
+        )
 
     # ------------------------------------------------------------------ heartbeat / signals
 
@@ -969,7 +1442,10 @@ class Checkpointer:
         if not content.strip():
             return
         request = content.decode(errors="replace").strip()[:200]
-        self.scheduler.request_emergency(f"save-now signal {request!r}")
+        if self._agreement is not None:
+            self._emergency_flag = True  # every rank's scheduler gets it through the agreement
+        else:
+            self.scheduler.request_emergency(f"save-now signal {request!r}")
         self._event("signal", file=path, request=request)
 
     def _install_sigterm(self) -> None:
@@ -1009,6 +1485,8 @@ class Checkpointer:
 
     def _compat_problems(self, manifest: RankManifest) -> list[str]:
         """Why this checkpoint does not fit the live model/optimizer (empty: it fits)."""
+        if self.sharded or "sharded" in manifest.meta.sections:
+            return self._sharded_compat(manifest)
         got = {n: (t.dtype, t.shape) for n, t in manifest.tensors.items()}
         problems = compare_meta(self._live_meta(), got, prefix="model/")
         if "model" not in manifest.meta.sections:
@@ -1070,7 +1548,12 @@ class Checkpointer:
                     + more
                 )
                 return None
-            loaded = load_tensors(self.storage, self.run_id, manifest)
+            loaded = load_tensors(self.storage, self.run_id, manifest, _unsharded(manifest))
+            own: LoadedState | None = None
+            ranks = {r.rank for r in committed.commit.ranks}
+            if self.rank != 0 and self.rank in ranks:  # this rank's RNG and data position
+                mine = read_rank_manifest(self.storage, self.run_id, committed, self.rank)
+                own = load_tensors(self.storage, self.run_id, mine, _unsharded(mine))
         except CheckpointNotFoundError as e:
             rejected[rec.id] = str(e)
             return None
@@ -1083,7 +1566,7 @@ class Checkpointer:
             self._mark(
                 rec, CheckpointStatus.VALID, "", time.perf_counter() - t0, committed.manifest_hash
             )
-        return _Candidate(record=rec, loaded=loaded, manifest_hash=committed.manifest_hash)
+        return _Candidate(record=rec, loaded=loaded, manifest_hash=committed.manifest_hash, own=own)
 
     def _mark(
         self,
@@ -1095,7 +1578,7 @@ class Checkpointer:
     ) -> None:
         """Record a verdict found while resuming (in storage and in the catalog)."""
         mh = manifest_hash or rec.manifest_hash
-        if mh and self.writes:
+        if mh and self.coordinator:
             try:
                 self.storage.commit(
                     validation_key(self.run_id, rec.id),
@@ -1117,7 +1600,8 @@ class Checkpointer:
             log.error("ALERT checkpoint %s is CORRUPTED: %s", rec.id, reason)
             self._event("corrupted", checkpoint=rec.id, reason=reason, during="resume")
 
-    def _resume_point(self) -> ResumePoint:
+    def _resume_point(self, forced: tuple[str, str | None, str] | None = None) -> ResumePoint:
+        """``forced`` = (checkpoint id, weights source, action): rank 0's choice, on other ranks."""
         records = self.catalog.rebuild_from_storage(self.storage, self.run_id)
         by_id = {r.id: r for r in records}
         weights = [r for r in records if r.has_weights and r.status == CheckpointStatus.VALID]
@@ -1141,14 +1625,19 @@ class Checkpointer:
         wanted = self.config.resume_from
         action = "resume_from"
         request: dict[str, Any] | None = None
-        if not wanted:
+        if forced is not None:
+            wanted, action = forced[0], forced[2]
+            request = {"checkpoint_id": wanted, "weights_from": forced[1]}
+        elif not wanted:
             request = self._recover_request()
             if request is not None:
                 wanted = str(request["checkpoint_id"])
                 action = "manual"
         if wanted:
             rec = by_id.get(wanted)
-            source = "CKPT_RESUME_FROM" if action == "resume_from" else "RECOVER.json"
+            source = {"resume_from": "CKPT_RESUME_FROM", "manual": "RECOVER.json"}.get(
+                action, "rank 0's choice"
+            )
             if rec is None:
                 known = ", ".join(r.id for r in records if r.tier != Tier.HEARTBEAT) or "none"
                 raise ResumeError(
@@ -1176,7 +1665,7 @@ class Checkpointer:
                         f"{wanted} is a heartbeat: name a weights source (weights_from)"
                     )
             point = self._restore(cand, action=action, weights=weights_from, rejected=rejected)
-            if request is not None and self.writes:
+            if request is not None and self.coordinator and forced is None:
                 self._consume_recover_request(request, point)
             return point
 
@@ -1272,9 +1761,12 @@ class Checkpointer:
             raise ResumeError(f"{cand.record.id}: no weights to restore")
         state = source.loaded
         sections = state.manifest.meta.sections
-        self.model.load_state_dict(_as_dict(state.section("model"), "model"), strict=True)
+        if "sharded" in sections:
+            self._sharded_restore(source.record.id, warnings)
+        else:
+            self.model.load_state_dict(_as_dict(state.section("model"), "model"), strict=True)
         for name, obj in (
-            ("optimizer", self.optimizer),
+            ("optimizer", None if "sharded" in sections else self.optimizer),
             ("lr_scheduler", self.lr_scheduler),
             ("grad_scaler", self.grad_scaler),
         ):
@@ -1295,8 +1787,29 @@ class Checkpointer:
             except (ValueError, KeyError, TypeError) as e:
                 warnings.append(f"scheduler state not restored: {e}")
         step = source.record.step
-        data: object = state.section("data")
-        rng = state.section("rng")
+        mine = state
+        per_rank_exact = True
+        if self.rank != 0:  # this rank's RNG and data position come from its own part
+            if source.own is not None:
+                mine = source.own
+            elif source.loaded.manifest.meta.world_size > 1 or self.distributed:
+                per_rank_exact = False
+                warnings.append(
+                    f"{source.record.id} has no part of rank {self.rank} (saved with world size "
+                    f"{source.loaded.manifest.meta.world_size}): rank 0's RNG and data position "
+                    "are used, not exact"
+                )
+        saved_ws = source.loaded.manifest.meta.world_size
+        live_ws = self.world_size if self.distributed else 1
+        if saved_ws != live_ws:
+            per_rank_exact = False
+            warnings.append(
+                f"{source.record.id} was saved at world size {saved_ws}, resumed at {live_ws}: "
+                "the state is restored, the continuation is not bitwise the original run's"
+            )
+        data: object = mine.section("data")
+        rng = mine.section("rng")
+        self._weights_from = weights.record.id if weights is not None else None
         if cand.heartbeat is not None:  # heartbeat rebuild: step, data and RNG from the heartbeat
             step = cand.heartbeat.step
             data = decode_inline(cand.heartbeat.data)
@@ -1321,7 +1834,12 @@ class Checkpointer:
             except ValueError:
                 warnings.append("train_config.json in the checkpoint is not valid JSON")
         meta = state.manifest.meta
-        exact = cand.heartbeat is None and not meta.lightweight and not meta.approximate
+        exact = (
+            cand.heartbeat is None
+            and not meta.lightweight
+            and not meta.approximate
+            and per_rank_exact
+        )
         self._prev_hash = source.manifest_hash or None
         self.index.seed(state.manifest)
         self.metrics.recovery_successes.inc()
@@ -1349,7 +1867,7 @@ class Checkpointer:
         (Otherwise a later crash could resume from the branch this resume
         deliberately left — e.g. a manual rewind past a loss spike.)
         """
-        if not self.writes:
+        if not self.coordinator:
             return
         for r in list_checkpoints(self.storage, self.run_id, include_heartbeat=False):
             if r.step <= step or r.status == CheckpointStatus.CORRUPTED or not r.manifest_hash:
@@ -1367,6 +1885,11 @@ class Checkpointer:
             )
             self.catalog.set_status(self.run_id, r.id, CheckpointStatus.EXPIRED, reason)
             self._event("superseded", checkpoint=r.id, reason=reason)
+
+
+def _unsharded(manifest: RankManifest) -> list[str]:
+    """The tensors of a rank part except its shards (those are read by resharding)."""
+    return [n for n in manifest.tensors if not n.startswith("sharded/")]
 
 
 def _as_dict(value: object, what: str) -> dict[Any, Any]:

@@ -185,10 +185,11 @@ class WrittenCheckpoint:
 
 
 class CheckpointWriter:
-    """Writes one rank's part of checkpoints, and commits them (single-rank for now).
+    """Writes one rank's part of checkpoints, and commits them.
 
-    Multi-rank later: every rank calls :meth:`write_rank`; the coordinator
-    verifies the rank manifests and calls :meth:`commit` with all the refs.
+    Multi-rank: every rank calls :meth:`write_rank`; the coordinator verifies
+    the rank manifests and calls :meth:`commit` with all the parts
+    (:class:`ckpt_agent.distributed.TwoPhaseCommit`, :mod:`ckpt_agent.sidecar`).
     """
 
     def __init__(

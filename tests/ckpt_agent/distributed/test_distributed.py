@@ -1,0 +1,216 @@
+"""Multi-rank agreement, two-phase commit, exact DDP resume and SIGTERM (real gloo jobs)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import ckpt_dist_harness as h
+import ckpt_dist_workers as w
+import pytest
+
+from ckpt_agent import jsontree
+from ckpt_agent.manifest import (
+    commit_key,
+    list_checkpoints,
+    rank_manifest_key,
+    read_checkpoint,
+)
+from ckpt_agent.policy.models import ValidationSpec
+from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.storage.fs import LocalStorage
+from ckpt_agent.validate import Validator
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+
+STEPS = 30
+
+
+def _storage(root: Path) -> LocalStorage:
+    return LocalStorage(root / "store")
+
+
+def _losses(out: Path, rank: int) -> dict[int, str]:
+    """step → loss (hex); a resumed run's later lines win."""
+    got: dict[int, str] = {}
+    path = out / f"losses.rank{rank}.txt"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            step, loss = line.split()
+            got[int(step)] = loss
+    return got
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The 2-rank DDP run without checkpointing (what every resumed run must reproduce)."""
+    out = tmp_path_factory.mktemp("reference") / "job"
+    codes = h.launch(w.train_ddp, 2, out, STEPS, {"checkpoint": False}, timeout=120)
+    h.codes_ok(codes, out)
+    return {
+        "losses": [_losses(out, r) for r in range(2)],
+        "final": [json.loads((out / f"final.rank{r}.json").read_text()) for r in range(2)],
+    }
+
+
+def test_agreement_under_skewed_losses_and_restart(tmp_path: Path) -> None:
+    """Per-rank losses differ (a spike on one rank only, a save-now signal on one rank):
+    every rank takes the same decision at every step, every checkpoint has both parts,
+    and after a restart (profiles swapped between ranks) both schedulers start from the
+    same saved state and keep agreeing."""
+    out1 = tmp_path / "phase1"
+    h.codes_ok(h.launch(w.agree, 2, out1, 0, 40, False, timeout=120), out1)
+    r = [json.loads((out1 / f"agree.rank{i}.json").read_text()) for i in range(2)]
+    assert r[0]["decisions"] == r[1]["decisions"]
+    # every counter agrees; only the locally measured costs (stall, persist, step time) differ
+    local = {"costs", "step_time"}
+    assert {k: v for k, v in r[0]["final"].items() if k not in local} == {
+        k: v for k, v in r[1]["final"].items() if k not in local
+    }
+    saved = [d for d in r[0]["decisions"] if d["save"] and d["tier"] in ("pulse", "full")]
+    assert len(saved) >= 3
+    # the loss spike on rank 1 is seen by both (mean loss) and the signal on rank 1 makes
+    # both take an emergency full checkpoint at step 25
+    by_step = {d["step"]: d for d in r[0]["decisions"]}
+    assert by_step[32]["anomaly"] == "loss_spike"
+    assert by_step[25]["tier"] == "full" and by_step[25]["emergency"]
+    assert "rank(s) [1]" in by_step[25]["reason"]
+
+    store = _storage(tmp_path)
+    records = [x for x in list_checkpoints(store, w.RUN) if x.tier != Tier.HEARTBEAT]
+    assert {x.step for x in records} >= {d["step"] for d in saved[-3:]}
+    for rec in records:
+        assert rec.world_size == 2
+        committed, m0 = read_checkpoint(store, w.RUN, rec.id, 0)
+        assert [ref.rank for ref in committed.commit.ranks] == [0, 1]
+        _, m1 = read_checkpoint(store, w.RUN, rec.id, 1)
+        assert "model" in m0.meta.sections and "scheduler" in m0.meta.sections
+        assert set(m1.meta.sections) == {"progress", "rng"}  # shared state written once
+        assert rec.status == CheckpointStatus.VALID
+
+    # restart: the loss profiles swap ranks; both start from rank 0's saved scheduler state
+    out2 = tmp_path / "phase2"
+    h.codes_ok(h.launch(w.agree, 2, out2, 0, 60, True, timeout=120), out2)
+    q = [json.loads((out2 / f"agree.rank{i}.json").read_text()) for i in range(2)]
+    assert q[0]["resume"] == q[1]["resume"] == records[-1].step + 1
+    assert q[0]["after_start"] == q[1]["after_start"]
+    _, m0 = read_checkpoint(store, w.RUN, records[-1].id, 0)
+    saved_state = jsontree.decode(m0.state["scheduler"])
+    assert isinstance(saved_state, dict)
+    saved_state["last_now"] = None
+    assert q[0]["after_start"] == saved_state
+    assert q[0]["decisions"] == q[1]["decisions"]
+
+
+def test_rank_killed_mid_save_leaves_previous_valid_and_no_commit(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed while publishing its part of the third checkpoint: rank 0 never
+    commits it (the vote fails), the second checkpoint stays valid."""
+    out = tmp_path / "job"
+    opts = {"kill_rank": 1, "kill_suffix": "/rank_00001.json", "kill_after": 2}
+    codes = h.launch(w.train_ddp, 2, out, STEPS, opts, timeout=120)
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] != 0  # rank 0 fails too (its collectives lose the peer)
+    store = _storage(tmp_path)
+    records = [x for x in list_checkpoints(store, w.RUN) if x.tier != Tier.HEARTBEAT]
+    assert len(records) == 2, [x.id for x in records]
+    folders = {i.key.split("/")[2] for i in store.list(f"{w.RUN}/steps/") if "/steps/" in i.key}
+    started = sorted(folders - {x.id for x in records})
+    assert len(started) == 1  # the third save: parts maybe written, never committed
+    third = started[0]
+    assert not store.exists(commit_key(w.RUN, third))
+    assert not store.exists(rank_manifest_key(w.RUN, third, 1))
+    prev = records[-1]
+    assert prev.status in (CheckpointStatus.VALID, CheckpointStatus.PENDING)
+    v = Validator(store, w.RUN, ValidationSpec(load_in_subprocess=False))
+    for rank in (0, 1):
+        assert v.validate(prev.id, rank=rank).valid
+
+
+def test_ddp_resume_after_sigkill_is_bitwise_exact(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Kill a rank of a 2-rank DDP run mid-training, restart both: the stitched losses of
+    both ranks and the final parameters equal the uninterrupted run's, bit for bit."""
+    out = tmp_path / "job"
+
+    def kill_later(job: h.Job) -> None:
+        deadline = time.monotonic() + 90
+        while job.running() and time.monotonic() < deadline and len(_losses(out, 1)) < 17:
+            time.sleep(0.01)
+        job.kill(1)
+
+    codes = h.launch(w.train_ddp, 2, out, STEPS, {}, timeout=120, during=kill_later)
+    assert codes[1] == -signal.SIGKILL
+    assert len(_losses(out, 0)) < STEPS
+    h.codes_ok(h.launch(w.train_ddp, 2, out, STEPS, {}, timeout=120), out)
+    resumed = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in range(2)]
+    assert resumed[0]["step"] == resumed[1]["step"] > 0
+    assert resumed[0]["exact"] and resumed[1]["exact"]
+    for rank in range(2):
+        assert _losses(out, rank) == reference["losses"][rank]
+        got = json.loads((out / f"final.rank{rank}.json").read_text())
+        assert got == reference["final"][rank]
+
+
+def test_sigterm_on_one_rank_saves_everywhere_and_stops(tmp_path: Path) -> None:
+    """SIGTERM to rank 1 only: both ranks take the emergency full checkpoint at the same step
+    (committed with both parts) and exit with 143."""
+    out = tmp_path / "job"
+
+    def term(job: h.Job) -> None:
+        deadline = time.monotonic() + 90
+        while job.running() and time.monotonic() < deadline and len(_losses(out, 1)) < 8:
+            time.sleep(0.01)
+        job.kill(1, signal.SIGTERM)
+
+    codes = h.launch(w.train_ddp, 2, out, 10_000, {"sigterm": True}, timeout=120, during=term)
+    assert codes == [143, 143], (
+        codes,
+        (out / "error.rank0.txt").exists() and h.Job([], out, 0).errors(),
+    )
+    store = _storage(tmp_path)
+    records = [x for x in list_checkpoints(store, w.RUN) if x.tier != Tier.HEARTBEAT]
+    last = records[-1]
+    assert last.tier == Tier.FULL and last.emergency and last.world_size == 2
+    assert "SIGTERM" in last.reason
+    steps = [max(_losses(out, r)) for r in range(2)]
+    assert steps[0] == steps[1] == last.step
+
+
+def test_flash_ddp_rank_sigkilled_after_snapshot_is_committed_by_the_persisters(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """2-rank DDP with shared-memory snapshots and one local persister per rank: rank 1 is
+    SIGKILLed right after an agreed snapshot (rank 0 then dies on its next collective).
+    Each persister writes its rank's part; rank 0's persister commits once both parts are
+    in storage with the same save token. The restart resumes exactly from that step."""
+    out = tmp_path / "job"
+    opts = {"shm": True, "die_rank": 1, "die_after_save_at": 12}
+    codes = h.launch(w.train_ddp, 2, out, STEPS, opts, timeout=120)
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0
+    died = int((out / "died_after.txt").read_text())
+    store = _storage(tmp_path)
+    deadline = time.monotonic() + 60
+    newest = None
+    while time.monotonic() < deadline:
+        records = [x for x in list_checkpoints(store, w.RUN) if x.tier != Tier.HEARTBEAT]
+        newest = records[-1] if records else None
+        if newest is not None and newest.step == died and newest.status != CheckpointStatus.PENDING:
+            break
+        time.sleep(0.1)
+    assert newest is not None and newest.step == died, newest
+    assert newest.world_size == 2 and newest.status == CheckpointStatus.VALID
+    for rank in range(2):  # the persisters exit once their trainer is gone
+        pid = int((out / "work" / f"sidecar.rank{rank}.pid").read_text())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.05)
+    h.codes_ok(h.launch(w.train_ddp, 2, out, STEPS, {"shm": True}, timeout=120), out)
+    resumed = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in range(2)]
+    assert resumed[0]["step"] == resumed[1]["step"] == died + 1
+    for rank in range(2):
+        assert _losses(out, rank) == reference["losses"][rank]
+        assert json.loads((out / f"final.rank{rank}.json").read_text()) == reference["final"][rank]

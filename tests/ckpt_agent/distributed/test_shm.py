@@ -1,0 +1,158 @@
+"""The shared-memory snapshot area: commit marker, slot protection, torn snapshots."""
+
+from __future__ import annotations
+
+import signal
+import struct
+from pathlib import Path
+
+import ckpt_dist_harness as h
+import ckpt_dist_workers as w
+import pytest
+import torch
+
+from ckpt_agent.manifest import list_checkpoints
+from ckpt_agent.policy import AgentConfig
+from ckpt_agent.records import Tier
+from ckpt_agent.shm import HEADER_BYTES, ShmReader, ShmWriter
+from ckpt_agent.sidecar import Sidecar, SidecarOptions
+from ckpt_agent.storage.fs import LocalStorage
+from ckpt_agent.validate import load_check
+
+RUN = w.RUN
+
+
+def _sidecar(tmp_path: Path) -> Sidecar:
+    cfg = AgentConfig.model_validate(
+        {
+            "runId": RUN,
+            "storageUrl": (tmp_path / "store").as_uri(),
+            "shmDir": str(tmp_path / "shm"),
+            "workDir": str(tmp_path / "sidecar-work"),
+            "validation": {"loadInSubprocess": False},
+        }
+    )
+    return Sidecar(cfg, SidecarOptions(probe_every_s=1000, metrics_port=0))
+
+
+def _state(v: float) -> dict[str, object]:
+    return {"model": {"w": torch.full((64, 64), v), "b": torch.arange(64.0) + v}}
+
+
+def test_descriptor_is_the_commit_marker(tmp_path: Path) -> None:
+    writer = ShmWriter(tmp_path / "shm", RUN, 0)
+    reader = ShmReader(tmp_path / "shm", RUN, 0)
+    assert reader.latest() is None
+    d = writer.write(5, Tier.PULSE, _state(1.0))
+    assert d is not None and d.seq == 1
+    latest = reader.latest()
+    assert latest is not None and (latest.step, latest.seq) == (5, 1)
+    with reader.open(latest) as snap:
+        assert snap is not None
+        got = torch.frombuffer(bytearray(snap.tensor("model/w")), dtype=torch.float32)
+        assert torch.equal(got, torch.full((64 * 64,), 1.0))
+    reader.desc_path(latest.slot).unlink()  # no marker: the snapshot does not exist
+    assert reader.latest() is None
+    writer.close()
+
+
+def test_newest_unpersisted_snapshot_is_never_overwritten(tmp_path: Path) -> None:
+    writer = ShmWriter(tmp_path / "shm", RUN, 0)
+    reader = ShmReader(tmp_path / "shm", RUN, 0)
+    a = writer.write(1, Tier.PULSE, _state(1.0))
+    b = writer.write(2, Tier.PULSE, _state(2.0))
+    assert a is not None and b is not None and a.slot != b.slot
+    # a persister holds the newest (b): the older slot (a) is free, b is not
+    with reader.open(b) as snap:
+        assert snap is not None
+        c = writer.write(3, Tier.PULSE, _state(3.0))
+        assert c is not None and c.slot == a.slot
+        # now c is the newest unpersisted one and b is being read: nothing is free
+        assert writer.busy
+        assert writer.write(4, Tier.PULSE, _state(4.0)) is None
+    assert not writer.busy  # b was released (and is older than c)
+    writer.close()
+
+
+def test_a_torn_header_is_never_read(tmp_path: Path) -> None:
+    writer = ShmWriter(tmp_path / "shm", RUN, 0)
+    d = writer.write(1, Tier.PULSE, _state(1.0))
+    assert d is not None
+    writer.close()
+    reader = ShmReader(tmp_path / "shm", RUN, 0)
+    with open(reader.data_path(d.slot), "r+b") as f:  # seq_end != seq_begin
+        f.seek(16)
+        f.write(struct.pack("<Q", 0))
+    with reader.open(d) as snap:
+        assert snap is None
+    sidecar = _sidecar(tmp_path)
+    try:
+        assert sidecar.run_once() == 0
+    finally:
+        sidecar.close()
+    assert list_checkpoints(LocalStorage(tmp_path / "store"), RUN) == []
+
+
+@pytest.mark.distributed
+def test_half_written_snapshot_is_never_persisted(tmp_path: Path) -> None:
+    """A trainer SIGKILLed in the middle of copying snapshot 2: the persister writes
+    snapshot 1 (complete), never the torn one."""
+    out = tmp_path / "job"
+    codes = h.launch(w.shm_half_write, 1, out, str(tmp_path / "shm"), timeout=60)
+    assert codes == [-signal.SIGKILL]
+    assert (out / "first_done").exists()
+    reader = ShmReader(tmp_path / "shm", RUN, 0)
+    complete = reader.complete()
+    assert [d.step for d in complete] == [1]
+    torn = 1 - complete[0].slot
+    assert not reader.desc_path(torn).exists()
+    raw = reader.data_path(torn).read_bytes()[:HEADER_BYTES]
+    _, begin, end, _ = struct.unpack_from("<8sQQQ", raw)
+    assert (begin, end) == (2, 0)  # started, never finished
+    assert not reader.trainer_alive()
+    sidecar = _sidecar(tmp_path)
+    try:
+        assert sidecar.run_once() == 1
+        assert sidecar.run_once() == 0
+    finally:
+        sidecar.close()
+    store = LocalStorage(tmp_path / "store")
+    records = list_checkpoints(store, RUN, include_heartbeat=False)
+    assert [(r.step, r.status.value) for r in records] == [(1, "valid")]
+    assert load_check(store, RUN, records[0].id).ok
+
+
+def test_one_sidecar_commits_the_parts_of_every_rank_it_serves(tmp_path: Path) -> None:
+    """A pod with two ranks and one sidecar: rank 1's snapshot appears while the sidecar
+    already waits in rank 0's commit; it writes rank 1's part meanwhile and commits both.
+    A part of another save attempt (other token) is never taken."""
+    import threading
+
+    from ckpt_agent.manifest import read_checkpoint
+
+    w0 = ShmWriter(tmp_path / "shm", RUN, 0, world_size=2)
+    w1 = ShmWriter(tmp_path / "shm", RUN, 1, world_size=2)
+
+    def sections(rank: int, token: str) -> dict[str, object]:
+        return {"progress": {"step": 5, "rank": rank, "token": token}, **_state(float(rank))}
+
+    assert w0.write(5, Tier.PULSE, sections(0, "t1"), meta={"token": "t1"}) is not None
+    timer = threading.Timer(
+        0.5, lambda: w1.write(5, Tier.PULSE, sections(1, "t1"), meta={"token": "t1"})
+    )
+    sidecar = _sidecar(tmp_path)
+    sidecar.options.commit_timeout_s = 30
+    timer.start()
+    try:
+        assert sidecar.run_once() >= 1
+    finally:
+        timer.join()
+        sidecar.close()
+        w0.close()
+        w1.close()
+    store = LocalStorage(tmp_path / "store")
+    records = list_checkpoints(store, RUN, include_heartbeat=False)
+    assert [(r.step, r.world_size, r.status.value) for r in records] == [(5, 2, "valid")]
+    committed, m1 = read_checkpoint(store, RUN, records[0].id, 1)
+    assert [r.rank for r in committed.commit.ranks] == [0, 1]
+    assert m1.state["progress"]["token"] == "t1"
