@@ -50,8 +50,8 @@ namespace, uid, labels/annotations and ``['key']`` forms, spec.nodeName,
 spec.serviceAccountName, status.podIP/hostIP/podIPs), ``secretKeyRef``,
 ``configMapKeyRef``, ``resourceFieldRef`` (limits/requests of cpu, memory,
 ephemeral-storage with ``divisor``; unset limits fall back to this machine's size).
-Then ``extra_env``, and ``CKPT_E2E_POD_NAME``, ``CKPT_E2E_POD_NAMESPACE``,
-``CKPT_E2E_PATH_MAP``.
+Then ``extra_env``, and ``CKPT_E2E_CONTAINER``, ``CKPT_E2E_POD_NAME``,
+``CKPT_E2E_POD_NAMESPACE``, ``CKPT_E2E_PATH_MAP``.
 
 **Process.** argv is ``command + args`` after ``$(VAR)`` expansion and path translation (a
 container without ``command`` is an error: there is no image entrypoint). ``argv[0]`` of
@@ -59,11 +59,20 @@ container without ``command`` is an error: there is no image entrypoint). ``argv
 overrides such mappings. It runs in its own process group, in the translated
 ``workingDir`` or ``<pod dir>/cwd``, stdout+stderr to ``<pod dir>/<container>.log``.
 
+**The container.** Every process the container starts carries ``CKPT_E2E_CONTAINER=
+<pod uid>/<container>`` in its environment, so the harness finds all of them, also
+those that left the process group (e.g. a helper started with ``start_new_session``).
+As with a real container (one PID namespace / cgroup), when the main process exits,
+whatever it left behind is SIGKILLed before the exit is reported; :meth:`LocalPod.kill`
+and :meth:`LocalPod.signal_container` act on all of them (SIGSTOP/SIGCONT freeze and
+thaw the container like the cgroup freezer).
+
 **Deletion.** While the process runs the pod carries the annotation
 ``e2e.ckpt.dev/local-process=<pid>``; kwok's delete stage skips such pods. When the pod
 gets a ``deletionTimestamp`` (``kubectl delete``, eviction/drain, garbage collection) or
-disappears, the process group gets SIGTERM and, after
-``terminationGracePeriodSeconds``, SIGKILL. Then the exit is reported and the annotation
+disappears, the main process gets SIGTERM (like a container runtime, which signals the
+container's init process only) and, after ``terminationGracePeriodSeconds``, every
+process of the container SIGKILL. Then the exit is reported and the annotation
 removed, and kwok completes the deletion.
 
 **Exit report.** Through the ``pods/status`` subresource, like a kubelet: the container's
@@ -105,6 +114,8 @@ if TYPE_CHECKING:
     from .cluster import LocalCluster
 
 LOCAL_PROCESS_ANNOTATION = "e2e.ckpt.dev/local-process"
+#: Environment marker of every process a local container started (see "The container").
+CONTAINER_ENV = "CKPT_E2E_CONTAINER"
 PYTORCH_CONTAINER = "pytorch"
 _PATH_CHARS = "A-Za-z0-9_.-"
 
@@ -260,6 +271,26 @@ def _write_atomic(path: Path, data: bytes, mode: int | None) -> bool:
         tmp.chmod(mode)
     os.replace(tmp, path)
     return True
+
+
+def container_pids(marker: str) -> list[int]:
+    """Processes (other than this one) whose environment carries ``CONTAINER_ENV=marker``."""
+    needle = f"{CONTAINER_ENV}={marker}".encode() + b"\0"
+    out: list[int] = []
+    me = os.getpid()
+    with contextlib.suppress(OSError):
+        entries = os.listdir("/proc")
+        for entry in entries:
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            if needle in env or env.endswith(needle[:-1]):
+                out.append(int(entry))
+    return out
 
 
 # ---------------------------------------------------------------------------- exit report
@@ -516,23 +547,57 @@ class LocalPod:
         assert self.exit_code is not None
         return self.exit_code
 
+    @property
+    def marker(self) -> str:
+        return f"{self.pod.get('metadata', {}).get('uid', self.name)}/{self.container['name']}"
+
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the process group (e.g. SIGKILL to simulate a crash)."""
         if self.process is not None:
             self.process.signal_group(sig)
 
+    def signal_container(self, sig: int) -> None:
+        """Send ``sig`` to every process of the container (group and escaped helpers)."""
+        if self.process is None:
+            return
+        self.process.signal_group(sig)
+        for pid in container_pids(self.marker):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
     def kill(self) -> None:
-        self.signal(signal.SIGKILL)
+        """SIGKILL the whole container (a crash / OOM kill of the container)."""
+        self.signal_container(signal.SIGKILL)
+
+    def _terminate(self) -> None:
+        """SIGTERM to the main process only (what a container runtime does)."""
+        if self.process is not None and self.process.running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.process.pid, signal.SIGTERM)
+
+    def _sweep(self, timeout: float = 5.0) -> None:
+        """SIGKILL whatever the container left behind and wait until it is gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = container_pids(self.marker)
+            if not pids or time.monotonic() > deadline:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Terminate the process (SIGTERM, then SIGKILL) and wait for the report."""
+        """Terminate the container (SIGTERM, then SIGKILL) and wait for the report."""
         if self.process is None or self._done.is_set():
+            self._sweep()
             self._cleanup_shm()
             return
-        self.signal(signal.SIGTERM)
+        self._terminate()
         if not self._done.wait(min(timeout, self.process.grace)):
             self.kill()
             self._done.wait(timeout)
+        self._sweep()
         self._cleanup_shm()
 
     def __enter__(self) -> Self:
@@ -753,6 +818,7 @@ class LocalPod:
             "KUBERNETES_SERVICE_PORT": str(self.cluster.ports.get("apiserver", "")),
             **translated,
             **self.extra_env,
+            CONTAINER_ENV: self.marker,
             "CKPT_E2E_POD_NAME": self.name,
             "CKPT_E2E_POD_NAMESPACE": self.namespace,
             "CKPT_E2E_PATH_MAP": json.dumps({k: str(v) for k, v in self.paths.items()}),
@@ -826,16 +892,17 @@ class LocalPod:
                         grace = self.process.grace
                         if pod and pod["metadata"].get("deletionGracePeriodSeconds") is not None:
                             grace = float(pod["metadata"]["deletionGracePeriodSeconds"])
-                        self.process.signal_group(signal.SIGTERM)
+                        self._terminate()
                         term_deadline = time.monotonic() + grace
                     elif time.monotonic() > term_deadline:
-                        self.process.signal_group(signal.SIGKILL)
+                        self.signal_container(signal.SIGKILL)
                 if pod is not None and not self.pod_deleted:
                     with contextlib.suppress(Exception):
                         self._refresh(pod, full=polls % 5 == 0)
             rc = self.process.wait()
             self.exit_code = 128 - rc if rc < 0 else rc
             self.process.stop(grace=0)  # sweep what is left of the process group, close log
+            self._sweep()  # ... and of the container (helpers in other sessions)
             if not self.pod_deleted:
                 try:
                     self.reported_status = report_container_exit(

@@ -3,22 +3,34 @@
 * ``cluster`` (session): one LocalCluster (etcd, kube-apiserver, controller-manager,
   scheduler, kwok, training-operator) for the whole session.
 * ``namespace`` (function): a fresh namespace per test, deleted afterwards.
+* ``stack`` (session): the chart installed with the real ``helm`` (namespace
+  ``ckpt-system``) and the operator running as a local process in its Deployment's
+  place, as the chart's ServiceAccount (see ``ckpt_e2e.stack``).
+* ``operator`` (function): that operator, (re)started if a previous test killed it; after
+  the test, its log must hold no RBAC refusal (403) from the API server.
+* ``scenario`` (function): a namespace with a checkpoint PVC, helpers to apply policies
+  and PyTorchJobs, and pod runners that run the training pods (``ckpt_e2e.scenario``).
+* ``minio`` (session): a real MinIO server (built by ``e2e/build-tools.sh minio``).
 * ``--keep-cluster``: leave the cluster running after the session (prints KUBECONFIG and
   the ``python -m ckpt_e2e down ...`` command that stops it); test namespaces are kept.
 
 Binaries come from ``e2e/build-tools.sh`` (run it before pytest: a cold build takes far
-longer than a test's timeout). A failed test gets the tails of the component logs and
-the events of its namespace appended to its report; the cluster workdir is then kept.
+longer than a test's timeout). A failed test gets the tails of the component logs, the
+operator's log since the test started and the events of its namespace appended to its
+report; the cluster workdir is then kept.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
 import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -27,9 +39,12 @@ if str(_E2E) not in sys.path:  # e2e/ is a source root; fallback when pythonpath
     sys.path.insert(0, str(_E2E))
 
 from ckpt_e2e import LocalCluster  # noqa: E402
+from ckpt_e2e.scenario import Scenario  # noqa: E402
+from ckpt_e2e.stack import OperatorProcess, Stack  # noqa: E402
 
 _failed_key = pytest.StashKey[bool]()
 _notes_key = pytest.StashKey[list[str]]()
+_op_offset_key = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -88,6 +103,58 @@ def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator
         cluster.delete_namespace(name, wait=False)
 
 
+@pytest.fixture(scope="session")
+def stack(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    st = Stack.up(cluster)
+    yield st
+    if _keep(request.config):  # stays up with the cluster; ``ckpt_e2e down`` stops it too
+        st.operator.release()
+    else:
+        st.down()
+
+
+@pytest.fixture
+def operator(stack: Stack, request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
+    op = stack.operator
+    if not op.running:
+        op.start()
+    offset = op.log_offset()
+    request.node.stash[_op_offset_key] = offset
+    yield op
+    # Least privilege, checked in use: the chart's RBAC sufficed for everything it did.
+    refused = op.forbidden_lines(offset)
+    assert not refused, "the API server refused the operator (RBAC):\n" + "\n".join(refused)
+
+
+@pytest.fixture
+def scenario(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess
+) -> Iterator[Scenario]:
+    sc = Scenario(cluster, namespace, operator)
+    yield sc
+    sc.close()
+
+
+def _load_s3_servers() -> ModuleType:
+    """tests/ckpt_agent/storage/s3_servers.py (MinIO/Toxiproxy helpers of the storage tests)."""
+    path = _E2E.parent / "tests" / "ckpt_agent" / "storage" / "s3_servers.py"
+    spec = importlib.util.spec_from_file_location("ckpt_s3_servers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    servers = _load_s3_servers()
+    bin_dir = servers.build_tool("minio")
+    server = servers.start_minio(bin_dir, tmp_path_factory.mktemp("minio"))
+    yield server
+    server.stop()
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
@@ -99,6 +166,12 @@ def pytest_runtest_makereport(
         c = funcargs.get("cluster")
         if isinstance(c, LocalCluster) and c.procs:
             report.sections.append(("ckpt-e2e component logs", c.diagnostics(max_bytes=3000)))
+            op = funcargs.get("operator")
+            if isinstance(op, OperatorProcess):
+                offset = item.stash.get(_op_offset_key, 0)
+                text = op.log_since(offset)
+                text = "\n".join(ln for ln in text.splitlines() if "GET /healthz" not in ln)
+                report.sections.append(("ckpt-operator log (this test)", text[-12000:]))
             ns = funcargs.get("namespace")
             if isinstance(ns, str):
                 ev = c.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False)

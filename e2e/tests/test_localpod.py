@@ -226,3 +226,73 @@ def test_sigkill_reports_137(cluster: LocalCluster, namespace: str) -> None:
     pod = cluster.get_json("pod", "crash", "-n", namespace)
     assert pod["status"]["phase"] == "Failed"
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 137
+
+
+# Main process + a child in its process group (records a SIGTERM) + a helper that left
+# the group (start_new_session, like a persister meant to outlive a trainer crash).
+CONTAINER_PROGRAM = r"""
+import os, pathlib, signal, subprocess, sys, time
+out = pathlib.Path(os.environ["OUT"])
+child_code = (
+    "import pathlib, signal, sys, time\n"
+    "def t(*_):\n"
+    "    pathlib.Path(sys.argv[1]).write_text('child got SIGTERM')\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, t)\n"
+    "time.sleep(300)\n"
+)
+child = subprocess.Popen([sys.executable, "-c", child_code, str(out / "child-term")])
+helper = subprocess.Popen(
+    [sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True
+)
+def term(*_):
+    (out / "main-term").write_text("1")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+(out / "pids").write_text(f"{child.pid} {helper.pid}")
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_deletion_signals_the_main_process_and_nothing_outlives_the_container(
+    cluster: LocalCluster, namespace: str
+) -> None:
+    container = {
+        "name": "main",
+        "image": "none",
+        "command": ["python3", "-c", CONTAINER_PROGRAM],
+        "env": [{"name": "OUT", "value": "/out"}],
+        "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+    }
+    cluster.kubectl(
+        "create",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=_pod("box", [container], [{"name": "out", "emptyDir": {}}]),
+    )
+    lp = LocalPod(cluster, namespace, "box", timeout=60).start()
+    try:
+        pids_file = lp.local_path("/out/pids")
+        cluster.wait_for(pids_file.exists, timeout=30, what="helpers started")
+        child, helper = (int(p) for p in pids_file.read_text().split())
+        assert _alive(child) and _alive(helper)
+        cluster.kubectl("delete", "pod", "box", "-n", namespace, "--wait=false")
+        assert lp.wait(30) == 0
+        # like a container runtime: SIGTERM to the main process only ...
+        assert lp.local_path("/out/main-term").exists()
+        assert not lp.local_path("/out/child-term").exists()
+        # ... and when it is gone, nothing it started survives (helper included)
+        assert not _alive(child) and not _alive(helper)
+    finally:
+        lp.stop()
