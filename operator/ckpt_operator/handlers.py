@@ -112,10 +112,11 @@ def on_probe(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- policies
 
 
-async def on_policy(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+async def on_policy(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     rt = _rt(memo)
-    status = await reconcile_policy(rt.deps, _raw(body))
-    patch.status.update(status)
+    # writes Ready itself (guarded read-modify-write, see service.write_policy_status):
+    # kopf's status patch would replace the conditions the retention loop writes
+    await reconcile_policy(rt.deps, _raw(body))
     rt.retention.upsert(_raw(body))
 
 

@@ -65,7 +65,11 @@ class KubeApi(Protocol):
 
     async def get_policy(self, namespace: str, name: str) -> Obj | None: ...
 
-    async def patch_policy_status(self, namespace: str, name: str, status: Obj) -> None: ...
+    async def patch_policy_status(
+        self, namespace: str, name: str, status: Obj, *, resource_version: str | None = None
+    ) -> None:
+        """Merge-patch the status; with ``resource_version`` a precondition (409 if stale)."""
+        ...
 
     async def apply_config_map(self, body: Obj) -> None:
         """Create, or replace the data of, a ConfigMap."""
@@ -212,7 +216,12 @@ class KubernetesApi:
         except NotFoundError:
             return None
 
-    async def patch_policy_status(self, namespace: str, name: str, status: Obj) -> None:
+    async def patch_policy_status(
+        self, namespace: str, name: str, status: Obj, *, resource_version: str | None = None
+    ) -> None:
+        body: Obj = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         await self._call(
             self._custom.patch_namespaced_custom_object_status,
             POLICY_GROUP,
@@ -220,7 +229,7 @@ class KubernetesApi:
             namespace,
             POLICY_PLURAL,
             name,
-            {"status": status},
+            body,
         )
 
     # ------------------------------------------------------------------ core
@@ -246,13 +255,22 @@ class KubernetesApi:
             if token:
                 kwargs["_continue"] = token
             page = await self._raw(self._core.list_pod_for_all_namespaces, **kwargs)
-            items += page.get("items") or []
+            for item in page.get("items") or []:
+                # list items carry no kind/apiVersion; Events about them need both
+                item.setdefault("apiVersion", "v1")
+                item.setdefault("kind", "Pod")
+                items.append(item)
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return items
 
     async def patch_pod(self, namespace: str, name: str, patch: Obj) -> None:
         await self._call(self._core.patch_namespaced_pod, name, namespace, patch)
+
+    def post_event(self, body: Obj) -> None:
+        """Create a core/v1 Event (blocking; see :class:`ckpt_operator.events.KopfEvents`)."""
+        namespace = str((body.get("metadata") or {}).get("namespace") or "default")
+        self._core.create_namespaced_event(namespace, cast(Any, body))
 
     async def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         try:

@@ -85,8 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         read_secrets=cfg.read_storage_secrets,
         gc_grace_s=cfg.retention.gc_grace_s,
     )
-    deps = Deps(api=api, events=KopfEvents(), metrics=metrics, sources=sources, config=cfg)
+    events = KopfEvents(post=api.post_event)
+    deps = Deps(api=api, events=events, metrics=metrics, sources=sources, config=cfg)
     registry = register(kopf.OperatorRegistry(), webhooks=cfg.webhook.enabled)
+    # An explicit registry has no login handlers (only kopf's implicit default registry
+    # adds them): without this kopf never authenticates ("Ran out of valid credentials").
+    # The official client's login: in-cluster service account, else $KUBECONFIG.
+    kopf.on.login(registry=registry, id="login")(kopf.login_via_client)
     try:
         kopf.run(
             registry=registry,

@@ -31,7 +31,7 @@ from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.recovery import is_poisoned, plan_recovery, walk
 from ckpt_operator import constants as c
-from ckpt_operator.jobs import JobFacts, job_facts
+from ckpt_operator.jobs import JobFacts, job_facts, parse_time
 
 __all__ = [
     "GiveUp",
@@ -47,10 +47,21 @@ __all__ = [
     "plan_restart",
     "precheck_restart",
     "restart_name",
+    "terminating_pods_wait",
 ]
 
 #: PyTorchJob names must be DNS-1035 labels (the training-operator derives pod names from them).
 MAX_JOB_NAME = 63
+
+#: Resolution of ``metadata.creationTimestamp`` (RFC 3339, whole seconds).
+CREATION_TIMESTAMP_RESOLUTION_S = 1.0
+
+#: How long past a terminating pod's ``deletionTimestamp`` (request time + grace period)
+#: the planner keeps waiting for it: the kubelet needs a moment to report the exit and
+#: remove the pod; a pod on a lost node never reports, so waiting must end.
+TERMINATION_MARGIN_S = 15.0
+#: How often the planner looks again while pods are terminating.
+TERMINATION_RECHECK_S = 1.0
 
 #: Annotations never copied onto the restarted job.
 _DROP_ANNOTATIONS = frozenset({"kubectl.kubernetes.io/last-applied-configuration"})
@@ -94,11 +105,46 @@ def crash_loop_checkpoint(
         if rec is None:
             return facts.resume_from  # resumed from something that is gone: do not retry it
         resume_step = rec.step
-    since = facts.created_at or 0.0
+    # creationTimestamp has one-second resolution: the job was really created somewhere in
+    # [T, T + 1). The previous run's last heartbeats can fall in that same second (a quick
+    # restart); nothing of the new run can (its pod is not even scheduled yet).
+    since = (facts.created_at or 0.0) + CREATION_TIMESTAMP_RESOLUTION_S
     reached = [r.step for r in records if r.created_at >= since and r.step > resume_step]
     reached += [step for step, t in progress if t >= since and step > resume_step]
     last = max(reached) if reached else None
     return facts.resume_from if is_poisoned(resume_step, last) else None
+
+
+def terminating_pods_wait(
+    pods: Sequence[Mapping[str, Any]],
+    now: float,
+    margin_s: float = TERMINATION_MARGIN_S,
+) -> tuple[float, float, tuple[str, ...]] | None:
+    """``(recheck in, give up waiting in, pod names)`` while the job's pods are terminating.
+
+    The training-operator counts a pod that is being deleted (eviction, drain, preemption)
+    as failed right away and marks the job Failed, while the pod is still in its grace
+    period, where the agent writes its emergency (SIGTERM) checkpoint. Planning then would
+    miss that checkpoint. A terminating pod is one with a ``deletionTimestamp`` whose
+    phase is not final; waiting for it ends at its ``deletionTimestamp`` plus
+    ``margin_s``. None: nothing to wait for.
+    """
+    waits: list[float] = []
+    names: list[str] = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        deadline = parse_time(meta.get("deletionTimestamp"))
+        if deadline is None:
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        left = deadline + margin_s - now
+        if left > 0:
+            waits.append(left)
+            names.append(str(meta.get("name")))
+    if not waits:
+        return None
+    return min(TERMINATION_RECHECK_S, max(waits)), max(waits), tuple(sorted(names))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from ckpt_operator.restart import (
     Wait,
     plan_restart,
     precheck_restart,
+    terminating_pods_wait,
 )
 from ckpt_operator.retention_reconcile import Deletion, plan_policy_retention, retention_status
 from ckpt_operator.sources import SourceFactory
@@ -55,10 +56,14 @@ __all__ = [
     "signal_node",
     "signal_pod",
     "validate_policy",
+    "write_policy_status",
 ]
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
+
+#: Attempts of an optimistic (resourceVersion-guarded) policy status write.
+STATUS_WRITE_ATTEMPTS = 3
 
 
 @dataclass
@@ -180,17 +185,63 @@ async def inject_pod(
 # --------------------------------------------------------------------------- policies
 
 
+async def write_policy_status(
+    deps: Deps,
+    namespace: str,
+    name: str,
+    build: Callable[[Mapping[str, Any]], Obj],
+) -> Obj | None:
+    """Read-modify-write of a policy's status, guarded by its ``resourceVersion``.
+
+    ``build(current policy) -> status patch``. Two writers share the status (the policy
+    handler's ``Ready``, the retention loop's ``Reconciled`` and counts) and a merge
+    patch replaces the whole ``conditions`` list, so each builds on the *current* status
+    and a concurrent write makes it retry (409) instead of erasing the other's condition
+    (found on the real control plane: a policy that never became Ready). Returns the
+    status written, None if the policy is gone; raises :class:`ConflictError` if it kept
+    changing (the caller is retried: kopf's handler, the retention loop's next pass).
+    """
+    for _ in range(STATUS_WRITE_ATTEMPTS):
+        current = await deps.api.get_policy(namespace, name)
+        if current is None:
+            return None
+        status = build(current)
+        try:
+            await deps.api.patch_policy_status(
+                namespace,
+                name,
+                status,
+                resource_version=(current.get("metadata") or {}).get("resourceVersion"),
+            )
+            return status
+        except ConflictError:
+            continue
+    raise ConflictError(409, f"policy {namespace}/{name}: status kept changing; not written")
+
+
 async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
-    """Validate, publish the agent ConfigMap, wake jobs waiting for it; returns the status patch."""
+    """Validate, publish the agent ConfigMap, wake jobs waiting for it, write ``Ready``.
+
+    Returns the status written (or, when the policy is gone, the one computed from
+    ``policy``).
+    """
     meta = policy.get("metadata") or {}
     name, namespace = str(meta.get("name")), str(meta.get("namespace"))
     spec, errors = parse_policy_spec(policy.get("spec"))
-    status = policy_ready_status(
-        policy.get("status"), generation=meta.get("generation"), errors=errors, now=deps.clock()
-    )
+    now = deps.clock()
+
+    async def write_ready() -> Obj:
+        def build(current: Mapping[str, Any]) -> Obj:
+            return policy_ready_status(
+                current.get("status"), generation=meta.get("generation"), errors=errors, now=now
+            )
+
+        written = await write_policy_status(deps, namespace, name, build)
+        return written if written is not None else build(policy)
+
     if spec is None:
         deps.events.emit(policy, "Warning", "InvalidSpec", "; ".join(errors))
-        return status
+        return await write_ready()
     await deps.api.apply_config_map(build_config_map(name, namespace, spec, meta.get("uid")))
     for job in await deps.api.list_jobs(namespace):
         facts = job_facts(job)
@@ -201,7 +252,7 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
         ):
             await _set_job_status(deps, job, "Watching", "PolicyFound", f"using policy {name}")
             deps.events.emit(job, "Normal", "PolicyFound", f"CheckpointPolicy {name} now exists")
-    return status
+    return await write_ready()
 
 
 # --------------------------------------------------------------------------- jobs
@@ -280,6 +331,9 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     now = deps.clock()
     outcome = precheck_restart(job, spec.recovery, now)
     if outcome is None:
+        waiting = await _wait_for_terminating_pods(deps, job, now)
+        if waiting is not None:
+            return waiting
         assert facts.policy is not None
         source = await deps.sources(facts.namespace, facts.policy, spec)
         records = await asyncio.to_thread(source.list_checkpoints, facts.run_id)
@@ -312,6 +366,36 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     assert isinstance(outcome, Restart)
     await _restart(deps, job, outcome)
     return None
+
+
+async def _wait_for_terminating_pods(
+    deps: Deps, job: Mapping[str, Any], now: float
+) -> float | None:
+    """Seconds until the next look while the failed job's pods are still terminating.
+
+    They may be writing an emergency checkpoint (see
+    :func:`ckpt_operator.restart.terminating_pods_wait`); planning waits for them.
+    """
+    facts = job_facts(job)
+    pods = [
+        p
+        for p in await deps.api.list_pods(
+            node_name=None, label_selector=f"{c.LABEL_TO_JOB_NAME}={facts.name}"
+        )
+        if (p.get("metadata") or {}).get("namespace") == facts.namespace
+    ]
+    wait = terminating_pods_wait(pods, now)
+    if wait is None:
+        return None
+    recheck, longest, names = wait
+    if facts.status is None or facts.status.reason != "PodsTerminating":
+        message = (
+            f"waiting up to {longest:.0f}s for pod(s) {', '.join(names)} to finish "
+            "terminating: they may still be writing an emergency checkpoint"
+        )
+        deps.events.emit(job, "Normal", "BackingOff", message)
+        await _set_job_status(deps, job, "BackingOff", "PodsTerminating", message)
+    return recheck
 
 
 async def _restart(deps: Deps, job: Mapping[str, Any], outcome: Restart) -> None:
@@ -482,21 +566,26 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
         deps.metrics.retention_bytes.inc(gc.bytes_freed)
     for warning in plan.warnings:
         log.warning("retention %s/%s: %s", namespace, name, warning)
-    status = retention_status(
-        plan, deleted=deleted, previous=policy.get("status"), jobs=len(jobs), now=now
-    )
-    status["conditions"] = set_condition(
-        (policy.get("status") or {}).get("conditions"),
-        "Reconciled",
-        "False" if problems else "True",
-        "StorageErrors" if problems else "RetentionApplied",
-        "; ".join(problems)[:2000]
-        if problems
-        else (f"{len(deleted)} checkpoint(s) deleted, {blobs} unreferenced blob(s) collected"),
-        now=now,
-        observed_generation=meta.get("generation"),
-    )
-    await deps.api.patch_policy_status(namespace, name, status)
+
+    def build(current: Mapping[str, Any]) -> Obj:
+        previous = current.get("status")
+        status = retention_status(plan, deleted=deleted, previous=previous, jobs=len(jobs), now=now)
+        status["conditions"] = set_condition(
+            (previous or {}).get("conditions"),
+            "Reconciled",
+            "False" if problems else "True",
+            "StorageErrors" if problems else "RetentionApplied",
+            "; ".join(problems)[:2000]
+            if problems
+            else (f"{len(deleted)} checkpoint(s) deleted, {blobs} unreferenced blob(s) collected"),
+            now=now,
+            observed_generation=(current.get("metadata") or {}).get("generation"),
+        )
+        return status
+
+    status = await write_policy_status(deps, namespace, name, build)
+    if status is None:
+        return None  # the policy was deleted meanwhile
     if deleted:
         ids = ", ".join(f"{d.run_id}/{d.checkpoint_id}" for d in deleted[:10])
         more = f" (+{len(deleted) - 10} more)" if len(deleted) > 10 else ""

@@ -146,12 +146,23 @@ class FakeApi:
         p = self.policies.get((namespace, name))
         return copy.deepcopy(p) if p is not None else None
 
-    async def patch_policy_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def patch_policy_status(
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        *,
+        resource_version: str | None = None,
+    ) -> None:
         self.calls.append(("patch_policy_status", (name, status)))
         p = self.policies.get((namespace, name))
         if p is None:
             raise NotFoundError(404, name)
+        meta = p.setdefault("metadata", {})
+        if resource_version is not None and resource_version != meta.get("resourceVersion"):
+            raise ConflictError(409, f"{name}: resourceVersion {resource_version} is stale")
         p.setdefault("status", {}).update(copy.deepcopy(status))
+        meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
 
     async def apply_config_map(self, body: dict[str, Any]) -> None:
         self.calls.append(("apply_config_map", body["metadata"]["name"]))

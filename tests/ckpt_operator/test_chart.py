@@ -275,6 +275,33 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
     assert "checksum/webhook-cert" in annotations
 
 
+@pytest.mark.parametrize(
+    ("url", "san_type", "san"),
+    [
+        ("https://127.0.0.1:9443", x509.IPAddress, "127.0.0.1"),
+        ("https://ckpt.example.org:8443/", x509.DNSName, "ckpt.example.org"),
+    ],
+)
+def test_webhook_url_mode_for_an_operator_outside_the_cluster(
+    url: str, san_type: type[x509.GeneralName], san: str
+) -> None:
+    objs = render(f"webhook.url={url}")
+    base = url.rstrip("/")
+    (hook,) = only(objs, "MutatingWebhookConfiguration")["webhooks"]
+    (vhook,) = only(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert "service" not in hook["clientConfig"] and "service" not in vhook["clientConfig"]
+    assert hook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_INJECT_ID}"
+    assert vhook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_VALIDATE_ID}"
+    secret = only(objs, "Secret")
+    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    values = [str(v) for v in sans.get_values_for_type(san_type)]
+    assert san in values
+    # the in-cluster names stay valid too
+    assert f"ckpt-ckpt-operator-webhook.{NS}.svc" in sans.get_values_for_type(x509.DNSName)
+
+
 def test_cert_manager_mode() -> None:
     objs = render("webhook.certificate.source=certManager")
     assert {"Certificate", "Issuer"} <= kinds(objs) and "Secret" not in kinds(objs)
@@ -385,6 +412,7 @@ def test_maps_render_as_lists() -> None:
         "replicaCount=2",
         "operator.logFormat=xml",
         "webhook.certificate.source=vault",
+        "webhook.url=http://127.0.0.1:9443",
         "unknownTopLevel=1",
     ],
 )

@@ -157,6 +157,20 @@ def test_progress_after_the_restart_is_not_a_crash_loop(
     assert crash_loop_checkpoint(facts, history(rec), [(1200, R1_CREATED + 5)]) is not None
 
 
+def test_the_previous_runs_last_second_is_not_progress_of_the_restart(
+    fixture: Any, rec: Callable[..., CheckpointRecord]
+) -> None:
+    """Found on the real control plane: creationTimestamp is truncated to the second, so
+    heartbeats the killed run wrote just before a quick restart carry times >= it."""
+    facts = job_facts(fixture("pytorchjob_r1_failed.json"))
+    heartbeats = [(1250, R1_CREATED + 0.3), (1251, R1_CREATED + 0.6)]
+    assert crash_loop_checkpoint(facts, history(rec), heartbeats) == "pulse_step_000000001200"
+    late = [*history(rec), rec("pulse", 1300, created_at=R1_CREATED + 0.9)]
+    assert crash_loop_checkpoint(facts, late) == "pulse_step_000000001200"
+    # from the next second on it is the restart's own progress
+    assert crash_loop_checkpoint(facts, history(rec), [(1201, R1_CREATED + 1.2)]) is None
+
+
 def test_poisoned_list_accumulates_across_the_chain(
     fixture: Any, rec: Callable[..., CheckpointRecord]
 ) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from ckpt_agent.records import CheckpointStatus
 from ckpt_operator import constants as c
-from ckpt_operator.jobs import job_facts, parse_time
+from ckpt_operator.jobs import format_time, job_facts, parse_time
 from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.kube import ApiError
 from ckpt_operator.service import (
@@ -140,6 +140,19 @@ def test_policy_reconcile_publishes_config_and_wakes_waiting_jobs(world: Any, fi
     assert world.events.reasons() == ["PolicyFound"]
 
 
+def test_policy_ready_is_written_without_erasing_the_retention_condition(
+    world: Any, fixture: Any
+) -> None:
+    stale = fixture("checkpointpolicy.json")  # the handler's body: no status yet
+    stale.pop("status", None)
+    stored = world.api.policies[("ml-team", "llm-finetune")]
+    stored["status"] = {"conditions": [{"type": "Reconciled", "status": "True"}], "jobs": 2}
+    run(reconcile_policy(world.deps, stale))
+    conditions = {cond["type"]: cond["status"] for cond in stored["status"]["conditions"]}
+    assert conditions == {"Reconciled": "True", "Ready": "True"}
+    assert stored["status"]["jobs"] == 2 and stored["status"]["observedGeneration"] == 1
+
+
 def test_invalid_policy_is_not_ready(world: Any, fixture: Any) -> None:
     policy = fixture("admission_review_policy.json")["request"]["object"]
     status = run(reconcile_policy(world.deps, policy))
@@ -220,6 +233,50 @@ def test_backoff_is_reported_once_and_waited(world: Any, fixture: Any, rec: Any)
     assert world.events.reasons() == ["JobFailed", "BackingOff"]
     assert world.api.called("create_job") == []
     world.clock.now = FAILED_AT + 11
+    assert run(recover_job(world.deps, job)) is None
+    assert world.api.called("create_job") == ["mnist-ddp-r1"]
+
+
+def _terminating_pod(fixture: Any, deletion_at: float) -> dict[str, Any]:
+    pod: dict[str, Any] = fixture("pod_terminating.json")
+    pod["metadata"]["deletionTimestamp"] = format_time(deletion_at)
+    return pod
+
+
+def test_restart_waits_for_pods_still_terminating(world: Any, fixture: Any, rec: Any) -> None:
+    """Found on the real control plane (drain): the training-operator counts a pod being
+    deleted as failed and marks the job Failed while the pod is still in its grace period,
+    writing its SIGTERM checkpoint. The restart waits for that pod (bounded)."""
+    checkpoints(world, rec)
+    job = world.api.add_job(fixture("pytorchjob_failed.json"))
+    world.api.add_pod(_terminating_pod(fixture, world.clock.now + 20))
+    assert run(recover_job(world.deps, job)) == pytest.approx(1.0)
+    assert world.api.called("create_job") == []
+    status = status_of(world, "mnist-ddp")
+    assert (status["state"], status["reason"]) == ("BackingOff", "PodsTerminating")
+    assert world.events.reasons() == ["JobFailed", "BackingOff"]
+    assert "mnist-ddp-worker-0" in world.events.events[-1].message
+    assert "emergency checkpoint" in world.events.events[-1].message
+    # looking again while it still terminates: no new Event
+    job = world.api.jobs[("ml-team", "mnist-ddp")]
+    assert run(recover_job(world.deps, job)) == pytest.approx(1.0)
+    assert world.events.reasons() == ["JobFailed", "BackingOff"]
+    # its exit is reported: the restart goes ahead
+    world.api.pods[("ml-team", "mnist-ddp-worker-0")]["status"]["phase"] = "Failed"
+    assert run(recover_job(world.deps, job)) is None
+    assert world.api.called("create_job") == ["mnist-ddp-r1"]
+
+
+def test_a_pod_stuck_terminating_does_not_block_the_restart(
+    world: Any, fixture: Any, rec: Any
+) -> None:
+    # e.g. on a node that is gone: past its deletionTimestamp + margin it no longer counts
+    checkpoints(world, rec)
+    job = world.api.add_job(fixture("pytorchjob_failed.json"))
+    world.api.add_pod(_terminating_pod(fixture, world.clock.now - 20))
+    other = _terminating_pod(fixture, world.clock.now + 60)
+    other["metadata"]["namespace"] = "someone-else"  # same job name, another namespace
+    world.api.add_pod(other)
     assert run(recover_job(world.deps, job)) is None
     assert world.api.called("create_job") == ["mnist-ddp-r1"]
 
@@ -422,6 +479,40 @@ def test_retention_storage_errors_are_reported(world: Any, fixture: Any, rec: An
     assert reconciled["status"] == "False" and "permission denied" in reconciled["message"]
     assert status["expiredCheckpoints"] == 1 and status["deletedByRetention"] == 0
     assert world.events.reasons() == ["RetentionErrors"]
+
+
+def test_retention_keeps_conditions_written_after_its_body_was_read(
+    world: Any, fixture: Any
+) -> None:
+    """Found on the real control plane: the retention loop's body predated the reconcile
+    handler's Ready condition, and its merge patch replaced the conditions list."""
+    stale = fixture("checkpointpolicy.json")
+    stale.pop("status", None)
+    stored = world.api.policies[("ml-team", "llm-finetune")]
+    stored["status"] = {"conditions": [{"type": "Ready", "status": "True", "reason": "Validated"}]}
+    stored["metadata"]["resourceVersion"] = "41"
+    status = run(reconcile_retention(world.deps, stale))
+    types = [cond["type"] for cond in status["conditions"]]
+    assert types == ["Ready", "Reconciled"]
+    assert [cond["type"] for cond in stored["status"]["conditions"]] == types
+
+
+def test_retention_status_write_retries_on_a_conflict(world: Any, fixture: Any) -> None:
+    stored = world.api.policies[("ml-team", "llm-finetune")]
+    stored["metadata"]["resourceVersion"] = "7"
+    original = world.api.patch_policy_status
+    calls = {"n": 0}
+
+    async def racing(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:  # someone else writes first
+            stored["metadata"]["resourceVersion"] = "8"
+        await original(*args, **kwargs)
+
+    world.api.patch_policy_status = racing
+    status = run(reconcile_retention(world.deps, fixture("checkpointpolicy.json")))
+    assert calls["n"] == 2 and status["conditions"][-1]["type"] == "Reconciled"
+    assert stored["metadata"]["resourceVersion"] == "9"
 
 
 def test_retention_of_a_policy_without_jobs(world: Any, fixture: Any) -> None:

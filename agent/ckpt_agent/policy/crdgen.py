@@ -98,13 +98,32 @@ def _structural(node: Any) -> Any:
     return node
 
 
+def _with_nested_defaults(value: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """``value`` with the schema's nested defaults filled in (what the API server does)."""
+    out = copy.deepcopy(value)
+    for name, prop in schema.get("properties", {}).items():
+        if name not in out and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+        if isinstance(out.get(name), dict) and "properties" in prop:
+            out[name] = _with_nested_defaults(out[name], prop)
+    return out
+
+
 def _default_objects(node: dict[str, Any]) -> dict[str, Any]:
-    """Give object-typed properties ``default: {}`` so nested defaults are applied."""
+    """Give object-typed properties ``default: {}`` so nested defaults are applied.
+
+    An object that carries CEL rules gets its defaults spelled out instead: the API
+    server checks a CRD's default values against its CEL rules *without* applying the
+    nested defaults first, so ``{}`` fails a rule like ``self.importantScore <=
+    self.criticalScore`` ("no such key") and the CRD is rejected. Same resulting objects.
+    """
     for prop in node.get("properties", {}).values():
         if prop.get("type") == "object" and "properties" in prop:
+            _default_objects(prop)
             if not prop.get("nullable"):
                 prop.setdefault("default", {})
-            _default_objects(prop)
+                if prop.get("x-kubernetes-validations"):
+                    prop["default"] = _with_nested_defaults(prop["default"], prop)
         elif prop.get("type") == "object" and isinstance(prop.get("additionalProperties"), dict):
             _default_objects(prop["additionalProperties"])
         elif prop.get("type") == "array" and isinstance(prop.get("items"), dict):

@@ -115,7 +115,16 @@ upgrades do not rotate the CA under running API servers. Returns YAML: ca, crt, 
 {{- $days := int .Values.webhook.certificate.helm.validityDays }}
 {{- $ca := genCA (printf "%s-webhook-ca" (include "ckpt-operator.fullname" .)) $days }}
 {{- $dns := list (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) (printf "%s.%s" $svc $ns) $svc }}
-{{- $cert := genSignedCert (printf "%s.%s.svc" $svc $ns) nil $dns $days $ca }}
+{{- $ips := list }}
+{{- with .Values.webhook.url }}
+{{- $host := (urlParse .).hostname }}
+{{- if or (regexMatch "^[0-9.]+$" $host) (contains ":" $host) }}
+{{- $ips = append $ips $host }}
+{{- else if $host }}
+{{- $dns = append $dns $host }}
+{{- end }}
+{{- end }}
+{{- $cert := genSignedCert (printf "%s.%s.svc" $svc $ns) $ips $dns $days $ca }}
 {{- $_ := set $cache "ca" ($ca.Cert | b64enc) }}
 {{- $_ := set $cache "crt" ($cert.Cert | b64enc) }}
 {{- $_ := set $cache "key" ($cert.Key | b64enc) }}

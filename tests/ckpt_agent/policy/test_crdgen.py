@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from ckpt_agent.policy import crdgen
+from ckpt_agent.policy import CheckpointPolicySpec, RetentionSpec, crdgen
 
 
 def test_committed_crd_matches_the_models() -> None:
@@ -76,6 +76,9 @@ def test_schema_carries_the_validation_the_issue_asks_for() -> None:
     keep = spec["properties"]["retention"]["properties"]["importantKeep"]
     assert keep["minimum"] == 1
     assert spec["properties"]["storage"]["properties"]["s3"]["required"] == ["bucket"]
-    # nested objects default to {} so the API server fills nested defaults
-    assert spec["properties"]["tiers"]["default"] == {}
+    # nested objects default to {} so the API server fills nested defaults; objects with
+    # CEL rules spell their defaults out (the API server checks defaults against the rules)
+    assert spec["properties"]["compression"]["default"] == {}
+    assert spec["properties"]["tiers"]["default"] == CheckpointPolicySpec().tiers.to_wire()
+    assert spec["properties"]["retention"]["default"] == RetentionSpec().to_wire()
     assert pulse["baseInterval"]["default"] == 100
