@@ -802,10 +802,21 @@ class Checkpointer:
             files=files,
             approx_threshold=approx,
         )
-        self.scheduler.record_save(decision, step, stall_seconds=snap.stall_s)
-        self.metrics.stall.labels(tier=tier.value).observe(snap.stall_s)
+        self._record_snapshot(
+            decision, step, tier, snap.stall_s, bytes=snap.nbytes, approximate=snap.approximate
+        )
+        ok = self._persister.submit(_PersistJob(snap, decision, time.perf_counter()))
+        assert ok, "persister accepted no job although idle"
+        return checkpoint_id(tier, step)
+
+    def _record_snapshot(
+        self, decision: Decision, step: int, tier: Tier, stall_s: float, **details: Any
+    ) -> None:
+        """Book a taken snapshot: scheduler feedback, stall metrics/stats, the event."""
+        self.scheduler.record_save(decision, step, stall_seconds=stall_s)
+        self.metrics.stall.labels(tier=tier.value).observe(stall_s)
         self.stats.saves += 1
-        self.stats.stalls.append(snap.stall_s)
+        self.stats.stalls.append(stall_s)
         del self.stats.stalls[:-1000]
         self._event(
             "snapshot",
@@ -813,13 +824,9 @@ class Checkpointer:
             tier=tier,
             lightweight=decision.lightweight,
             emergency=decision.emergency,
-            approximate=snap.approximate,
-            stall_s=round(snap.stall_s, 6),
-            bytes=snap.nbytes,
+            stall_s=round(stall_s, 6),
+            **details,
         )
-        ok = self._persister.submit(_PersistJob(snap, decision, time.perf_counter()))
-        assert ok, "persister accepted no job although idle"
-        return checkpoint_id(tier, step)
 
     # ------------------------------------------------------------------ persister thread
 
@@ -1276,20 +1283,13 @@ class Checkpointer:
             )
             return None
         self._flash_pending[desc.seq] = (tier, checkpoint_id(tier, step))
-        self.scheduler.record_save(decision, step, stall_seconds=desc.stall_s)
-        self.metrics.stall.labels(tier=tier.value).observe(desc.stall_s)
-        self.stats.saves += 1
-        self.stats.stalls.append(desc.stall_s)
-        del self.stats.stalls[:-1000]
-        self._event(
-            "snapshot",
-            step=step,
-            tier=tier,
-            lightweight=decision.lightweight,
-            emergency=decision.emergency,
-            approximate=False,
-            stall_s=round(desc.stall_s, 6),
+        self._record_snapshot(
+            decision,
+            step,
+            tier,
+            desc.stall_s,
             bytes=desc.data_size,
+            approximate=False,
             shm_seq=desc.seq,
             shm_slot=desc.slot,
         )

@@ -9,6 +9,7 @@ posted directly through the API client instead.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -79,8 +80,13 @@ def test_a_failing_post_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -
     assert "could not post Event Injected" in caplog.text
 
 
-def test_without_a_poster_nothing_is_posted_and_nothing_raised() -> None:
-    KopfEvents().emit(JOB, "Normal", "Injected", "m")
+def test_without_a_poster_the_event_is_still_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    KopfEvents().emit(JOB, "Normal", "Injected", "injected the agent")
+    assert any(
+        r.getMessage().startswith("Injected") and "injected the agent" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
 
 
 def test_objects_without_uid_are_only_logged() -> None:
