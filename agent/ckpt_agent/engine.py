@@ -57,7 +57,6 @@ import torch
 
 from ckpt_agent import jsontree
 from ckpt_agent.catalog import Catalog
-from ckpt_agent.codec import CODEC_NONE
 from ckpt_agent.distributed import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
 from ckpt_agent.distributed import Comm, DecisionAgreement, LocalSignals, TwoPhaseCommit
 from ckpt_agent.fastshuffle import NUMPY_SHUFFLER
@@ -381,12 +380,7 @@ class Checkpointer:
         self.writer = CheckpointWriter(
             self.storage,
             self.run_id,
-            codec=CodecPolicy(
-                codec=comp.codec,
-                level=comp.level,
-                byte_shuffle=comp.byte_shuffle and comp.codec != CODEC_NONE,
-                min_size_bytes=comp.min_size_bytes,
-            ),
+            codec=CodecPolicy.from_spec(comp),
             index=self.index,
             shuffler=NUMPY_SHUFFLER,
         )

@@ -58,7 +58,6 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 from ckpt_agent.catalog import Catalog
-from ckpt_agent.codec import CODEC_NONE
 from ckpt_agent.fastshuffle import NUMPY_SHUFFLER
 from ckpt_agent.housekeeping import ManifestCache, apply_retention, gc_blobs
 from ckpt_agent.manifest import (
@@ -334,12 +333,7 @@ class Sidecar:
         self.writer = CheckpointWriter(
             self.storage,
             self.run_id,
-            codec=CodecPolicy(
-                codec=comp.codec,
-                level=comp.level,
-                byte_shuffle=comp.byte_shuffle and comp.codec != CODEC_NONE,
-                min_size_bytes=comp.min_size_bytes,
-            ),
+            codec=CodecPolicy.from_spec(comp),
             index=self.index,
             shuffler=NUMPY_SHUFFLER,
         )

@@ -58,6 +58,7 @@ from ckpt_agent.manifest import (
     sha256_hex,
     validation_key,
 )
+from ckpt_agent.policy.models import CompressionSpec
 from ckpt_agent.records import rank_name
 from ckpt_agent.storage.base import Storage
 
@@ -107,6 +108,16 @@ class CodecPolicy:
     level: int = 3
     byte_shuffle: bool = True
     min_size_bytes: int = 4096
+
+    @classmethod
+    def from_spec(cls, spec: CompressionSpec) -> CodecPolicy:
+        """The codec policy a policy's ``compression`` section asks for."""
+        return cls(
+            codec=spec.codec,
+            level=spec.level,
+            byte_shuffle=spec.byte_shuffle and spec.codec != CODEC_NONE,
+            min_size_bytes=spec.min_size_bytes,
+        )
 
     def spec_for(self, dtype: str, nbytes: int) -> CodecSpec:
         if self.codec == CODEC_NONE or nbytes < self.min_size_bytes:
