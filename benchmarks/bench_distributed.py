@@ -98,9 +98,9 @@ def bench_stall(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    from ckpt_agent.flash import FlashTarget
     from ckpt_agent.records import Tier
-    from ckpt_agent.snapshot import HostArena, take_snapshot
+    from ckpt_agent.runtime.flash import FlashTarget
+    from ckpt_agent.runtime.snapshot import HostArena, take_snapshot
 
     root.mkdir(parents=True, exist_ok=True)
     if not dist.is_initialized():
@@ -196,7 +196,7 @@ def wait_validated(log: Path, ckpt_id: str, timeout: float = 600) -> None:
 
 def trainer(args: argparse.Namespace) -> int:
     """Child: train forever, checkpointing every ``--every`` steps; log each finished step."""
-    from ckpt_agent.engine import Checkpointer
+    from ckpt_agent.runtime.checkpointer import Checkpointer
 
     torch.set_num_threads(1)
     root = Path(args.root)
@@ -231,7 +231,7 @@ def trainer(args: argparse.Namespace) -> int:
 
 
 def one_crash(args: argparse.Namespace, root: Path, shm: bool, kill_at: int) -> dict[str, Any]:
-    from ckpt_agent.manifest import list_checkpoints
+    from ckpt_agent.format.manifest import list_checkpoints
     from ckpt_agent.storage.fs import LocalStorage
 
     root.mkdir(parents=True)
@@ -298,8 +298,8 @@ def bench_lost(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def _agree_worker(rank: int, world: int, port: int, steps: int, q: Any) -> None:
     import torch.distributed as dist
 
-    from ckpt_agent.distributed import Comm, DecisionAgreement, LocalSignals
-    from ckpt_agent.scheduler import AdaptiveScheduler
+    from ckpt_agent.decide.scheduler import AdaptiveScheduler
+    from ckpt_agent.runtime.distributed import Comm, DecisionAgreement, LocalSignals
 
     torch.set_num_threads(1)
     dist.init_process_group(

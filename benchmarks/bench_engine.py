@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_agent.engine import Checkpointer
 from ckpt_agent.policy import AgentConfig
+from ckpt_agent.runtime.checkpointer import Checkpointer
 
 MIB = 1024 * 1024
 

@@ -1,6 +1,6 @@
 """Prometheus metrics, the JSON Lines decision log, and optional TensorBoard scalars.
 
-Every :class:`~ckpt_agent.engine.Checkpointer` owns one :class:`Metrics` with
+Every :class:`~ckpt_agent.runtime.checkpointer.Checkpointer` owns one :class:`Metrics` with
 its own ``CollectorRegistry`` (tests stay isolated; a process can run several
 checkpointers). ``serve(port)`` starts the HTTP exporter on that registry.
 

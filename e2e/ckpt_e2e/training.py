@@ -2,7 +2,7 @@
 
 The training is ``examples/train_mnist_like.py``, a small but state-sensitive PyTorch
 run (dropout, AdamW, LR schedule, GradScaler, reshuffled data) that checkpoints only
-through ``ckpt_agent.engine.Checkpointer`` and the environment the webhook injects.
+through ``ckpt_agent.runtime.checkpointer.Checkpointer`` and the environment the webhook injects.
 Its "image" is this checkout: the examples folder is a ``hostPath`` volume mounted at
 ``/opt/ckpt-examples`` and results go to a ``hostPath`` at ``/results`` (the harness
 translates container paths to local ones).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_agent.manifest import list_checkpoints
+from ckpt_agent.format.manifest import list_checkpoints
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
 from ckpt_agent.storage import StorageOptions, open_storage
 

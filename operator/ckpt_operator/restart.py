@@ -6,7 +6,7 @@ The protocol (``docs/operator.md``, "Restart protocol"):
 2. The planner applies ``maxRestarts`` and the exponential backoff, detects a
    crash loop (``J`` was itself a restart from checkpoint ``S`` and wrote
    nothing past ``S``: ``S`` becomes poisoned), and walks the recovery ladder
-   of :mod:`ckpt_agent.recovery` over ``R``'s checkpoints, verifying each
+   of :mod:`ckpt_agent.decide.recovery` over ``R``'s checkpoints, verifying each
    candidate through ``verify``.
 3. The outcome is a :class:`Restart` carrying the new job ``J-r<k+1>``
    (deterministic name: a ``409 Conflict`` on create means "already done"),
@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_agent.decide.recovery import is_poisoned, plan_recovery, walk
 from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord
-from ckpt_agent.recovery import is_poisoned, plan_recovery, walk
 from ckpt_operator import constants as c
 from ckpt_operator.jobs import JobFacts, job_facts, parse_time
 

@@ -5,7 +5,7 @@ uses a policy, calls :func:`plan_policy_retention`, deletes
 :attr:`PolicyRetentionPlan.deletions` in order through the checkpoint
 source, and writes :func:`retention_status` into the policy's status.
 
-The decisions are :func:`ckpt_agent.retention.plan_retention`'s. This module
+The decisions are :func:`ckpt_agent.decide.retention.plan_retention`'s. This module
 adds a second, independent guard (:func:`guard_deletions`): whatever the
 plan says, the newest valid checkpoint of a run and anything a kept
 checkpoint depends on are never deleted.
@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_agent.decide.retention import RetentionPlan, plan_retention
 from ckpt_agent.policy import RetentionSpec
 from ckpt_agent.records import AnomalyEvent, CheckpointRecord, CheckpointStatus
-from ckpt_agent.retention import RetentionPlan, plan_retention
 from ckpt_operator.jobs import format_time
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 :class:`CheckpointSource` is the small interface the handlers use; unit tests
 use an in-memory fake, production uses :class:`StorageCheckpointSource`
-over :mod:`ckpt_agent.storage` and :mod:`ckpt_agent.manifest` (torch-free).
+over :mod:`ckpt_agent.storage` and :mod:`ckpt_agent.format.manifest` (torch-free).
 
 Deleting a checkpoint removes its ``COMMIT`` first (from then on it does
 not exist for any reader: it is expired), then its manifests. Payload blobs
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ckpt_agent.manifest import (
+from ckpt_agent.format.manifest import (
     CheckpointFormatError,
     RankManifest,
     blob_key,

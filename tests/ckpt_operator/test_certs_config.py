@@ -51,12 +51,12 @@ def test_config_from_flags_and_env(tmp_path: Path) -> None:
         {
             "CKPT_OPERATOR_AGENT_IMAGE": "reg/agent:1",
             "CKPT_OPERATOR_METRICS_PORT": "9999",
-            "CKPT_OPERATOR_SIDECAR_COMMAND": "python -m ckpt_agent.sidecar",
+            "CKPT_OPERATOR_SIDECAR_COMMAND": "python -m ckpt_agent.flash.sidecar",
         },
     )
     assert cfg.namespaces == ("a", "b") and cfg.metrics_port == 0  # the flag wins
     assert cfg.injection.agent_image == "reg/agent:1"
-    assert cfg.injection.sidecar_command == ("python", "-m", "ckpt_agent.sidecar")
+    assert cfg.injection.sidecar_command == ("python", "-m", "ckpt_agent.flash.sidecar")
     assert cfg.webhook.cert_dir == tmp_path and cfg.standalone
     env_only = parse_config(
         [], {"CKPT_OPERATOR_WEBHOOK": "false", "CKPT_OPERATOR_NAMESPACES": "x,y"}

@@ -1,4 +1,4 @@
-"""Restart planning against recorded PyTorchJobs (the ladder of ckpt_agent.recovery inside)."""
+"""Restart planning against recorded PyTorchJobs (the ladder of ckpt_agent.decide.recovery inside)."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ckpt_agent.decide.retention import RetentionPlan
 from ckpt_agent.policy import RetentionSpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
-from ckpt_agent.retention import RetentionPlan
 from ckpt_operator.retention_reconcile import (
     anomalies_from_records,
     guard_deletions,

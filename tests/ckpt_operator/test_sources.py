@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_agent.manifest import (
+from ckpt_agent.format.manifest import (
     CheckpointMeta,
     Heartbeat,
     ValidationRecord,
@@ -18,11 +18,11 @@ from ckpt_agent.manifest import (
     heartbeat_key,
     validation_key,
 )
+from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointStatus, Tier
 from ckpt_agent.storage import StorageError
 from ckpt_agent.storage.fs import LocalStorage
-from ckpt_agent.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_operator.sources import (
     StorageCheckpointSource,
     StorageSourceFactory,
@@ -129,7 +129,7 @@ def test_gc_spares_young_blobs_and_in_flight_manifests(store: LocalStorage, tmp_
     old.collect_garbage(RUN)
     rank = tmp_path / "ckpt" / RUN / "steps" / "pulse_step_000000000400" / "rank_00000.json"
     assert rank.exists()
-    from ckpt_agent.manifest import RankManifest
+    from ckpt_agent.format.manifest import RankManifest
 
     manifest = RankManifest.from_bytes(rank.read_bytes())
     for digest in manifest.referenced_blobs():

@@ -41,6 +41,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Self
 
+from ckpt_agent.errors import (
+    NotFoundError,
+    PermanentStorageError,
+    RetryableStorageError,
+    StorageError,
+)
+
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
@@ -62,25 +69,6 @@ log = logging.getLogger(__name__)
 
 #: Reserved name prefix for in-flight temporary objects; keys may not use it.
 TEMP_PREFIX = ".ckpt-tmp."
-
-
-class StorageError(Exception):
-    """Base class of storage failures."""
-
-
-class PermanentStorageError(StorageError):
-    """Retrying will not help (bad credentials, missing bucket, no space, permissions).
-
-    The message says what to fix.
-    """
-
-
-class RetryableStorageError(StorageError):
-    """A transient failure (timeout, 5xx, throttling) that survived the retry budget."""
-
-
-class NotFoundError(StorageError, FileNotFoundError):
-    """The key does not exist."""
 
 
 @dataclass(frozen=True)

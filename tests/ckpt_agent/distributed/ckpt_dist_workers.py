@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as nnf
 from torch import nn
 
-from ckpt_agent.engine import Checkpointer
 from ckpt_agent.policy import AgentConfig
+from ckpt_agent.runtime.checkpointer import Checkpointer
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.storage.options import StorageOptions
 
@@ -263,13 +263,13 @@ def fsdp_save(rank: int, world: int, out: Path, steps: int) -> None:
     """FSDP2 (fully_shard) on CPU/gloo: train a few steps, save sharded with DCP planning."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckpt_agent.distributed import Comm, TwoPhaseCommit
-    from ckpt_agent.manifest import CheckpointMeta
+    from ckpt_agent.format.manifest import CheckpointMeta
+    from ckpt_agent.persist.writer import CheckpointWriter
     from ckpt_agent.records import Tier
-    from ckpt_agent.serialization import library_versions
-    from ckpt_agent.sharded import plan_save
-    from ckpt_agent.snapshot import HostArena, take_snapshot
-    from ckpt_agent.writer import CheckpointWriter
+    from ckpt_agent.runtime.distributed import Comm, TwoPhaseCommit
+    from ckpt_agent.runtime.serialization import library_versions
+    from ckpt_agent.runtime.sharded import plan_save
+    from ckpt_agent.runtime.snapshot import HostArena, take_snapshot
 
     model, opt = _fsdp_model(world)
     for step in range(steps):
@@ -308,7 +308,7 @@ def fsdp_load(rank: int, world: int, out: Path, ckpt_id: str) -> None:
     """Build the same model at another world size and load the sharded checkpoint into it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from ckpt_agent.sharded import load_sharded
+    from ckpt_agent.runtime.sharded import load_sharded
 
     model, opt = _fsdp_model(world)
     # one step so that the optimizer has state to load into (AdamW creates it lazily)
@@ -456,8 +456,8 @@ def train_flash(rank: int, world: int, out: Path, steps: int, opts: dict[str, An
 
 def shm_half_write(rank: int, world: int, out: Path, shm: str) -> None:
     """Write one complete snapshot (step 1), then die (SIGKILL) in the middle of the second."""
+    from ckpt_agent.flash.shm import ShmWriter
     from ckpt_agent.records import Tier
-    from ckpt_agent.shm import ShmWriter
 
     writer = ShmWriter(shm, RUN, 0)
     state = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(4096)}

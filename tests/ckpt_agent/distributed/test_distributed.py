@@ -12,17 +12,17 @@ import ckpt_dist_harness as h
 import ckpt_dist_workers as w
 import pytest
 
-from ckpt_agent import jsontree
-from ckpt_agent.manifest import (
+from ckpt_agent.format import jsontree
+from ckpt_agent.format.manifest import (
     commit_key,
     list_checkpoints,
     rank_manifest_key,
     read_checkpoint,
 )
+from ckpt_agent.persist.validate import Validator
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus, Tier
 from ckpt_agent.storage.fs import LocalStorage
-from ckpt_agent.validate import Validator
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 

@@ -15,11 +15,11 @@ import ckpt_dist_harness as h
 import ckpt_dist_workers as w
 import pytest
 
-from ckpt_agent.manifest import list_checkpoints, read_checkpoint
+from ckpt_agent.format.manifest import list_checkpoints, read_checkpoint
+from ckpt_agent.persist.validate import Validator
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import Tier
 from ckpt_agent.storage.fs import LocalStorage
-from ckpt_agent.validate import Validator
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 

@@ -19,11 +19,11 @@ import ckpt_dist_workers as w
 import pytest
 import torch
 
-from ckpt_agent.manifest import list_checkpoints
+from ckpt_agent.flash.shm import ShmReader, ShmWriter
+from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
+from ckpt_agent.format.manifest import list_checkpoints
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus, Tier
-from ckpt_agent.shm import ShmReader, ShmWriter
-from ckpt_agent.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.storage.fs import LocalStorage
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
@@ -154,7 +154,7 @@ def test_sidecar_sigterm_drains_what_is_pending(tmp_path: Path) -> None:
     cfg_path.write_text(_config(tmp_path).to_json())
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_agent.sidecar", "--config", str(cfg_path),
+        [sys.executable, "-m", "ckpt_agent.flash.sidecar", "--config", str(cfg_path),
          "--poll-s", "30", "--grace-s", "20", "--metrics-port", "0"],
         env=env, stderr=subprocess.PIPE,
     )  # fmt: skip

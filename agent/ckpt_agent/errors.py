@@ -1,0 +1,152 @@
+"""Every error the agent raises on purpose, in one place (torch-free, no I/O).
+
+One base, :class:`CkptError`, and two kinds a caller can act on without reading
+the message:
+
+* :class:`RetryableError` — transient (a timeout, a 5xx, a busy peer); trying
+  again later may succeed.
+* :class:`PermanentError` — retrying will not help (bad input, corrupt bytes,
+  missing bucket, no space); the message says what to fix.
+
+Code decides on the *type* (and on typed fields such as
+:attr:`CandidateRejected.kind`), never on the words of a message. The concrete
+classes keep the builtin bases their callers historically caught
+(``ValueError``, ``LookupError``, ``FileNotFoundError``, ``RuntimeError``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "CkptError",
+    "CodecError",
+    "CommitAbortedError",
+    "DistributedError",
+    "ForceRequiredError",
+    "IntegrityError",
+    "JsonTreeError",
+    "NotFoundError",
+    "PermanentError",
+    "PermanentStorageError",
+    "PersistError",
+    "RejectionKind",
+    "ResumeError",
+    "RetryableError",
+    "RetryableStorageError",
+    "ShmError",
+    "StorageError",
+]
+
+
+class CkptError(Exception):
+    """Base of every error the agent raises on purpose."""
+
+    #: Whether the same call may succeed if tried again later.
+    retryable: ClassVar[bool] = False
+
+
+class RetryableError(CkptError):
+    """Transient: trying again later may succeed."""
+
+    retryable = True
+
+
+class PermanentError(CkptError):
+    """Retrying will not help; the message says what to fix."""
+
+    retryable = False
+
+
+# --------------------------------------------------------------------------- storage
+
+
+class StorageError(CkptError):
+    """Base class of storage failures."""
+
+
+class PermanentStorageError(StorageError, PermanentError):
+    """Retrying will not help (bad credentials, missing bucket, no space, permissions).
+
+    The message says what to fix.
+    """
+
+
+class RetryableStorageError(StorageError, RetryableError):
+    """A transient failure (timeout, 5xx, throttling) that survived the retry budget."""
+
+
+class NotFoundError(StorageError, PermanentError, FileNotFoundError):
+    """The key does not exist."""
+
+
+# --------------------------------------------------------------------------- format
+
+
+class CheckpointFormatError(PermanentError, ValueError):
+    """A manifest or COMMIT is malformed (not JSON, wrong schema, unknown version)."""
+
+
+class CheckpointNotFoundError(PermanentError, LookupError):
+    """No committed checkpoint with that id (or no such run)."""
+
+
+class IntegrityError(PermanentError, ValueError):
+    """Stored bytes do not match their recorded SHA-256 or size (flipped, truncated, missing)."""
+
+
+class CodecError(PermanentError, ValueError):
+    """Stored bytes cannot be decoded (unknown codec, bad frame, wrong size)."""
+
+
+class JsonTreeError(PermanentError, ValueError):
+    """A tree cannot be encoded, or an encoded tree is malformed."""
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+class ForceRequiredError(PermanentError, RuntimeError):
+    """Raised by :meth:`RecoveryPlan.require_first` when only forced steps remain."""
+
+
+class RejectionKind(enum.StrEnum):
+    """Why a candidate checkpoint was not restored (recorded, never parsed from prose)."""
+
+    MISSING = "missing"  # a manifest, blob or COMMIT is gone
+    INTEGRITY = "integrity"  # bytes do not match their hash or size
+    FORMAT = "format"  # malformed manifest, tree or payload
+    INCOMPATIBLE = "incompatible"  # shapes/dtypes/keys do not fit the live model
+    MARKED = "marked"  # already marked corrupted/superseded in the catalog
+    STORAGE = "storage"  # the storage failed while reading it
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+class CheckpointError(CkptError, RuntimeError):
+    """Base class of the engine's errors."""
+
+
+class PersistError(CheckpointError):
+    """A background persist failed (raised once, on the next call)."""
+
+
+class ResumeError(CheckpointError, PermanentError):
+    """The requested/required checkpoint cannot be restored (never a silent fresh start)."""
+
+
+class DistributedError(CkptError, RuntimeError):
+    """Ranks disagree, or a collective failed (a rank died or hung)."""
+
+
+class CommitAbortedError(DistributedError):
+    """The two-phase commit published no COMMIT (a rank failed, died or disagreed)."""
+
+
+class ShmError(CkptError, RuntimeError):
+    """The shared-memory area is unusable (wrong owner, torn snapshot, bad descriptor)."""

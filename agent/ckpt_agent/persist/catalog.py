@@ -1,0 +1,274 @@
+"""Local SQLite catalog of checkpoints (an index; the manifests in storage are the truth).
+
+One row per checkpoint: step, rank count, tier, status (+ reason), score,
+retention class, size, hashes, flags and timings (snapshot stall, persist,
+validation). WAL mode and a 30 s busy timeout, so ``ckpt ls`` can read while
+the trainer writes. :meth:`Catalog.rebuild_from_storage` re-creates the rows
+of a run from storage (keeping timings it already had), which is what the
+engine does on :meth:`~ckpt_agent.runtime.checkpointer.Checkpointer.start`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from ckpt_agent.format.manifest import list_checkpoints
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, RetentionClass, Tier
+from ckpt_agent.storage.base import Storage
+
+__all__ = ["BUSY_TIMEOUT_MS", "Catalog"]
+
+BUSY_TIMEOUT_MS = 30_000
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id          TEXT    NOT NULL,
+    id              TEXT    NOT NULL,
+    step            INTEGER NOT NULL,
+    tier            TEXT    NOT NULL,
+    world_size      INTEGER NOT NULL DEFAULT 1,
+    status          TEXT    NOT NULL,
+    status_reason   TEXT    NOT NULL DEFAULT '',
+    score           REAL    NOT NULL DEFAULT 0,
+    retention_class TEXT,
+    size_bytes      INTEGER NOT NULL DEFAULT 0,
+    created_at      REAL    NOT NULL DEFAULT 0,
+    manifest_hash   TEXT    NOT NULL DEFAULT '',
+    prev_hash       TEXT,
+    anomaly         TEXT,
+    lightweight     INTEGER NOT NULL DEFAULT 0,
+    approximate     INTEGER NOT NULL DEFAULT 0,
+    emergency       INTEGER NOT NULL DEFAULT 0,
+    reason          TEXT    NOT NULL DEFAULT '',
+    stall_s         REAL,
+    persist_s       REAL,
+    validate_s      REAL,
+    updated_at      REAL    NOT NULL,
+    PRIMARY KEY (run_id, id)
+);
+CREATE INDEX IF NOT EXISTS checkpoints_step ON checkpoints (run_id, step);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+_COLUMNS = (
+    "run_id, id, step, tier, world_size, status, status_reason, score, retention_class, "
+    "size_bytes, created_at, manifest_hash, prev_hash, anomaly, lightweight, approximate, "
+    "emergency, reason, stall_s, persist_s, validate_s, updated_at"
+)
+
+
+class Catalog:
+    """Thread-safe (one connection, one lock) SQLite catalog."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None
+        )
+        self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        self.journal_mode = str(mode).lower()
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+            (str(SCHEMA_VERSION),),
+        )
+
+    # ------------------------------------------------------------------ writes
+
+    def upsert(
+        self,
+        run_id: str,
+        record: CheckpointRecord,
+        *,
+        status_reason: str | None = None,
+        timings: Mapping[str, float | None] | None = None,
+    ) -> None:
+        """Insert or replace a checkpoint's row (timings not given are kept)."""
+        t = dict(timings or {})
+        reason = (
+            status_reason if status_reason is not None else record.extra.get("status_reason", "")
+        )
+        with self._lock:
+            old = self._db.execute(
+                "SELECT stall_s, persist_s, validate_s FROM checkpoints WHERE run_id=? AND id=?",
+                (run_id, record.id),
+            ).fetchone()
+            stall, persist, validate = old if old else (None, None, None)
+            self._db.execute(
+                f"INSERT OR REPLACE INTO checkpoints ({_COLUMNS}) VALUES "
+                "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    run_id,
+                    record.id,
+                    record.step,
+                    record.tier.value,
+                    record.world_size,
+                    record.status.value,
+                    reason,
+                    record.score,
+                    record.retention_class.value if record.retention_class else None,
+                    record.size_bytes,
+                    record.created_at,
+                    record.manifest_hash,
+                    record.prev_hash,
+                    record.anomaly,
+                    int(record.lightweight),
+                    int(record.approximate),
+                    int(record.emergency),
+                    record.reason,
+                    t.get("stall_s", stall),
+                    t.get("persist_s", persist),
+                    t.get("validate_s", validate),
+                    time.time(),
+                ),
+            )
+
+    def set_status(
+        self,
+        run_id: str,
+        ckpt_id: str,
+        status: CheckpointStatus,
+        reason: str = "",
+        *,
+        validate_s: float | None = None,
+    ) -> bool:
+        """Change a row's status; False when there is no such row."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE checkpoints SET status=?, status_reason=?, "
+                "validate_s=COALESCE(?, validate_s), updated_at=? WHERE run_id=? AND id=?",
+                (status.value, reason, validate_s, time.time(), run_id, ckpt_id),
+            )
+            return cur.rowcount > 0
+
+    def delete(self, run_id: str, ids: Iterable[str]) -> None:
+        with self._lock:
+            self._db.executemany(
+                "DELETE FROM checkpoints WHERE run_id=? AND id=?", [(run_id, i) for i in ids]
+            )
+
+    def rebuild_from_storage(self, storage: Storage, run_id: str) -> list[CheckpointRecord]:
+        """Replace the run's rows with what storage says (timings of known rows are kept)."""
+        records = list_checkpoints(storage, run_id)
+        with self._lock:
+            old = {
+                row[0]: row[1:]
+                for row in self._db.execute(
+                    "SELECT id, stall_s, persist_s, validate_s FROM checkpoints WHERE run_id=?",
+                    (run_id,),
+                )
+            }
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM checkpoints WHERE run_id=?", (run_id,))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        for r in records:
+            stall, persist, validate = old.get(r.id, (None, None, None))
+            self.upsert(
+                run_id, r, timings={"stall_s": stall, "persist_s": persist, "validate_s": validate}
+            )
+        return records
+
+    # ------------------------------------------------------------------ reads
+
+    def records(self, run_id: str) -> list[CheckpointRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM checkpoints WHERE run_id=? ORDER BY step, tier",
+                (run_id,),
+            ).fetchall()
+        return [_record(row) for row in rows]
+
+    def get(self, run_id: str, ckpt_id: str) -> CheckpointRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM checkpoints WHERE run_id=? AND id=?", (run_id, ckpt_id)
+            ).fetchone()
+        return None if row is None else _record(row)
+
+    def timings(self, run_id: str, ckpt_id: str) -> dict[str, float | None]:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT stall_s, persist_s, validate_s FROM checkpoints WHERE run_id=? AND id=?",
+                (run_id, ckpt_id),
+            ).fetchone()
+        if row is None:
+            return {}
+        return {"stall_s": row[0], "persist_s": row[1], "validate_s": row[2]}
+
+    def counts(self, run_id: str) -> dict[str, int]:
+        """Status → number of checkpoints."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT status, COUNT(*) FROM checkpoints WHERE run_id=? GROUP BY status", (run_id,)
+            ).fetchall()
+        return {str(s): int(n) for s, n in rows}
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _record(row: tuple[object, ...]) -> CheckpointRecord:
+    (
+        _run,
+        cid,
+        step,
+        tier,
+        world,
+        status,
+        reason_s,
+        score,
+        rclass,
+        size,
+        created,
+        mhash,
+        prev,
+        anomaly,
+        light,
+        approx,
+        emerg,
+        reason,
+        _stall,
+        _persist,
+        _validate,
+        _updated,
+    ) = row
+    extra = {"status_reason": str(reason_s)} if reason_s else {}
+    return CheckpointRecord(
+        id=str(cid),
+        step=int(str(step)),
+        tier=Tier(str(tier)),
+        status=CheckpointStatus(str(status)),
+        score=float(str(score)),
+        retention_class=RetentionClass(str(rclass)) if rclass else None,
+        size_bytes=int(str(size)),
+        created_at=float(str(created)),
+        manifest_hash=str(mhash),
+        prev_hash=str(prev) if prev else None,
+        anomaly=str(anomaly) if anomaly else None,
+        lightweight=bool(light),
+        approximate=bool(approx),
+        emergency=bool(emerg),
+        world_size=int(str(world)),
+        reason=str(reason),
+        extra=extra,
+    )

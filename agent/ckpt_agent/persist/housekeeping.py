@@ -1,0 +1,232 @@
+"""Applying retention to storage, and garbage-collecting blobs no manifest references.
+
+Deleting a checkpoint removes its ``COMMIT`` first (from then on it does not
+exist for readers), then the rest of its folder (rank manifests, verdict).
+Blobs are shared between checkpoints, so they are removed separately by
+:func:`gc_blobs`: every rank manifest still in storage — committed or not,
+so an in-flight checkpoint of another rank is respected — marks its blobs as
+live; other blobs older than ``grace_s`` are deleted. Heartbeats are a ring
+and never deleted here. Torch-free (``ckpt gc`` and the operator use it too).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_agent.decide.retention import RetentionPlan
+from ckpt_agent.format.manifest import (
+    COMMIT,
+    CheckpointFormatError,
+    RankManifest,
+    audit_key,
+    blobs_prefix,
+    checkpoint_prefix,
+    commit_key,
+    parse_checkpoint_id,
+    steps_prefix,
+)
+from ckpt_agent.records import Tier
+from ckpt_agent.storage.base import NotFoundError, Storage, StorageError
+
+__all__ = ["GcResult", "append_audit", "apply_retention", "delete_checkpoint", "gc_blobs", "who"]
+
+log = logging.getLogger(__name__)
+
+#: Default age under which an unreferenced blob is presumed in flight (external GC).
+DEFAULT_GRACE_S = 3600.0
+
+
+def delete_checkpoint(storage: Storage, run_id: str, ckpt_id: str) -> int:
+    """Unpublish (COMMIT first) and delete one checkpoint's folder; returns objects deleted."""
+    storage.delete(commit_key(run_id, ckpt_id))
+    return 1 + storage.delete_prefix(checkpoint_prefix(run_id, ckpt_id))
+
+
+def apply_retention(
+    storage: Storage, run_id: str, plan: RetentionPlan, *, dry_run: bool = False
+) -> list[str]:
+    """Delete the plan's checkpoints in its deletion order; returns the ids deleted."""
+    deleted: list[str] = []
+    for ckpt_id in plan.deletion_order:
+        try:
+            tier, _ = parse_checkpoint_id(ckpt_id)
+        except ValueError:
+            continue
+        if tier == Tier.HEARTBEAT:
+            continue  # the heartbeat ring is not a folder
+        if not dry_run:
+            delete_checkpoint(storage, run_id, ckpt_id)
+        deleted.append(ckpt_id)
+    return deleted
+
+
+@dataclass
+class GcResult:
+    """What :func:`gc_blobs` found and did."""
+
+    referenced: int = 0
+    """Distinct blobs referenced by some manifest."""
+    deleted: list[str] = field(default_factory=list)
+    """Digests deleted (or that would be, with ``dry_run``)."""
+    freed_bytes: int = 0
+    kept_young: int = 0
+    """Unreferenced blobs kept because they are younger than the grace period."""
+    unreadable_manifests: list[str] = field(default_factory=list)
+    stale_folders: list[str] = field(default_factory=list)
+    """Uncommitted checkpoint folders removed (crash leftovers older than the grace period)."""
+
+
+class ManifestCache:
+    """Parsed rank manifests by (key, size, mtime): manifests are immutable once written."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, int, float | None], frozenset[str]] = {}
+
+    def blobs_of(
+        self, storage: Storage, key: str, size: int, mtime: float | None
+    ) -> frozenset[str]:
+        ck = (key, size, mtime)
+        hit = self._cache.get(ck)
+        if hit is not None:
+            return hit
+        refs = frozenset(RankManifest.from_bytes(storage.read(key), key).referenced_blobs())
+        self._cache[ck] = refs
+        return refs
+
+    def retain(self, keys: Iterable[str]) -> None:
+        live = set(keys)
+        for ck in list(self._cache):
+            if ck[0] not in live:
+                del self._cache[ck]
+
+
+def referenced_blobs(
+    storage: Storage,
+    run_id: str,
+    cache: ManifestCache | None = None,
+    *,
+    skip_folders: Iterable[str] = (),
+) -> tuple[set[str], list[str]]:
+    """Digests referenced by any rank manifest of the run, and the unreadable manifests."""
+    cache = cache or ManifestCache()
+    skip = {f"{steps_prefix(run_id)}{f}/" for f in skip_folders}
+    refs: set[str] = set()
+    bad: list[str] = []
+    seen: list[str] = []
+    for info in storage.list(steps_prefix(run_id)):
+        name = info.key.rsplit("/", 1)[-1]
+        if not (name.startswith("rank_") and name.endswith(".json")):
+            continue
+        if any(info.key.startswith(p) for p in skip):
+            continue
+        seen.append(info.key)
+        try:
+            refs |= cache.blobs_of(storage, info.key, info.size, info.mtime)
+        except NotFoundError:
+            continue
+        except (CheckpointFormatError, StorageError) as e:
+            bad.append(f"{info.key}: {e}")
+    cache.retain(seen)
+    return refs, bad
+
+
+def stale_uncommitted(storage: Storage, run_id: str, *, grace_s: float, now: float) -> list[str]:
+    """Folders without a COMMIT whose newest object is older than ``grace_s`` (crash leftovers)."""
+    prefix = steps_prefix(run_id)
+    newest: dict[str, float | None] = {}
+    committed: set[str] = set()
+    for info in storage.list(prefix):
+        folder, _, rest = info.key[len(prefix) :].partition("/")
+        if rest == COMMIT:
+            committed.add(folder)
+        prev = newest.get(folder, 0.0)
+        newest[folder] = None if info.mtime is None or prev is None else max(prev, info.mtime)
+    out = []
+    for folder, mtime in newest.items():
+        if folder in committed or mtime is None:
+            continue
+        if grace_s <= 0 or now - mtime >= grace_s:
+            out.append(folder)
+    return sorted(out)
+
+
+def gc_blobs(
+    storage: Storage,
+    run_id: str,
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+    now: float | None = None,
+    cache: ManifestCache | None = None,
+) -> GcResult:
+    """Delete stale uncommitted folders, then blobs no rank manifest references.
+
+    Blobs (and uncommitted folders) younger than ``grace_s`` are kept: another
+    writer may be about to commit them. ``grace_s=0`` is only safe when no
+    other writer exists (the single-rank engine, which runs GC between its
+    own saves).
+    """
+    now = time.time() if now is None else now
+    stale = stale_uncommitted(storage, run_id, grace_s=grace_s, now=now)
+    if not dry_run:
+        for folder in stale:
+            storage.delete_prefix(checkpoint_prefix(run_id, folder))
+    refs, bad = referenced_blobs(storage, run_id, cache, skip_folders=stale)
+    result = GcResult(referenced=len(refs), unreadable_manifests=bad, stale_folders=stale)
+    if bad:
+        log.warning("gc: %d unreadable manifest(s) ignored: %s", len(bad), bad[:3])
+    for info in storage.list(blobs_prefix(run_id)):
+        digest = info.key.rsplit("/", 1)[-1]
+        if digest in refs:
+            continue
+        young = info.mtime is None or now - info.mtime < grace_s
+        if young and grace_s > 0:
+            result.kept_young += 1
+            continue
+        if not dry_run:
+            storage.delete(info.key)
+        result.deleted.append(digest)
+        result.freed_bytes += info.size
+    return result
+
+
+def uncommitted_folders(storage: Storage, run_id: str) -> list[str]:
+    """Checkpoint folders without a COMMIT (in flight, or left by a crash)."""
+    prefix = steps_prefix(run_id)
+    names: dict[str, set[str]] = {}
+    for info in storage.list(prefix):
+        folder, _, rest = info.key[len(prefix) :].partition("/")
+        names.setdefault(folder, set()).add(rest)
+    return sorted(f for f, n in names.items() if COMMIT not in n)
+
+
+def who() -> str:
+    """``user@host`` of this process (for the audit log)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid:{os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
+
+
+def append_audit(storage: Storage, run_id: str, entry: Mapping[str, Any]) -> None:
+    """Append one JSON line to ``<run>/audit.log`` (read, append, atomic replace).
+
+    Manual recoveries are rare and made by one person at a time; the replace is
+    atomic, so a reader never sees a half-written log.
+    """
+    key = audit_key(run_id)
+    try:
+        old = storage.read(key)
+    except NotFoundError:
+        old = b""
+    line = json.dumps(dict(entry), sort_keys=True, separators=(",", ":"), default=str) + "\n"
+    storage.commit(key, old + line.encode())

@@ -1,0 +1,360 @@
+"""The trainer's side of flash checkpoints: snapshot into shared memory, a persister does the rest.
+
+:class:`FlashTarget` owns this rank's :class:`~ckpt_agent.flash.shm.ShmWriter` and
+makes sure a persister serves it: the pod's sidecar container (the operator
+injects it when ``spec.agent.sidecar`` is true) or, for a local run, a
+subprocess ``python -m ckpt_agent.flash.sidecar --exit-with-trainer`` started in
+its own session, so that it outlives a SIGKILL of the trainer, persists the
+last complete snapshot, and exits.
+
+The engine (:class:`~ckpt_agent.runtime.checkpointer.Checkpointer`) calls :meth:`write`
+instead of copying into host buffers, reads the persister's results with
+:meth:`poll` (errors, commit hashes, persist times for the scheduler), and
+waits with :meth:`wait` where it used to wait for its persister thread.
+:meth:`restore_candidate` finds a snapshot an in-place restart may load
+straight from memory once its bytes match the hashes the persister recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_agent.flash.shm import (
+    DEFAULT_SLOTS,
+    Descriptor,
+    PersistedMark,
+    ShmReader,
+    ShmWriter,
+    read_health,
+    verify_snapshot,
+)
+from ckpt_agent.policy.agent_config import AgentConfig
+from ckpt_agent.records import Tier
+
+__all__ = ["FlashTarget", "ShmRestore"]
+
+log = logging.getLogger(__name__)
+
+Json = Any
+#: How long a local persister may take to start (it imports no torch: about a second).
+PERSISTER_START_TIMEOUT_S = 30.0
+#: How long :meth:`FlashTarget.start` waits for a persister to handle snapshots a
+#: previous trainer left behind.
+DEFAULT_FLUSH_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ShmRestore:
+    """A verified snapshot in shared memory, loaded into CPU tensors."""
+
+    desc: Descriptor
+    arrays: dict[str, Any]
+    """name → torch tensor (copies, not views of shared memory)."""
+    files: dict[str, bytes]
+
+
+class FlashTarget:
+    """Shared-memory snapshots of one rank plus the persister that serves them."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        rank: int,
+        world_size: int,
+        *,
+        work_dir: str | Path,
+        local_persister: bool | None = None,
+        slots: int = DEFAULT_SLOTS,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if not config.shm_dir:
+            raise ValueError("config.shm_dir is not set")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.work_dir = Path(work_dir)
+        self.slots = slots
+        self.local_persister = (
+            not config.agent.sidecar if local_persister is None else local_persister
+        )
+        self.env = dict(os.environ if env is None else env)
+        self.writer: ShmWriter | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._seen_seq = 0
+        self._last_seq = 0
+        self._gpu_seen: int | None = None
+        self._health_checked = 0.0
+        self._health: tuple[int | None, float | None] = (None, None)
+
+    @property
+    def reader(self) -> ShmReader:
+        assert self.config.shm_dir
+        return ShmReader(self.config.shm_dir, self.config.run_id, self.rank, slots=self.slots)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def flush_previous(self, timeout: float = DEFAULT_FLUSH_TIMEOUT_S) -> PersistedMark | None:
+        """Before resuming: let a persister handle complete snapshots a dead trainer left.
+
+        Starts the local persister first when there is none (local mode).
+        Returns the persister's newest mark (None if there was nothing to do
+        or it did not finish in time).
+        """
+        r = self.reader
+        latest = r.latest()
+        mark = r.persisted()
+        if latest is None or (mark is not None and mark.seq >= latest.seq):
+            return mark
+        if r.trainer_alive():
+            return mark  # a live trainer owns the area (the writer will refuse to start)
+        if not r.persister_alive() and self.local_persister:
+            self._spawn()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            mark = r.persisted()
+            if mark is not None and mark.seq >= latest.seq:
+                return mark
+            if not r.persister_alive() and self.proc is not None and self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        log.warning(
+            "no persister handled snapshot seq %d of rank %d in time", latest.seq, self.rank
+        )
+        return r.persisted()
+
+    def start(self) -> None:
+        """Take this rank's area (trainer lock) and make sure a persister serves it."""
+        assert self.config.shm_dir
+        self.writer = ShmWriter(
+            self.config.shm_dir,
+            self.config.run_id,
+            self.rank,
+            world_size=self.world_size,
+            slots=self.slots,
+        )
+        mark = self.writer.persisted()
+        self._seen_seq = mark.seq if mark is not None else 0
+        no_proc = self.proc is None or self.proc.poll() is not None
+        if self.local_persister and no_proc and not self.writer.persister_alive():
+            self._spawn()
+            self.wait_persister(PERSISTER_START_TIMEOUT_S)
+
+    def wait_persister(self, timeout: float) -> bool:
+        """Wait until a persister serves this area (it holds ``persister.lock``)."""
+        r = self.reader
+        deadline = time.monotonic() + timeout
+        while not r.persister_alive():
+            if time.monotonic() >= deadline or (
+                self.proc is not None and self.proc.poll() is not None
+            ):
+                log.warning("no persister serves rank %d's shared-memory area yet", self.rank)
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _spawn(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        cfg = self.work_dir / f"sidecar-config.rank{self.rank}.json"
+        tmp = cfg.with_suffix(".tmp")
+        tmp.write_text(self.config.to_json())
+        os.replace(tmp, cfg)
+        log_path = self.work_dir / f"sidecar.rank{self.rank}.log"
+        env = dict(self.env)
+        env.pop("CKPT_METRICS_PORT", None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "ckpt_agent.flash.sidecar",
+            "--config",
+            str(cfg),
+            "--rank",
+            str(self.rank),
+            "--exit-with-trainer",
+            "--metrics-port",
+            "0",
+        ]
+        with open(log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=True,  # survives a SIGKILL of the trainer's process group
+                close_fds=True,
+            )
+        (self.work_dir / f"sidecar.rank{self.rank}.pid").write_text(f"{self.proc.pid}\n")
+        log.info("started the local persister (pid %d) for rank %d", self.proc.pid, self.rank)
+
+    def close(self, timeout: float | None = 60.0) -> bool:
+        """Release the area; in local mode wait for the persister to finish. False on timeout."""
+        if self.writer is not None:
+            self.writer.close()  # frees trainer.lock: the local persister drains and exits
+            self.writer = None
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return True
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the local persister (pid %d) is still running", proc.pid)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ saving
+
+    @property
+    def busy(self) -> bool:
+        """No slot is free (the persister still owns them): defer or wait."""
+        assert self.writer is not None
+        return self.writer.busy
+
+    def wait_free(self, timeout: float | None = None) -> bool:
+        assert self.writer is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.002
+        while self.writer.busy:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._check_persister()
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.05)
+        return True
+
+    def write(
+        self,
+        step: int,
+        tier: Tier,
+        sections: Mapping[str, object],
+        *,
+        files: Mapping[str, bytes] | None = None,
+        meta: Mapping[str, Json] | None = None,
+    ) -> Descriptor | None:
+        assert self.writer is not None
+        desc = self.writer.write(step, tier, sections, files=files, meta=meta)
+        if desc is not None:
+            self._last_seq = desc.seq
+        return desc
+
+    def prepare(self, sections: Mapping[str, object], files_bytes: int = 0) -> int:
+        """Allocate and map the slots for a state like ``sections`` (before training)."""
+        assert self.writer is not None
+        return self.writer.prepare(sections, files_bytes=files_bytes)
+
+    def poll(self) -> PersistedMark | None:
+        """The persister's newest result when it is new since the last call."""
+        assert self.writer is not None
+        mark = self.writer.persisted()
+        if mark is None or mark.seq <= self._seen_seq:
+            self._check_persister()
+            return None
+        self._seen_seq = mark.seq
+        return mark
+
+    def wait(self, seq: int | None = None, timeout: float | None = None) -> PersistedMark | None:
+        """Wait until snapshot ``seq`` (default: the last written) was handled; None on timeout."""
+        assert self.writer is not None
+        seq = self._last_seq if seq is None else seq
+        if seq <= 0:
+            return self.writer.persisted()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            mark = self.writer.wait_persisted(seq, timeout=min(left, 1.0) if left else 1.0)
+            if mark is not None:
+                return mark
+            self._check_persister()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _check_persister(self) -> None:
+        """Local mode: restart a persister that died (it is stateless)."""
+        if not self.local_persister or self.writer is None:
+            return
+        if self.proc is not None and self.proc.poll() is not None:
+            log.warning("the local persister exited (code %s): restarting it", self.proc.returncode)
+            self.proc = None
+        if self.proc is None and not self.writer.persister_alive():
+            self._spawn()
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    # ------------------------------------------------------------------ system signals
+
+    def system_signals(self, max_age_s: float = 60.0) -> tuple[int | None, float | None]:
+        """(new GPU errors since the last call, storage write latency ms) from the sidecar."""
+        now = time.monotonic()
+        if now - self._health_checked < 1.0:
+            return None, self._health[1]
+        self._health_checked = now
+        assert self.config.shm_dir
+        h = read_health(self.config.shm_dir, self.config.run_id)
+        if h is None or time.time() - float(h.get("time") or 0) > max_age_s:
+            self._health = (None, None)
+            return None, None
+        total = h.get("gpu_errors_total")
+        delta: int | None = None
+        if isinstance(total, int):
+            delta = 0 if self._gpu_seen is None else max(0, total - self._gpu_seen)
+            self._gpu_seen = total
+        lat = h.get("write_latency_ms")
+        latency = float(lat) if isinstance(lat, int | float) else None
+        self._health = (delta, latency)
+        return delta, latency
+
+    # ------------------------------------------------------------------ in-place restart
+
+    def restore_candidate(self, min_step: int = -1) -> ShmRestore | None:
+        """The newest complete snapshot of this rank with ``step >= min_step``, verified.
+
+        Verified means: its bytes hash to what the persister recorded when it
+        wrote them (chunk SHA-256s). Snapshots without recorded hashes are
+        not trusted. The tensors are copied out of shared memory.
+        """
+        import torch
+
+        r = self.reader
+        for desc in reversed(r.complete()):
+            if desc.step < min_step:
+                return None
+            hashes = r.hashes(desc.slot, desc.seq)
+            if hashes is None:
+                continue
+            with r.open(desc) as snap:
+                if snap is None:
+                    continue
+                problems = verify_snapshot(snap, hashes)
+                if problems:
+                    log.warning(
+                        "shared-memory snapshot of step %d rejected: %s", desc.step, problems[:3]
+                    )
+                    continue
+                from ckpt_agent.runtime.serialization import torch_dtype
+
+                arrays: dict[str, Any] = {}
+                for name, t in desc.tensors.items():
+                    buf = torch.empty(t.nbytes, dtype=torch.uint8)
+                    if t.nbytes:
+                        buf.numpy()[:] = memoryview(snap.tensor(name)).cast("B")
+                    arrays[name] = buf.view(torch_dtype(t.dtype)).reshape(t.shape)
+                files = {name: bytes(snap.file(name)) for name in desc.files}
+            return ShmRestore(desc=desc, arrays=arrays, files=files)
+        return None
+
+    def __enter__(self) -> FlashTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,376 @@
+"""Training state ↔ pickle-free payloads: tensors as raw bytes, everything else as JSON.
+
+The torch side of the format (the byte-level side is :mod:`ckpt_agent.format.manifest`).
+
+* :func:`flatten` walks a state tree (``model.state_dict()``,
+  ``optimizer.state_dict()`` — AdamW state keyed by parameter index and its
+  ``param_groups`` —, LR scheduler, GradScaler, data position, RNG) and
+  returns a tagged-JSON tree (:mod:`ckpt_agent.format.jsontree`) whose tensors and
+  numpy arrays are references to a flat ``name → array`` table. Names are
+  the tree paths (``model/fc.weight``, ``optimizer/state/0/exp_avg``).
+* :func:`capture_rng` / :func:`restore_rng`: python ``random``, numpy's legacy
+  global generator, torch CPU and every CUDA device, converted exactly to
+  JSON integers/floats and uint8 tensors.
+* :func:`load_tensors` decodes a rank manifest's tensors into torch tensors
+  (every chunk's stored and raw SHA-256 checked) and :func:`unflatten` puts
+  the tree back together. Nothing here unpickles: a file can at worst hold
+  wrong numbers, which the hash checks refuse.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from ckpt_agent.format import jsontree
+from ckpt_agent.format.manifest import (
+    DTYPE_ITEMSIZE,
+    CheckpointFormatError,
+    RankManifest,
+    TensorEntry,
+    read_tensor_bytes,
+)
+from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
+from ckpt_agent.storage.base import Storage
+
+__all__ = [
+    "LiveArray",
+    "LoadedState",
+    "capture_rng",
+    "dtype_name",
+    "flatten",
+    "library_versions",
+    "load_tensors",
+    "restore_rng",
+    "torch_dtype",
+    "unflatten",
+]
+
+Json = Any
+
+_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    name: dt for name in DTYPE_ITEMSIZE if isinstance(dt := getattr(torch, name, None), torch.dtype)
+}
+_NAME_OF: Final[dict[torch.dtype, str]] = {dt: name for name, dt in _TORCH_DTYPES.items()}
+_INT_OF_SIZE: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise jsontree.JsonTreeError(f"unsupported tensor dtype {dtype}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise CheckpointFormatError(f"dtype {name!r} is not available in this torch") from None
+
+
+def library_versions() -> dict[str, str]:
+    from ckpt_agent.format.manifest import library_versions as base
+
+    extra = {"torch": str(torch.__version__), "numpy": str(np.__version__)}
+    cuda = torch.version.cuda
+    if cuda:
+        extra["cuda"] = str(cuda)
+    return base(extra)
+
+
+# --------------------------------------------------------------------------- flatten
+
+
+@dataclass(frozen=True)
+class LiveArray:
+    """A tensor or numpy array found in the live state (a reference, not a copy)."""
+
+    name: str
+    value: torch.Tensor | np.ndarray
+
+    @property
+    def is_numpy(self) -> bool:
+        return isinstance(self.value, np.ndarray)
+
+    @property
+    def dtype(self) -> str:
+        if isinstance(self.value, np.ndarray):
+            return str(self.value.dtype)
+        return dtype_name(self.value.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.value.shape)
+
+
+def flatten(value: object, prefix: str, out: dict[str, LiveArray]) -> Json:
+    """Encode ``value`` as tagged JSON; its tensors/arrays go into ``out`` by name.
+
+    ``prefix`` namespaces the names (``model``, ``optimizer``...). Nothing is
+    copied: ``out`` holds references (the snapshot copies them into buffers).
+    """
+
+    def leaf(v: object, path: str) -> Json | None:
+        if isinstance(v, torch.Tensor):
+            return {jsontree.TENSOR: _add(v, path)}
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind not in "biufc" or str(v.dtype) not in DTYPE_ITEMSIZE:
+                raise jsontree.JsonTreeError(
+                    f"{path}: numpy dtype {v.dtype} cannot be checkpointed"
+                )
+            return {jsontree.NDARRAY: _add(v, path)}
+        if isinstance(v, np.generic):
+            if str(v.dtype) not in DTYPE_ITEMSIZE:
+                raise jsontree.JsonTreeError(
+                    f"{path}: numpy dtype {v.dtype} cannot be checkpointed"
+                )
+            item = v.item()
+            enc = jsontree.encode(item, None, path)
+            return {jsontree.NPSCALAR: [str(v.dtype), enc]}
+        if isinstance(v, torch.dtype):
+            return {jsontree.DTYPE: dtype_name(v)}
+        if isinstance(v, torch.device):
+            return str(v)
+        if isinstance(v, float):  # float subclasses other than numpy's
+            return jsontree.encode(float(v))
+        return None
+
+    def _add(v: torch.Tensor | np.ndarray, path: str) -> str:
+        name = f"{prefix}/{path}" if path else prefix
+        base, n = name, 1
+        while name in out:
+            n += 1
+            name = f"{base}#{n}"
+        if isinstance(v, torch.Tensor):
+            if v.is_sparse or v.layout != torch.strided:
+                raise jsontree.JsonTreeError(f"{name}: only dense (strided) tensors are supported")
+            if v.is_quantized:
+                raise jsontree.JsonTreeError(f"{name}: quantized tensors are not supported")
+            dtype_name(v.dtype)
+        out[name] = LiveArray(name, v)
+        return name
+
+    return jsontree.encode(value, leaf)
+
+
+def unflatten(tree: Json, arrays: Mapping[str, torch.Tensor]) -> object:
+    """Inverse of :func:`flatten` (tensors come from :func:`load_tensors`)."""
+
+    def resolve(tag: str, payload: Json, path: str) -> object:
+        if tag == jsontree.TENSOR:
+            return _lookup(payload, path)
+        if tag == jsontree.NDARRAY:
+            t = _lookup(payload, path)
+            return _to_numpy(t)
+        if tag == jsontree.NPSCALAR:
+            if not (
+                isinstance(payload, list) and len(payload) == 2 and isinstance(payload[0], str)
+            ):
+                raise jsontree.JsonTreeError(f"{path}: bad numpy scalar")
+            if payload[0] not in DTYPE_ITEMSIZE or payload[0] == "bfloat16":
+                raise jsontree.JsonTreeError(f"{path}: bad numpy scalar dtype {payload[0]!r}")
+            value = jsontree.decode(payload[1], None, path)
+            if not isinstance(value, bool | int | float | complex):
+                raise jsontree.JsonTreeError(f"{path}: numpy scalar value must be a number")
+            return np.dtype(payload[0]).type(value)
+        if tag == jsontree.DTYPE:
+            if not isinstance(payload, str):
+                raise jsontree.JsonTreeError(f"{path}: bad dtype")
+            return torch_dtype(payload)
+        raise jsontree.JsonTreeError(f"{path}: unknown tag {tag}")
+
+    def _lookup(payload: Json, path: str) -> torch.Tensor:
+        if not isinstance(payload, str) or payload not in arrays:
+            raise CheckpointFormatError(f"{path}: reference to a tensor the manifest does not hold")
+        return arrays[payload]
+
+    return jsontree.decode(tree, resolve)
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        raise CheckpointFormatError("numpy arrays cannot be bfloat16")
+    return t.numpy().copy()
+
+
+def raw_bytes(t: torch.Tensor | np.ndarray) -> memoryview:
+    """Zero-copy byte view of a C-contiguous CPU tensor/array."""
+    if isinstance(t, np.ndarray):
+        if not t.flags.c_contiguous:
+            raise ValueError("array is not C-contiguous")
+        return t.reshape(-1).view(np.uint8).data
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("tensor must be a contiguous CPU tensor")
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return flat.view(torch.uint8).numpy().data
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, object]:
+    """Every global RNG state, as JSON values and uint8 tensors (exact)."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)
+    kind, keys, pos, has_gauss, cached = np_state
+    out: dict[str, object] = {
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
+        "numpy": {
+            "bit_generator": str(kind),
+            "key": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    return out
+
+
+def restore_rng(state: Mapping[str, object], *, strict_cuda: bool = False) -> list[str]:
+    """Restore :func:`capture_rng` output; returns warnings (e.g. CUDA device count changed)."""
+    warnings: list[str] = []
+    py = state.get("python")
+    if isinstance(py, dict):
+        internal = py.get("internal")
+        if not isinstance(internal, list) or not all(type(x) is int for x in internal):
+            raise CheckpointFormatError("rng.python.internal must be a list of integers")
+        gauss = py.get("gauss_next")
+        if gauss is not None and not isinstance(gauss, float):
+            raise CheckpointFormatError("rng.python.gauss_next must be a float or null")
+        version = py.get("version")
+        if type(version) is not int:
+            raise CheckpointFormatError("rng.python.version must be an integer")
+        random.setstate((version, tuple(internal), gauss))
+    npst = state.get("numpy")
+    if isinstance(npst, dict):
+        key = npst.get("key")
+        if not isinstance(key, list) or not all(type(k) is int for k in key):
+            raise CheckpointFormatError("rng.numpy.key must be a list of integers")
+        cached = npst.get("cached_gaussian", 0.0)
+        np.random.set_state(
+            (
+                str(npst.get("bit_generator", "MT19937")),
+                np.array(key, dtype=np.uint32),
+                int(_num(npst.get("pos"))),
+                int(_num(npst.get("has_gauss"))),
+                float(_num(cached)),
+            )
+        )
+    cpu = state.get("torch_cpu")
+    if isinstance(cpu, torch.Tensor):
+        torch.set_rng_state(cpu.to(torch.uint8).clone())
+    cuda = state.get("cuda")
+    if isinstance(cuda, list) and cuda:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all([t.clone() for t in cuda if isinstance(t, torch.Tensor)])
+        else:
+            msg = (
+                f"checkpoint holds {len(cuda)} CUDA RNG state(s) but this process sees "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} device(s): "
+                "CUDA RNG not restored"
+            )
+            if strict_cuda:
+                raise RuntimeError(msg)
+            warnings.append(msg)
+    return warnings
+
+
+def _num(v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise CheckpointFormatError("rng.numpy fields must be numbers")
+    return v
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class LoadedState:
+    """A rank manifest's tree plus its decoded tensors."""
+
+    manifest: RankManifest
+    arrays: dict[str, torch.Tensor]
+    files: dict[str, bytes]
+
+    def section(self, name: str) -> object:
+        state = self.manifest.state
+        if not isinstance(state, dict) or name not in state:
+            return None
+        return unflatten(state[name], self.arrays)
+
+
+def load_entry(
+    storage: Storage, run_id: str, manifest: RankManifest, entry: TensorEntry, name: str
+) -> torch.Tensor:
+    """Decode one tensor (hash-checked) into a new CPU tensor."""
+    dtype = torch_dtype(entry.dtype)
+    buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+    view = buf.numpy().data if entry.nbytes else memoryview(bytearray(0))
+    read_tensor_bytes(storage, run_id, manifest, entry, name, out=view, shuffler=NUMPY_SHUFFLER)
+    itemsize = DTYPE_ITEMSIZE[entry.dtype]
+    if entry.byte_order != sys.byteorder and itemsize > 1:
+        as_int = buf.view(_INT_OF_SIZE.get(itemsize, torch.uint8))
+        swapped = torch.from_numpy(as_int.numpy().byteswap())
+        buf = swapped.view(torch.uint8)
+    return buf.view(dtype).reshape(entry.shape)
+
+
+def load_tensors(
+    storage: Storage,
+    run_id: str,
+    manifest: RankManifest,
+    names: Iterable[str] | None = None,
+    *,
+    on_tensor: Callable[[str, int], None] | None = None,
+    workers: int | None = None,
+) -> LoadedState:
+    """Decode the manifest's tensors (all, or ``names``) and files.
+
+    Tensors are read, hashed and decoded on ``workers`` threads (default: the
+    CPU count, at most 8; hashing and zstd release the GIL). The first error
+    is raised once every started read has finished.
+    """
+    wanted = list(manifest.tensors) if names is None else list(names)
+    for name in wanted:
+        if name not in manifest.tensors:
+            raise CheckpointFormatError(f"{manifest.checkpoint_id}: no tensor {name!r}")
+    n = workers if workers is not None else min(8, os.cpu_count() or 1)
+    arrays: dict[str, torch.Tensor] = {}
+
+    def one(name: str) -> torch.Tensor:
+        return load_entry(storage, run_id, manifest, manifest.tensors[name], name)
+
+    if n <= 1 or len(wanted) <= 1:
+        results = [one(name) for name in wanted]
+    else:
+        # biggest first, so the pool stays busy to the end
+        order = sorted(wanted, key=lambda k: -manifest.tensors[k].nbytes)
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckpt-load") as pool:
+            futures = {name: pool.submit(one, name) for name in order}
+        loaded = {name: f.result() for name, f in futures.items()}
+        results = [loaded[name] for name in wanted]
+    for name, tensor in zip(wanted, results, strict=True):
+        arrays[name] = tensor
+        if on_tensor is not None:
+            on_tensor(name, manifest.tensors[name].nbytes)
+    files: dict[str, bytes] = {}
+    for fname, fentry in manifest.files.items():
+        files[fname] = bytes(
+            read_tensor_bytes(storage, run_id, manifest, fentry, fname, shuffler=NUMPY_SHUFFLER)
+        )
+    return LoadedState(manifest=manifest, arrays=arrays, files=files)

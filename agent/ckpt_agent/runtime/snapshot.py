@@ -1,0 +1,402 @@
+"""Snapshots (the only work on the training thread) and the background workers.
+
+:class:`HostArena` keeps one preallocated host buffer per tensor name and
+reuses it across saves (pinned memory when the source is on a GPU). Taking a
+snapshot (:func:`take_snapshot`) copies every tensor of the state into its
+buffer — no ``deepcopy``, no serialization, no hashing — and re-encodes the
+small non-tensor parts (``param_groups``, scheduler counters, RNG) into fresh
+JSON values. After it returns, nothing the training loop does can change what
+the snapshot holds: the buffers belong to the snapshot until the persister
+releases them, and the engine never takes a new snapshot while they are in
+use (back-pressure).
+
+:class:`BackgroundWorker` runs jobs on one thread, in order, with a bounded
+queue; an exception is kept and handed back exactly once
+(:meth:`BackgroundWorker.take_errors`). :class:`HeartbeatWriter` writes the
+L0 ring with "latest wins" coalescing, so a slow store never blocks a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from ckpt_agent.format.manifest import Heartbeat, encode_heartbeats, heartbeat_key
+from ckpt_agent.persist.writer import TensorSource
+from ckpt_agent.records import Tier
+from ckpt_agent.runtime.serialization import LiveArray, flatten, raw_bytes
+from ckpt_agent.storage.base import Storage
+
+__all__ = [
+    "APPROX_KEYS",
+    "BackgroundWorker",
+    "HeartbeatWriter",
+    "HostArena",
+    "Snapshot",
+    "SnapshotItem",
+    "take_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+Json = Any
+J = TypeVar("J")
+
+#: Optimizer state entries the opt-in approximate filter may keep stale.
+APPROX_KEYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
+
+
+@dataclass(frozen=True)
+class SnapshotItem:
+    """One tensor of a snapshot: its host copy and the live metadata it was taken from."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    buffer: torch.Tensor | np.ndarray
+    stale: bool = False
+    """Kept from the previous snapshot by the approximate filter (not re-copied)."""
+
+    def source(self) -> TensorSource:
+        return TensorSource(self.name, self.dtype, self.shape, raw_bytes(self.buffer))
+
+
+@dataclass
+class Snapshot:
+    """Everything one checkpoint will hold, frozen at ``step``."""
+
+    step: int
+    tier: Tier
+    tree: dict[str, Json]
+    """Section name → tagged-JSON tree (tensors by reference)."""
+    items: list[SnapshotItem]
+    files: dict[str, bytes] = field(default_factory=dict)
+    approximate: bool = False
+    stall_s: float = 0.0
+    created_at: float = 0.0
+    nbytes: int = 0
+
+    @property
+    def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """name → (dtype, shape) of the live state, for validation."""
+        return {i.name: (i.dtype, i.shape) for i in self.items}
+
+    def sources(self) -> list[TensorSource]:
+        return [i.source() for i in self.items]
+
+
+class HostArena:
+    """Reusable host buffers, one per tensor name (reallocated only when shape/dtype change)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor | np.ndarray] = {}
+        self._filled: set[str] = set()
+        self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for b in self._buffers.values():
+            total += int(b.nbytes) if isinstance(b, np.ndarray) else b.numel() * b.element_size()
+        return total
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def _buffer(self, live: LiveArray) -> tuple[torch.Tensor | np.ndarray, bool]:
+        """The buffer for ``live`` and whether it already holds an earlier copy."""
+        v = live.value
+        buf = self._buffers.get(live.name)
+        if isinstance(v, np.ndarray):
+            if not (isinstance(buf, np.ndarray) and buf.shape == v.shape and buf.dtype == v.dtype):
+                buf = np.empty(v.shape, dtype=v.dtype)
+                self._buffers[live.name] = buf
+                self._filled.discard(live.name)
+                self.allocations += 1
+            return buf, live.name in self._filled
+        if not (isinstance(buf, torch.Tensor) and buf.shape == v.shape and buf.dtype == v.dtype):
+            pin = v.device.type == "cuda"
+            buf = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin)
+            self._buffers[live.name] = buf
+            self._filled.discard(live.name)
+            self.allocations += 1
+        return buf, live.name in self._filled
+
+    def copy_in(self, live: LiveArray, approx_threshold: float | None = None) -> SnapshotItem:
+        buf, filled = self._buffer(live)
+        v = live.value
+        stale = False
+        if isinstance(v, np.ndarray):
+            assert isinstance(buf, np.ndarray)
+            np.copyto(buf, v)
+        else:
+            assert isinstance(buf, torch.Tensor)
+            src = v.detach()
+            if (
+                approx_threshold is not None
+                and filled
+                and src.device.type == "cpu"
+                and src.is_floating_point()
+                and src.numel() > 0
+                and live.name.rsplit("/", 1)[-1] in APPROX_KEYS
+                and float((src - buf).abs().max()) < approx_threshold
+            ):
+                stale = True  # keep the previously written values: the blob is re-used
+            else:
+                buf.copy_(src, non_blocking=src.device.type == "cuda")
+        self._filled.add(live.name)
+        return SnapshotItem(live.name, live.dtype, live.shape, buf, stale)
+
+    def prune(self, keep: set[str]) -> None:
+        """Free buffers of tensors that no longer exist."""
+        for name in list(self._buffers):
+            if name not in keep:
+                del self._buffers[name]
+                self._filled.discard(name)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+        self._filled.clear()
+
+
+def take_snapshot(
+    step: int,
+    tier: Tier,
+    sections: Mapping[str, object],
+    arena: HostArena,
+    *,
+    files: Mapping[str, bytes] | None = None,
+    approx_threshold: float | None = None,
+    now: float | None = None,
+) -> Snapshot:
+    """Copy ``sections`` (name → live state object) into ``arena`` (the training-thread stall)."""
+    t0 = time.perf_counter()
+    live: dict[str, LiveArray] = {}
+    tree: dict[str, Json] = {}
+    for name, value in sections.items():
+        tree[name] = flatten(value, name, live)
+    items = [arena.copy_in(a, approx_threshold) for a in live.values()]
+    if any(
+        isinstance(a.value, torch.Tensor) and a.value.device.type == "cuda" for a in live.values()
+    ):
+        torch.cuda.synchronize()
+    stall = time.perf_counter() - t0
+    return Snapshot(
+        step=step,
+        tier=tier,
+        tree=tree,
+        items=items,
+        files=dict(files or {}),
+        approximate=any(i.stale for i in items),
+        stall_s=stall,
+        created_at=time.time() if now is None else now,
+        nbytes=sum(len(i.source().data) for i in items),
+    )
+
+
+# --------------------------------------------------------------------------- workers
+
+
+@dataclass
+class JobError:
+    """A failed background job."""
+
+    what: str
+    error: BaseException
+
+
+class BackgroundWorker(Generic[J]):
+    """One daemon thread running ``handler(job)`` for submitted jobs, in order.
+
+    ``capacity`` bounds queued + running jobs; :meth:`submit` returns False
+    when full (the caller decides: defer or :meth:`wait_idle`). Exceptions
+    are logged, kept, and returned once by :meth:`take_errors`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        handler: Callable[[J], None],
+        *,
+        capacity: int = 1,
+        describe: Callable[[J], str] = repr,
+    ) -> None:
+        self.name = name
+        self._handler = handler
+        self._describe = describe
+        self._capacity = capacity
+        self._queue: queue.Queue[J | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._errors: list[JobError] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        with self._cond:
+            return self._inflight
+
+    @property
+    def busy(self) -> bool:
+        return self.pending > 0
+
+    def submit(self, job: J) -> bool:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            if self._inflight >= self._capacity:
+                return False
+            self._inflight += 1
+        self._queue.put(job)
+        return True
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no job is queued or running; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def wait_below(self, n: int, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._inflight >= n:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def take_errors(self) -> list[JobError]:
+        with self._cond:
+            errs, self._errors = self._errors, []
+        return errs
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._handler(job)
+            except BaseException as e:
+                what = self._describe(job)
+                log.error("%s: %s failed: %s", self.name, what, e, exc_info=True)
+                with self._cond:
+                    self._errors.append(JobError(what, e))
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish queued jobs and stop; False if the thread did not end in time."""
+        with self._cond:
+            if self._closed:
+                return not self._thread.is_alive()
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class HeartbeatWriter:
+    """Writes the L0 heartbeat ring in the background; only the newest pending entry is kept."""
+
+    def __init__(self, storage: Storage, run_id: str, rank: int, *, ring: int = 4) -> None:
+        self._storage = storage
+        self._run_id = run_id
+        self._rank = rank
+        self._ring: deque[Heartbeat] = deque(maxlen=ring)
+        self._pending: Heartbeat | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self.written = 0
+        self.coalesced = 0
+        self.failures = 0
+        self.last_error: BaseException | None = None
+        self.last_bytes = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"ckpt-heartbeat-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def seed(self, entries: list[Heartbeat], upto_step: int) -> None:
+        """Continue an existing ring; entries past ``upto_step`` belong to an abandoned
+        branch and are removed from storage right away (so nobody reads them as progress)."""
+        keep = [e for e in entries if e.step <= upto_step]
+        with self._cond:
+            self._ring.clear()
+            self._ring.extend(keep)
+        if len(keep) != len(entries):
+            key = heartbeat_key(self._run_id, self._rank)
+            if keep:
+                self._storage.commit(key, encode_heartbeats(self._run_id, self._rank, keep))
+            else:
+                self._storage.delete(key)
+
+    def put(self, hb: Heartbeat) -> None:
+        with self._cond:
+            if self._pending is not None:
+                self.coalesced += 1
+            self._pending = hb
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                hb, self._pending = self._pending, None
+                self._ring.append(hb)
+                entries = list(self._ring)
+                self._busy = True
+            try:
+                data = encode_heartbeats(self._run_id, self._rank, entries)
+                self._storage.commit(heartbeat_key(self._run_id, self._rank), data)
+                self.written += 1
+                self.last_bytes = len(data)
+            except Exception as e:
+                self.failures += 1
+                self.last_error = e
+                log.warning("heartbeat write failed: %s", e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)

@@ -1,0 +1,32 @@
+"""Engine constants with one home each (torch-free, no I/O).
+
+Values that are part of the on-storage format live in
+:mod:`ckpt_agent.format.layout`; these are operating choices. Where a policy or
+constructor argument can override one, the argument's docstring names it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: Raw bytes per chunk of a tensor payload (hashed, compressed and stored as one blob).
+#: ``docs/format.md`` documents it as the chunk size readers may assume at most.
+CHUNK_BYTES: Final = 16 * 1024 * 1024
+
+#: Unreferenced blobs younger than this are kept by blob GC: another writer (a rank,
+#: the sidecar, an in-flight save) may be about to reference them.
+GC_GRACE_S: Final = 3600.0
+
+#: Committed checkpoints waiting for validation before new saves wait for the validator.
+VALIDATION_BACKLOG: Final = 4
+
+#: Largest sample written to measure storage latency for the system signal layer.
+LATENCY_SAMPLE_MAX_BYTES: Final = 1024 * 1024
+
+#: Deferred tier promotions kept while the persister is busy.
+MAX_PENDING_PROMOTIONS: Final = 3
+
+
+def gc_grace_for(world_size: int) -> float:
+    """Blob GC grace: none for a single writer, :data:`GC_GRACE_S` when others may write."""
+    return 0.0 if world_size == 1 else GC_GRACE_S

@@ -1,0 +1,398 @@
+"""Recovery ladder: a plan for every failure combination, and walking it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from ckpt_agent.decide.recovery import (
+    ForceRequiredError,
+    PlanStep,
+    RecoveryPlan,
+    is_poisoned,
+    plan_recovery,
+    walk,
+)
+from ckpt_agent.policy.models import RecoverySpec, Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
+
+V, C, P, E = (
+    CheckpointStatus.VALID,
+    CheckpointStatus.CORRUPTED,
+    CheckpointStatus.PENDING,
+    CheckpointStatus.EXPIRED,
+)
+_TIERS = {"h": Tier.HEARTBEAT, "p": Tier.PULSE, "f": Tier.FULL}
+
+
+def R(
+    name: str,
+    status: CheckpointStatus = V,
+    *,
+    prev: str | None = None,
+    lightweight: bool = False,
+    approximate: bool = False,
+    score: float = 0.0,
+) -> CheckpointRecord:
+    """``R("p300", prev="p200")``: pulse of step 300 whose prev-hash points at p200."""
+    return CheckpointRecord(
+        id=name,
+        step=int(name[1:]),
+        tier=_TIERS[name[0]],
+        status=status,
+        score=score,
+        manifest_hash=f"sha-{name}",
+        prev_hash=None if prev is None else f"sha-{prev}",
+        lightweight=lightweight,
+        approximate=approximate,
+    )
+
+
+def chain(*names: str, status: dict[str, CheckpointStatus] | None = None) -> list[CheckpointRecord]:
+    """Weights checkpoints linked by prev-hash in the given (oldest first) order."""
+    status = status or {}
+    return [R(n, status.get(n, V), prev=names[i - 1] if i else None) for i, n in enumerate(names)]
+
+
+Row = tuple[str, str, str | None]  # (action, checkpoint id, weights_from)
+
+
+@dataclass
+class Case:
+    name: str
+    records: list[CheckpointRecord]
+    steps: Sequence[Row]
+    spec: RecoverySpec = field(default_factory=RecoverySpec)
+    poisoned: tuple[str, ...] = ()
+    manual_step: int | None = None
+    force: bool = False
+    needs_manual: bool = False
+    blocked: tuple[str, ...] = ()
+    """Ids of steps that need force."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """id → substring of the skip reason."""
+    reasons: dict[int, str] = field(default_factory=dict)
+    """step index → substring of its reason."""
+
+
+RB = "rebuild_from_heartbeat"
+CASES = [
+    Case("nothing at all", [], []),
+    Case(
+        "healthy: newest, its chain, then heartbeat rebuilds",
+        [*chain("p100", "p200", "f300"), R("h301")],
+        [
+            ("resume", "f300", None),
+            ("resume", "p200", None),
+            ("resume", "p100", None),
+            (RB, "h301", "f300"),
+            (RB, "h301", "p200"),
+            (RB, "h301", "p100"),
+        ],
+        reasons={0: "newest valid full", 1: "chain link 1/5 back from f300", 3: "RNG exact"},
+    ),
+    Case(
+        "newest corrupted",
+        [*chain("p100", "p200", "p300", status={"p300": C}), R("h301")],
+        [
+            ("resume", "p200", None),
+            ("resume", "p100", None),
+            (RB, "h301", "p200"),
+            (RB, "h301", "p100"),
+        ],
+        skipped={"p300": "corrupted"},
+    ),
+    Case(
+        "chain walk stops after max_chain_links; newest full is rung 2",
+        chain("f10", *(f"p{i}00" for i in range(1, 9))),
+        [("resume", f"p{i}00", None) for i in range(8, 2, -1)] + [("resume", "f10", None)],
+        reasons={5: "chain link 5/5", 6: "newest valid full checkpoint (step 10)"},
+    ),
+    Case(
+        "chain limit from the policy",
+        chain("p100", "p200", "p300"),
+        [("resume", "p300", None), ("resume", "p200", None)],
+        spec=RecoverySpec(max_chain_links=1),
+    ),
+    Case(
+        "chain limit 0: only the newest",
+        chain("p100", "p200", "p300"),
+        [("resume", "p300", None)],
+        spec=RecoverySpec(max_chain_links=0),
+    ),
+    Case(
+        "chain passes over unusable links and counts them",
+        chain("p100", "p200", "p300", "p400", status={"p300": C, "p200": E}),
+        [("resume", "p400", None), ("resume", "p100", None)],
+        skipped={"p300": "chain link 1", "p200": "expired"},
+        reasons={1: "chain link 3/5"},
+    ),
+    Case(
+        "chain broken by a missing manifest",
+        [R("p100"), R("p300", prev="p200")],
+        [("resume", "p300", None)],
+        skipped={"<hash sha-p200>": "not in the catalog"},
+    ),
+    Case(
+        "poisoned newest is skipped",
+        [*chain("p100", "p200", "p300"), R("h300")],
+        [
+            ("resume", "p200", None),
+            ("resume", "p100", None),
+            (RB, "h300", "p200"),
+            (RB, "h300", "p100"),
+        ],
+        poisoned=("p300",),
+        skipped={"p300": "poisoned"},
+    ),
+    Case(
+        "poisoned heartbeat: the next newest heartbeat rebuilds",
+        [R("p100"), R("h150"), R("h160")],
+        [("resume", "p100", None), (RB, "h150", "p100")],
+        poisoned=("h160",),
+    ),
+    Case(
+        "pending and expired are never offered",
+        [R("p100"), R("p200", E), R("p300", P), R("h301", P)],
+        [("resume", "p100", None)],
+        skipped={"p200": "expired", "p300": "pending", "h301": "pending"},
+    ),
+    Case(
+        "only a full beyond a dead chain",
+        [R("f50"), *chain("p100", "p200", status={"p100": C})],
+        [("resume", "p200", None), ("resume", "f50", None)],
+    ),
+    Case(
+        "only heartbeats: rebuild without stored weights needs force",
+        [R("h1"), R("h2")],
+        [(RB, "h2", None)],
+        needs_manual=True,
+        blocked=("h2",),
+        reasons={0: "in-memory snapshot"},
+    ),
+    Case(
+        "only heartbeats, forced",
+        [R("h1"), R("h2")],
+        [(RB, "h2", None)],
+        force=True,
+    ),
+    Case(
+        "heartbeat rebuild disabled",
+        [R("h1"), R("h2")],
+        [],
+        spec=RecoverySpec(allow_heartbeat_rebuild=False),
+        needs_manual=True,
+        skipped={"h2": "disabled"},
+    ),
+    Case(
+        "everything corrupted or poisoned",
+        [R("p100", C), R("f200", C), R("h201")],
+        [],
+        poisoned=("h201",),
+        needs_manual=True,
+    ),
+    Case(
+        "lightweight pulses are weight sources, not resume points",
+        [R("p100"), R("p200", lightweight=True), R("h201")],
+        [("resume", "p100", None), (RB, "h201", "p200"), (RB, "h201", "p100")],
+        reasons={1: "lightweight"},
+    ),
+    Case(
+        "only a lightweight pulse and a heartbeat",
+        [R("p200", lightweight=True), R("h250")],
+        [(RB, "h250", "p200")],
+    ),
+    Case(
+        "heartbeat older than every weights checkpoint: nothing to rebuild with",
+        [R("h50"), R("p100")],
+        [("resume", "p100", None), (RB, "h50", None)],
+        blocked=("h50",),
+    ),
+    Case(
+        "approximate checkpoints are offered and say so",
+        [R("p100", approximate=True)],
+        [("resume", "p100", None)],
+        reasons={0: "approximate"},
+    ),
+    Case(
+        "same step in two tiers: the full is the head, the chain goes back from it",
+        [R("p300", prev="p200"), R("f300", prev="p200"), R("p200")],
+        [("resume", "f300", None), ("resume", "p200", None)],
+    ),
+    # rung 4: manual
+    Case(
+        "manual without force: a blocked step that says so",
+        [R("p100", score=0.1), R("p200")],
+        [("manual", "p100", None)],
+        manual_step=100,
+        needs_manual=True,
+        blocked=("p100",),
+        reasons={0: "needs force"},
+    ),
+    Case(
+        "manual with force, even low-score and poisoned",
+        [R("p100", score=0.1), R("p200")],
+        [("manual", "p100", None)],
+        manual_step=100,
+        force=True,
+        poisoned=("p100",),
+        reasons={0: "overriding: poisoned"},
+    ),
+    Case(
+        "manual with force: full, then pulse, then heartbeat rebuild",
+        [R("p100"), R("h300"), R("p300"), R("f300"), R("p400")],
+        [("manual", "f300", None), ("manual", "p300", None), ("manual", "h300", "f300")],
+        manual_step=300,
+        force=True,
+    ),
+    Case(
+        "manual with force on a pending checkpoint",
+        [R("p300", P)],
+        [("manual", "p300", None)],
+        manual_step=300,
+        force=True,
+        reasons={0: "overriding: pending"},
+    ),
+    Case(
+        "manual step that does not exist",
+        [R("p100")],
+        [],
+        manual_step=300,
+        force=True,
+        needs_manual=True,
+    ),
+    Case(
+        "manual step that is corrupted, even forced",
+        [R("p300", C)],
+        [],
+        manual_step=300,
+        force=True,
+        needs_manual=True,
+        skipped={"p300": "corrupted"},
+    ),
+]
+
+
+def rows(plan: RecoveryPlan) -> list[Row]:
+    return [(s.action, s.checkpoint_id, s.weights_from) for s in plan.steps]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_ladder_table(case: Case) -> None:
+    plan = plan_recovery(
+        case.records,
+        case.spec,
+        poisoned=case.poisoned,
+        manual_step=case.manual_step,
+        force=case.force,
+    )
+    assert rows(plan) == case.steps
+    assert plan.needs_manual is case.needs_manual, plan.reason
+    assert tuple(s.checkpoint_id for s in plan.steps if s.requires_force) == case.blocked
+    assert plan.reason
+    for s in plan.steps:
+        assert s.reason, s
+        assert s.rung in (1, 2, 3, 4)
+        assert (s.rung == 4) is (s.action == "manual")
+    for cid, fragment in case.skipped.items():
+        assert fragment in plan.skipped[cid], (cid, plan.skipped)
+    for i, fragment in case.reasons.items():
+        assert fragment in plan.steps[i].reason, (i, plan.steps[i].reason)
+    unusable = {r.id for r in case.records if r.status != V or r.id in case.poisoned} - set(
+        case.skipped
+    )
+    if case.manual_step is None:
+        assert not unusable & {s.checkpoint_id for s in plan.steps}
+        assert not unusable & {s.weights_from for s in plan.steps}
+
+
+def test_first_and_require_first() -> None:
+    plan = plan_recovery([R("h1")])
+    assert plan.first() is None
+    with pytest.raises(ForceRequiredError, match="needs force"):
+        plan.require_first()
+    with pytest.raises(LookupError, match="fresh start"):
+        plan_recovery([]).require_first()
+    plan = plan_recovery([R("p1")])
+    assert plan.require_first() == plan.first() == plan.steps[0]
+    assert plan_recovery([]).empty
+
+
+def verifier(bad: set[str], calls: list[str] | None = None) -> Callable[[str], bool]:
+    def verify(cid: str) -> bool:
+        if calls is not None:
+            calls.append(cid)
+        if cid == "boom":
+            raise OSError("disk on fire")
+        return cid not in bad
+
+    return verify
+
+
+@pytest.mark.parametrize(
+    ("bad", "accepted", "rejected"),
+    [
+        (set(), ("resume", "f300", None), []),
+        ({"f300"}, ("resume", "p200", None), ["f300"]),
+        ({"f300", "p200"}, ("resume", "p100", None), ["f300", "p200"]),
+        # weights sources that fail are skipped inside the rebuild rung
+        ({"f300", "p200", "p100"}, None, ["f300", "p200", "p100", "h301", "h301", "h301"]),
+        ({"f300", "p200", "p100"} - {"p100"}, ("resume", "p100", None), ["f300", "p200"]),
+    ],
+)
+def test_walk_table(bad: set[str], accepted: Row | None, rejected: list[str]) -> None:
+    plan = plan_recovery([*chain("p100", "p200", "f300"), R("h301")])
+    calls: list[str] = []
+    step, rej = walk(plan, verifier(bad, calls))
+    got = None if step is None else (step.action, step.checkpoint_id, step.weights_from)
+    assert got == accepted
+    assert [s.checkpoint_id for s, _ in rej] == rejected
+    assert all("failed verification" in why for _, why in rej)
+    assert len(calls) == len(set(calls)), "verify is called once per id"
+
+
+def test_walk_rebuild_falls_to_an_older_weights_source() -> None:
+    plan = plan_recovery([*chain("p100", "p200", "p300"), R("h301")])
+    step, rej = walk(plan, verifier({"p300", "p200"}))
+    assert step is not None and (step.checkpoint_id, step.weights_from) == ("p100", None)
+    plan = plan_recovery([R("p100"), R("p200", lightweight=True), R("h201")])
+    step, rej = walk(plan, verifier({"p100"}))
+    assert step is not None and (step.action, step.weights_from) == (
+        "rebuild_from_heartbeat",
+        "p200",
+    )
+    assert rej[0][1] == "p100 failed verification"
+
+
+def test_walk_never_tries_blocked_steps_and_reports_exceptions() -> None:
+    calls: list[str] = []
+    plan = plan_recovery([R("h1")])
+    step, rej = walk(plan, verifier(set(), calls))
+    assert step is None and rej[0][1] == "needs force" and calls == []
+    plan = RecoveryPlan(
+        steps=(
+            PlanStep("resume", "boom", None, "newest"),
+            PlanStep("resume", "p1", None, "chain"),
+        )
+    )
+    step, rej = walk(plan, verifier(set()))
+    assert step is not None and step.checkpoint_id == "p1"
+    assert "raised OSError: disk on fire" in rej[0][1]
+
+
+@pytest.mark.parametrize(
+    ("resumed", "reached", "poisoned"),
+    [(100, None, True), (100, 100, True), (100, 99, True), (100, 101, False)],
+)
+def test_is_poisoned(resumed: int, reached: int | None, poisoned: bool) -> None:
+    assert is_poisoned(resumed, reached) is poisoned
+
+
+def test_plan_steps_carry_step_and_tier() -> None:
+    plan = plan_recovery([R("p100"), R("h150")])
+    assert [(s.step, s.tier, s.rung) for s in plan.steps] == [
+        (100, Tier.PULSE, 1),
+        (150, Tier.HEARTBEAT, 3),
+    ]

@@ -1,0 +1,682 @@
+"""The Checkpointer: saving, back-pressure, errors, resume, signals, metrics, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from ckpt_agent.format.manifest import (
+    blob_key,
+    list_checkpoints,
+    read_checkpoint,
+    read_heartbeat,
+)
+from ckpt_agent.policy import AgentConfig
+from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.runtime.checkpointer import Checkpointer, PersistError, ResumeError
+from ckpt_agent.storage.base import Storage
+from ckpt_agent.storage.fs import LocalStorage
+
+ConfigFactory = Callable[..., AgentConfig]
+S = TypeVar("S", bound=LocalStorage)
+
+
+class Position:
+    """A tiny data position with state_dict/load_state_dict."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.pos = 0
+
+    def advance(self) -> None:
+        self.pos += 1
+        if self.pos == 7:
+            self.epoch, self.pos = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, s: dict[str, int]) -> None:
+        self.epoch, self.pos = s["epoch"], s["pos"]
+
+
+class Trainer:
+    """Model + AdamW + scheduler + scaler + dropout + data position."""
+
+    def __init__(self, seed: int = 0, hidden: int = 600, frozen_backbone: bool = False) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(8, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.3),
+            torch.nn.Linear(hidden, 2),
+        )
+        if frozen_backbone:
+            for p in self.model[0].parameters():
+                p.requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=3, gamma=0.9)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2)
+        self.data = Position()
+
+    def checkpointer(self, config: AgentConfig, **kw: Any) -> Checkpointer:
+        return Checkpointer(
+            config,
+            model=self.model,
+            optimizer=self.opt,
+            lr_scheduler=self.sched,
+            grad_scaler=self.scaler,
+            dataloader_state=self.data,
+            **kw,
+        )
+
+    def step(self) -> float:
+        x = torch.randn(4, 8) + self.data.pos
+        self.opt.zero_grad()
+        loss = self.model(x).pow(2).mean()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.sched.step()
+        self.data.advance()
+        return float(loss.item())
+
+    def run(self, ckpt: Checkpointer | None, start: int, stop: int) -> list[float]:
+        out = []
+        for s in range(start, stop):
+            out.append(self.step())
+            if ckpt is not None:
+                ckpt.step(s, out[-1])
+        return out
+
+
+def _events(config: AgentConfig, name: str) -> list[dict[str, Any]]:
+    assert config.work_dir
+    path = Path(config.work_dir) / "decisions.rank0.jsonl"
+    return [e for line in path.read_text().splitlines() if (e := json.loads(line))["event"] == name]
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_fresh_start_saves_pulses_and_reports(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    resume = ckpt.start()
+    assert resume.step == 0 and not resume.resumed and resume.action == "fresh"
+    t.run(ckpt, 0, 12)
+    assert ckpt.wait(30)
+    ckpt.close()
+    store = LocalStorage(Path(cfg.work_dir or "").parent / "store")
+    recs = [r for r in list_checkpoints(store, "run1") if r.tier != Tier.HEARTBEAT]
+    assert recs and all(r.status == CheckpointStatus.VALID for r in recs)
+    assert all(r.tier == Tier.PULSE for r in recs)
+    decisions = _events(cfg, "decision")
+    assert [d["step"] for d in decisions] == list(range(12))
+    assert _events(cfg, "committed") and _events(cfg, "validated")
+    m = ckpt.metrics
+    assert m.value("ckpt_stall_seconds_count", {"tier": "pulse"}) >= len(recs)
+    assert m.value("ckpt_bytes_written_total", {"tier": "pulse"}) > 0
+    assert m.value("ckpt_checkpoints_total", {"tier": "pulse", "status": "valid"}) >= len(recs)
+    assert m.value("ckpt_last_valid_step") == max(r.step for r in recs)
+    ring = read_heartbeat(store, "run1")
+    assert ring[-1].step == 11 and ring[-1].data == {"epoch": 1, "pos": 5}
+
+
+def test_config_from_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ck_config_file: Callable[..., Path]
+) -> None:
+    path = ck_config_file(runId="from-file")
+    monkeypatch.setenv("CKPT_CONFIG", str(path))
+    monkeypatch.setenv("CKPT_RUN_ID", "from-env")
+    monkeypatch.setenv("CKPT_STORAGE_URL", str(tmp_path / "envstore"))
+    monkeypatch.setenv("CKPT_WORK_DIR", str(tmp_path / "envwork"))
+    t = Trainer()
+    with t.checkpointer(None) as ckpt:  # type: ignore[arg-type]
+        assert ckpt.run_id == "from-env"
+        ckpt.start()
+        t.run(ckpt, 0, 3)
+        ckpt.save_now("test")
+    assert list_checkpoints(LocalStorage(tmp_path / "envstore"), "from-env")
+    assert (tmp_path / "envwork" / "catalog.sqlite").exists()
+
+
+def test_save_now_and_full_tier_with_train_config(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = Checkpointer(cfg, model=t.model, optimizer=t.opt, train_config={"lr": 0.01, "name": "x"})
+    ckpt.start()
+    t.run(ckpt, 0, 3)
+    cid = ckpt.save_now("operator asked")
+    assert cid == "full_step_000000000002"
+    ckpt.close()
+    store = LocalStorage(Path(cfg.work_dir or "").parent / "store")
+    committed, manifest = read_checkpoint(store, "run1", cid)
+    assert committed.commit.meta.emergency and "operator asked" in committed.commit.meta.reason
+    assert "train_config.json" in manifest.files
+    assert set(manifest.meta.sections) >= {"model", "optimizer", "rng", "progress", "scheduler"}
+
+
+def test_mutation_after_step_does_not_leak_into_the_checkpoint(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 2)
+    cid = ckpt.save_now("now", wait=False)
+    assert cid is not None
+    expect = {k: v.clone() for k, v in t.model.state_dict().items()}
+    with torch.no_grad():  # training continues right away, in place
+        for p in t.model.parameters():
+            p.mul_(-3.0).add_(1.0)
+    t.run(ckpt, 2, 4)
+    ckpt.close()
+    store = LocalStorage(Path(cfg.work_dir or "").parent / "store")
+    from ckpt_agent.runtime.serialization import load_tensors
+
+    _, manifest = read_checkpoint(store, "run1", cid)
+    model = load_tensors(store, "run1", manifest).section("model")
+    assert isinstance(model, dict)
+    for k, v in expect.items():
+        assert torch.equal(model[k], v), k
+
+
+# --------------------------------------------------------------------------- back-pressure and errors
+
+
+class SlowStorage(LocalStorage):
+    """Blob writes take a while (a slow network disk)."""
+
+    delay = 0.3
+
+    def write(self, key: str, data: bytes | memoryview) -> None:
+        if "/blobs/" in key:
+            time.sleep(self.delay)
+        super().write(key, data)
+
+
+class FlakyStorage(LocalStorage):
+    """The first blob write after ``arm()`` fails."""
+
+    armed = False
+
+    def write(self, key: str, data: bytes | memoryview) -> None:
+        if self.armed and "/blobs/" in key:
+            self.armed = False
+            from ckpt_agent.storage.base import RetryableStorageError
+
+            raise RetryableStorageError("injected: connection reset")
+        super().write(key, data)
+
+
+def _store_for(cfg: AgentConfig, cls: type[S]) -> S:
+    return cls(Path(cfg.work_dir or "").parent / "store")
+
+
+@pytest.mark.parametrize("mode", ["defer", "wait"])
+def test_backpressure_when_a_persist_is_still_running(ck_config: ConfigFactory, mode: str) -> None:
+    cfg = ck_config(tiers={"pulse": {"baseInterval": 2, "minInterval": 1, "maxInterval": 2}})
+    t = Trainer()
+    store = _store_for(cfg, SlowStorage)
+    ckpt = t.checkpointer(cfg, storage=store, backpressure=mode)
+    ckpt.start()
+    t.run(ckpt, 0, 8)
+    ckpt.close()
+    events = _events(cfg, "backpressure")
+    assert events, "a save met a running persist"
+    assert {e["action"] for e in events} == {"deferred" if mode == "defer" else "waited"}
+    label = "deferred" if mode == "defer" else "waited"
+    assert ckpt.metrics.value("ckpt_backpressure_total", {"action": label}) == len(events)
+    recs = [r for r in list_checkpoints(store, "run1") if r.tier == Tier.PULSE]
+    assert recs and all(r.status == CheckpointStatus.VALID for r in recs)  # nothing corrupted
+    if mode == "defer":
+        assert "due again next step" in events[0]["reason"]
+
+
+def test_persist_error_is_reported_once(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    store = _store_for(cfg, FlakyStorage)
+    ckpt = t.checkpointer(cfg, storage=store)
+    ckpt.start()
+    t.run(ckpt, 0, 2)
+    store.armed = True
+    ckpt.save_now("will fail", wait=False)
+    ckpt._persister.wait_idle(30)  # type: ignore[union-attr]
+    with pytest.raises(PersistError, match="injected: connection reset"):
+        t.run(ckpt, 2, 3)
+    t.run(ckpt, 3, 12)  # reported once: training goes on, later saves work
+    ckpt.close()
+    assert ckpt.metrics.value("ckpt_persist_errors_total") == 1
+    assert [e["error"] for e in _events(cfg, "error")] == [
+        "RetryableStorageError: injected: connection reset"
+    ]
+    assert any(r.status == CheckpointStatus.VALID for r in list_checkpoints(store, "run1"))
+
+
+def test_close_reports_a_pending_error(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    store = _store_for(cfg, FlakyStorage)
+    ckpt = t.checkpointer(cfg, storage=store)
+    ckpt.start()
+    t.run(ckpt, 0, 1)
+    store.armed = True
+    ckpt.save_now("fails", wait=False)
+    with pytest.raises(PersistError):
+        ckpt.close()
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _state(t: Trainer) -> dict[str, Any]:
+    return {
+        "model": {k: v.clone() for k, v in t.model.state_dict().items()},
+        "opt": t.opt.state_dict(),
+        "sched": t.sched.state_dict(),
+        "scaler": t.scaler.state_dict(),
+        "data": t.data.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["opt"]["param_groups"] == b["opt"]["param_groups"]
+    for i, st in a["opt"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b["opt"]["state"][i][k])
+    assert a["sched"] == b["sched"] and a["scaler"] == b["scaler"] and a["data"] == b["data"]
+    assert torch.equal(a["rng"], b["rng"])
+
+
+def test_resume_in_process_restores_everything(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 6)
+    cid = ckpt.save_now("snapshot for the test")
+    saved = _state(t)
+    ckpt.close()
+    t2 = Trainer(seed=99)
+    ckpt2 = t2.checkpointer(cfg)
+    resume = ckpt2.start()
+    assert resume.checkpoint_id == cid and resume.step == 6 and resume.exact
+    assert resume.data_state == {"epoch": 0, "pos": 6} and resume.epoch == 0
+    _assert_same(saved, _state(t2))
+    assert ckpt2.metrics.value("ckpt_recovery_successes_total") == 1
+    # and the two continue identically (one process: give each run the same RNG start)
+    a = t.run(None, 6, 10)
+    torch.set_rng_state(saved["rng"])
+    b = t2.run(ckpt2, 6, 10)
+    assert a == b
+    ckpt2.close()
+
+
+def test_pending_newest_checkpoint_is_verified_on_start(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 3)
+    cid = ckpt.save_now("x")
+    assert cid is not None
+    ckpt.close()
+    store = _store_for(cfg, LocalStorage)
+    from ckpt_agent.format.manifest import validation_key
+
+    store.delete(validation_key("run1", cid))  # as if killed before validation
+    assert {r.id: r.status for r in list_checkpoints(store, "run1")}[
+        cid
+    ] == CheckpointStatus.PENDING
+    t2 = Trainer(seed=5)
+    ckpt2 = t2.checkpointer(cfg)
+    assert ckpt2.start().checkpoint_id == cid
+    ckpt2.close()
+    assert {r.id: r.status for r in list_checkpoints(store, "run1")}[cid] == CheckpointStatus.VALID
+
+
+def test_resume_from_names_exactly_one_checkpoint(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 3)
+    first = ckpt.save_now("a")
+    t.run(ckpt, 3, 6)
+    ckpt.save_now("b")
+    ckpt.close()
+    older = cfg.model_copy(update={"resume_from": first})
+    t2 = Trainer(seed=1)
+    ckpt2 = t2.checkpointer(older)
+    resume = ckpt2.start()
+    assert resume.checkpoint_id == first and resume.action == "resume_from" and resume.step == 3
+    ckpt2.close()
+    # the newer checkpoint belongs to the abandoned branch now
+    store = _store_for(cfg, LocalStorage)
+    statuses = {r.id: r.status for r in list_checkpoints(store, "run1")}
+    assert statuses["full_step_000000000005"] == CheckpointStatus.EXPIRED
+
+    gone = cfg.model_copy(update={"resume_from": "pulse_step_000000004242"})
+    with pytest.raises(ResumeError, match="has no committed checkpoint with that id"):
+        Trainer().checkpointer(gone).start()
+
+
+def test_resume_from_a_corrupted_checkpoint_fails_loudly(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer(hidden=600)  # big enough for blobs (not inline)
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 2)
+    cid = ckpt.save_now("a")
+    assert cid is not None
+    ckpt.close()
+    store = _store_for(cfg, LocalStorage)
+    _, m = read_checkpoint(store, "run1", cid)
+    digest = m.tensors["model/0.weight"].chunks[0]
+    path = store.root / blob_key("run1", digest)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ResumeError, match="cannot be restored: IntegrityError"):
+        Trainer(hidden=600).checkpointer(cfg.model_copy(update={"resume_from": cid})).start()
+    statuses = {r.id: r.status for r in list_checkpoints(store, "run1")}
+    assert statuses[cid] == CheckpointStatus.CORRUPTED
+
+
+def test_different_model_shape_is_never_loaded(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer(hidden=600)
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 3)
+    ckpt.save_now("x")
+    ckpt.close()
+    other = Trainer(hidden=700)
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(ResumeError) as info:
+        other.checkpointer(cfg).start()
+    msg = str(info.value)
+    assert "different model/optimizer shape" in msg
+    assert "model/0.weight: checkpoint has float32[600, 8], live state has float32[700, 8]" in msg
+    for k, v in other.model.state_dict().items():
+        assert torch.equal(v, before[k])  # untouched
+    # the checkpoints are fine: they are not marked corrupted
+    store = _store_for(cfg, LocalStorage)
+    assert all(r.status != CheckpointStatus.CORRUPTED for r in list_checkpoints(store, "run1"))
+
+
+# --------------------------------------------------------------------------- differential storage
+
+
+def test_frozen_backbone_fine_tune_writes_a_small_fraction(ck_config: ConfigFactory) -> None:
+    cfg = ck_config(compression={"codec": "none"})
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
+    )
+    head = torch.nn.Linear(256, 4)
+    for p in backbone.parameters():
+        p.requires_grad_(False)
+    model = torch.nn.Sequential(backbone, head)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    ckpt = Checkpointer(cfg, model=model, optimizer=opt)
+    ckpt.start()
+
+    def train(step: int) -> None:
+        opt.zero_grad()
+        loss = model(torch.randn(8, 256)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        ckpt.step(step, loss.item())
+
+    train(0)
+    first = ckpt.save_now("first")
+    train(1)
+    second = ckpt.save_now("second")
+    ckpt.close()
+    store = _store_for(cfg, LocalStorage)
+    sizes = {r.id: r.size_bytes for r in list_checkpoints(store, "run1")}
+    assert first is not None and second is not None
+    assert sizes[second] < 0.05 * sizes[first], sizes
+    assert ckpt.metrics.value("ckpt_bytes_reused_total", {"tier": "full"}) > 0.9 * sizes[first]
+    # and both restore exactly
+    from ckpt_agent.runtime.serialization import load_tensors
+
+    _, m = read_checkpoint(store, "run1", second)
+    restored = load_tensors(store, "run1", m).section("model")
+    assert isinstance(restored, dict)
+    for k, v in model.state_dict().items():
+        assert torch.equal(restored[k], v), k
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_signal_file_change_means_save_now(ck_config: ConfigFactory, tmp_path: Path) -> None:
+    sig = tmp_path / "save-now"
+    sig.write_text("")
+    cfg = ck_config(
+        signalFile=str(sig),
+        tiers={"pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500}},
+    )
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 3)
+    sig.write_text("request-42")
+    os.utime(sig, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    decisions = [ckpt.step(3, t.step())]
+    assert decisions[0].emergency and decisions[0].tier == Tier.FULL
+    assert "request-42" in decisions[0].reason
+    assert not ckpt.step(4, t.step()).emergency  # same content: no new request
+    ckpt.close()
+    assert _events(cfg, "signal")[0]["request"] == "request-42"
+
+
+def test_sigterm_saves_then_exits(ck_config: ConfigFactory) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals need the main thread")
+    cfg = ck_config(tiers={"pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500}})
+    t = Trainer()
+    ckpt = t.checkpointer(cfg, handle_sigterm=True)
+    ckpt.start()
+    t.run(ckpt, 0, 4)
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit) as info:
+        t.run(ckpt, 4, 6)
+    assert info.value.code == 143
+    store = _store_for(cfg, LocalStorage)
+    ids = [r.id for r in list_checkpoints(store, "run1")]
+    assert "full_step_000000000004" in ids
+    assert signal.getsignal(signal.SIGTERM) is not None and ckpt._old_sigterm is None
+
+
+# --------------------------------------------------------------------------- scheduler-driven tiers
+
+
+def test_gradient_anomaly_takes_a_lightweight_pulse(ck_config: ConfigFactory) -> None:
+    cfg = ck_config(
+        scheduler={
+            "gradient": {"sampleEvery": 1, "minSamples": 2, "consecutiveAnomalies": 1},
+            "risk": {"enabled": False},
+        },
+        tiers={"pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500}},
+    )
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    for s in range(4):
+        ckpt.step(s, t.step(), grad_norm=1.0)
+    d = ckpt.step(4, t.step(), grad_norm=50.0)
+    assert d.lightweight and d.tier == Tier.PULSE and d.anomaly == "grad_anomaly"
+    ckpt.close()
+    store = _store_for(cfg, LocalStorage)
+    _, manifest = read_checkpoint(store, "run1", "pulse_step_000000000004")
+    assert manifest.meta.lightweight
+    assert "optimizer" not in manifest.meta.sections and "rng" in manifest.meta.sections
+
+
+def test_retention_runs_after_each_commit(ck_config: ConfigFactory) -> None:
+    cfg = ck_config(retention={"routineKeep": 1})
+    t = Trainer(hidden=600)
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 20)
+    ckpt.close()
+    store = _store_for(cfg, LocalStorage)
+    pulses = [r for r in list_checkpoints(store, "run1") if r.tier == Tier.PULSE]
+    assert len(pulses) == 1
+    assert _events(cfg, "retention")
+    (manifest_refs,) = [read_checkpoint(store, "run1", pulses[0].id)[1].referenced_blobs()]
+    on_disk = {i.key.rsplit("/", 1)[-1] for i in store.list("run1/blobs/")}
+    assert on_disk == manifest_refs  # every unreferenced blob was collected
+    assert ckpt.metrics.value("ckpt_checkpoints_total", {"tier": "pulse", "status": "expired"}) >= 1
+
+
+def test_validation_in_a_subprocess_marks_a_corrupted_write(ck_config: ConfigFactory) -> None:
+    class Corrupting(LocalStorage):
+        """Flips a byte of the 3rd blob written (silent data corruption on the way to disk)."""
+
+        n = 0
+
+        def write(self, key: str, data: bytes | memoryview) -> None:
+            if "/blobs/" in key:
+                self.n += 1
+                if self.n == 3:
+                    buf = bytearray(data)
+                    buf[len(buf) // 2] ^= 0xFF
+                    data = bytes(buf)
+            super().write(key, data)
+
+    cfg = ck_config(validation={"loadInSubprocess": True})
+    t = Trainer(hidden=600)
+    store: Storage = _store_for(cfg, Corrupting)
+    ckpt = t.checkpointer(cfg, storage=store)
+    ckpt.start()
+    t.run(ckpt, 0, 2)
+    cid = ckpt.save_now("x")
+    assert cid is not None
+    ckpt.wait(60)
+    ckpt.close()
+    from ckpt_agent.persist.catalog import Catalog
+
+    with Catalog(Path(cfg.work_dir or "") / "catalog.sqlite") as cat:
+        rec = cat.get("run1", cid)
+    assert rec is not None and rec.status == CheckpointStatus.CORRUPTED
+    assert "corrupted bytes" in rec.extra["status_reason"]
+    assert cid not in {r.id for r in list_checkpoints(store, "run1")}  # retention removed it
+    assert (
+        ckpt.metrics.value("ckpt_checkpoints_total", {"tier": "full", "status": "corrupted"}) == 1
+    )
+    (ev,) = _events(cfg, "corrupted")
+    assert ev["checkpoint"] == cid and ev["bad_blobs"]
+    assert not store.exists(blob_key("run1", ev["bad_blobs"][0]))  # self-healed: removed
+
+
+def test_manual_recovery_request_is_applied_once(ck_config: ConfigFactory) -> None:
+    from typer.testing import CliRunner
+
+    from ckpt_agent.cli.main import app
+    from ckpt_agent.format.manifest import audit_key, recover_request_key
+
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 3)
+    older = ckpt.save_now("older")
+    t.run(ckpt, 3, 7)
+    ckpt.save_now("newer")
+    ckpt.close()
+    store = _store_for(cfg, LocalStorage)
+    res = CliRunner().invoke(
+        app,
+        [
+            "recover",
+            "--storage",
+            str(store.root),
+            "--run-id",
+            "run1",
+            "--manual",
+            "--step",
+            "2",
+            "--force",
+        ],
+        env={"COLUMNS": "200"},
+    )
+    assert res.exit_code == 0, res.output
+    t2 = Trainer(seed=3)
+    ckpt2 = t2.checkpointer(cfg)
+    resume = ckpt2.start()
+    assert resume.checkpoint_id == older and resume.action == "manual" and resume.step == 3
+    ckpt2.close()
+    assert not store.exists(recover_request_key("run1"))  # consumed
+    audit = [json.loads(x) for x in store.read(audit_key("run1")).splitlines()]
+    assert [a["what"] for a in audit] == ["manual recovery requested", "manual recovery applied"]
+    # the next start follows the ladder again (from the newest valid checkpoint of this branch)
+    ckpt3 = Trainer(seed=4).checkpointer(cfg)
+    assert ckpt3.start().checkpoint_id == older
+    ckpt3.close()
+
+
+def test_prometheus_endpoint_serves_the_checkpointer_registry(ck_config: ConfigFactory) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = ck_config(metricsPort=port)
+    t = Trainer()
+    ckpt = t.checkpointer(cfg)
+    ckpt.start()
+    t.run(ckpt, 0, 3)
+    ckpt.save_now("x")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for name in (
+        "ckpt_save_latency_seconds_bucket",
+        "ckpt_stall_seconds_count",
+        "ckpt_bytes_written_total",
+        "ckpt_last_valid_step",
+        "ckpt_recovery_attempts_total",
+    ):
+        assert name in body, name
+    ckpt.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_approximate_filter_is_opt_in_and_marked(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t = Trainer()
+    ckpt = t.checkpointer(cfg, approximate_threshold=1e9)  # every momentum change is "small"
+    ckpt.start()
+    t.run(ckpt, 0, 2)
+    first = ckpt.save_now("first")
+    t.run(ckpt, 2, 4)
+    second = ckpt.save_now("second")
+    ckpt.close()
+    store = _store_for(cfg, LocalStorage)
+    recs = {r.id: r for r in list_checkpoints(store, "run1")}
+    assert first is not None and second is not None
+    assert not recs[first].approximate  # nothing to compare with yet: exact
+    assert recs[second].approximate
+    again = Trainer(seed=8).checkpointer(cfg)
+    resume = again.start()
+    again.close()
+    assert resume.checkpoint_id == second and not resume.exact

@@ -1,0 +1,168 @@
+"""Snapshots (reusable buffers, isolation from later training) and the background workers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_agent.format.manifest import Heartbeat, read_heartbeat
+from ckpt_agent.records import Tier
+from ckpt_agent.runtime.snapshot import BackgroundWorker, HeartbeatWriter, HostArena, take_snapshot
+from ckpt_agent.storage.fs import LocalStorage
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+
+def _t(x: object) -> torch.Tensor:
+    assert isinstance(x, torch.Tensor)
+    return x
+
+
+def test_snapshot_is_not_changed_by_later_training() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    arena = HostArena()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = model[0]
+    assert isinstance(first, torch.nn.Linear)
+    momentum = opt.state[first.weight]["momentum_buffer"].clone()
+    snap = take_snapshot(
+        1, Tier.PULSE, {"model": model.state_dict(), "optimizer": opt.state_dict()}, arena
+    )
+    # training goes on: in-place updates of parameters and optimizer state
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(100.0)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    items = {i.name: _t(i.buffer) for i in snap.items}
+    for k, v in before.items():
+        assert torch.equal(items[f"model/{k}"], v)
+    assert torch.equal(items["optimizer/state/0/momentum_buffer"], momentum)
+    # the JSON part is a fresh structure, not a view of the live param_groups
+    opt.param_groups[0]["lr"] = 123.0
+    assert snap.tree["optimizer"]["param_groups"][0]["lr"] == 0.1
+    assert snap.stall_s > 0
+    assert snap.nbytes == sum(
+        _t(i.buffer).numel() * _t(i.buffer).element_size() for i in snap.items
+    )
+
+
+def test_buffers_are_preallocated_once_and_reused() -> None:
+    model = _model()
+    arena = HostArena()
+    s1 = take_snapshot(1, Tier.PULSE, {"model": model.state_dict()}, arena)
+    n = arena.allocations
+    ptrs = {i.name: i.buffer.data_ptr() for i in s1.items if isinstance(i.buffer, torch.Tensor)}
+    s2 = take_snapshot(2, Tier.PULSE, {"model": model.state_dict()}, arena)
+    assert arena.allocations == n == 4
+    assert {
+        i.name: i.buffer.data_ptr() for i in s2.items if isinstance(i.buffer, torch.Tensor)
+    } == ptrs
+    # a changed shape reallocates just that buffer
+    take_snapshot(3, Tier.PULSE, {"model": {**model.state_dict(), "0.bias": torch.zeros(9)}}, arena)
+    assert arena.allocations == n + 1
+
+
+def test_numpy_arrays_are_copied_too() -> None:
+    a = np.arange(5.0)
+    snap = take_snapshot(1, Tier.PULSE, {"data": {"a": a}}, HostArena())
+    a[:] = -1
+    assert np.array_equal(snap.items[0].buffer, np.arange(5.0))
+
+
+def test_approximate_filter_keeps_small_changes_stale_and_says_so() -> None:
+    state = {"exp_avg": torch.ones(10), "weight": torch.ones(10)}
+    arena = HostArena()
+    first = take_snapshot(
+        1, Tier.PULSE, {"optimizer": {"state": {0: state}}}, arena, approx_threshold=1e-3
+    )
+    assert not first.approximate  # the first copy is always taken
+    state["exp_avg"] += 1e-5
+    state["weight"] += 1e-5
+    second = take_snapshot(
+        2, Tier.PULSE, {"optimizer": {"state": {0: state}}}, arena, approx_threshold=1e-3
+    )
+    assert second.approximate
+    items = {i.name: i for i in second.items}
+    assert items["optimizer/state/0/exp_avg"].stale
+    assert torch.equal(_t(items["optimizer/state/0/exp_avg"].buffer), torch.ones(10))
+    assert not items["optimizer/state/0/weight"].stale  # only momentum-like buffers are filtered
+    state["exp_avg"] += 1.0
+    third = take_snapshot(
+        3, Tier.PULSE, {"optimizer": {"state": {0: state}}}, arena, approx_threshold=1e-3
+    )
+    assert not third.approximate
+    exact = take_snapshot(4, Tier.PULSE, {"optimizer": {"state": {0: state}}}, HostArena())
+    assert not exact.approximate
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def test_worker_reports_an_error_exactly_once() -> None:
+    seen: list[int] = []
+
+    def handler(job: int) -> None:
+        if job == 2:
+            raise OSError("disk on fire")
+        seen.append(job)
+
+    w: BackgroundWorker[int] = BackgroundWorker(
+        "t", handler, capacity=3, describe=lambda j: f"job {j}"
+    )
+    for j in (1, 2, 3):
+        assert w.submit(j)
+    assert w.wait_idle(10)
+    errs = w.take_errors()
+    assert [(e.what, str(e.error)) for e in errs] == [("job 2", "disk on fire")]
+    assert w.take_errors() == []
+    assert seen == [1, 3]
+    assert w.close(5)
+    with pytest.raises(RuntimeError, match="closed"):
+        w.submit(4)
+
+
+def test_worker_capacity_is_back_pressure() -> None:
+    gate = threading.Event()
+
+    def block(job: int) -> None:
+        gate.wait(10)
+
+    w: BackgroundWorker[int] = BackgroundWorker("t", block, capacity=1)
+    assert w.submit(1)
+    assert w.busy
+    assert not w.submit(2)  # full: the caller decides (defer or wait)
+    assert not w.wait_idle(0.05)
+    gate.set()
+    assert w.wait_idle(10)
+    assert w.submit(3)
+    w.close(5)
+
+
+def test_heartbeat_writer_coalesces_and_never_blocks(ck_store: LocalStorage) -> None:
+    class Slow(LocalStorage):
+        def commit(self, key: str, data: bytes) -> None:
+            time.sleep(0.05)
+            super().commit(key, data)
+
+    store = Slow(ck_store.root)
+    hb = HeartbeatWriter(store, "run1", 0, ring=3)
+    t0 = time.perf_counter()
+    for step in range(50):
+        hb.put(Heartbeat(step=step, time=0.0, data={"pos": step}))
+    assert time.perf_counter() - t0 < 0.05  # puts do not wait for the store
+    assert hb.flush(10)
+    hb.close()
+    ring = read_heartbeat(store, "run1")
+    assert ring[-1].step == 49 and len(ring) <= 3
+    assert hb.coalesced > 0 and hb.written < 50
