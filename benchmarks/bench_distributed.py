@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -38,17 +37,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import MIB, machine, median, mlp_layers, results_table, state_bytes, write_marked
 from torch import nn
 
 from ckpt_agent.policy import AgentConfig
 
-MIB = 1024 * 1024
 RUN = "bench"
 
 
 def build(size_mb: float, hidden: int = 2048) -> tuple[nn.Module, torch.optim.Optimizer]:
-    per_layer = hidden * hidden * 4
-    layers = max(2, round(size_mb * MIB / 3 / per_layer))
+    layers = mlp_layers(size_mb, hidden)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -63,13 +61,6 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, *, noisy: bool = Tr
         p.grad = torch.randn_like(p) * 1e-3 if noisy else torch.full_like(p, 1e-3)
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    n: int = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for st in opt.state.values():
-        n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-    return n
 
 
 def config(root: Path, **over: Any) -> AgentConfig:
@@ -231,7 +222,7 @@ def trainer(args: argparse.Namespace) -> int:
 
 
 def one_crash(args: argparse.Namespace, root: Path, shm: bool, kill_at: int) -> dict[str, Any]:
-    from ckpt_agent.format.manifest import list_checkpoints
+    from ckpt_agent.format.listing import list_checkpoints
     from ckpt_agent.storage.fs import LocalStorage
 
     root.mkdir(parents=True)
@@ -338,10 +329,6 @@ def bench_agreement(steps: int) -> float:
 # --------------------------------------------------------------------------- report
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-mb", type=float, default=300)
@@ -393,24 +380,24 @@ def write_doc(args: argparse.Namespace, res: dict[str, Any]) -> None:
     rows: list[tuple[str, str, str]] = []
     st = res.get("stall")
     if st:
-        ts = med(st["torch_save"])
+        ts = median(st["torch_save"])
         rows += [
             (
                 "training stall: shared-memory snapshot (ours, flash)",
-                f"{med(st['shm_stall']) * 1000:.1f} ms",
-                f"{ts / med(st['shm_stall']):.0f}x less than torch.save; durable "
-                f"{med(st['shm_persist']):.2f} s later (persister process)",
+                f"{median(st['shm_stall']) * 1000:.1f} ms",
+                f"{ts / median(st['shm_stall']):.0f}x less than torch.save; durable "
+                f"{median(st['shm_persist']):.2f} s later (persister process)",
             ),
             (
                 "training stall: host-buffer snapshot (ours, in process)",
-                f"{med(st['host_stall']) * 1000:.1f} ms",
-                f"{ts / med(st['host_stall']):.0f}x less than torch.save",
+                f"{median(st['host_stall']) * 1000:.1f} ms",
+                f"{ts / median(st['host_stall']):.0f}x less than torch.save",
             ),
             (
                 "training stall: torch.distributed.checkpoint.async_save",
-                f"{med(st['dcp_async_stall']) * 1000:.1f} ms",
-                f"{ts / med(st['dcp_async_stall']):.0f}x less than torch.save; durable "
-                f"{med(st['dcp_async_total']):.2f} s after the call",
+                f"{median(st['dcp_async_stall']) * 1000:.1f} ms",
+                f"{ts / median(st['dcp_async_stall']):.0f}x less than torch.save; durable "
+                f"{median(st['dcp_async_total']):.2f} s after the call",
             ),
             ("training stall: torch.save + fsync", f"{ts * 1000:.0f} ms", "blocking"),
         ]
@@ -436,35 +423,22 @@ def write_doc(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 "on the training thread, every step",
             )
         )
-    marker = "<!-- bench_distributed results -->"
     mb = (st or {}).get("bytes", 0) / MIB
-    table = "\n".join(
+    write_marked(
+        args.write_doc,
+        "<!-- bench_distributed results -->",
         [
-            marker,
             f"Stall state: {mb:.0f} MiB (MLP 2048x2048 layers, fp32 weights + AdamW moments), "
             f"{args.repeat} repetitions, medians. Work lost: {args.lost_size_mb:.0f} MB state, "
             f"{args.step_ms:.0f} ms per step, a pulse every {args.every} steps, "
             f"{args.trials} SIGKILLs at random steps (seed {args.seed}), the same steps for both. "
-            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
-            f"{platform.python_version()}, torch {torch.__version__}; `/dev/shm` and a local "
+            f"Machine: {machine()}; `/dev/shm` and a local "
             f"disk. Run on {time.strftime('%Y-%m-%d')}.",
             "",
-            "| measure | value | comparison |",
-            "|---|---:|---|",
-            *[f"| {a} | {b} | {c} |" for a, b, c in rows],
-            marker,
-        ]
+            *results_table(rows),
+        ],
     )
-    doc = args.write_doc
-    text = doc.read_text() if doc.exists() else ""
-    if marker in text:
-        head, _, rest = text.partition(marker)
-        _, _, tail = rest.partition(marker)
-        text = head + table + tail
-    else:
-        text = text.rstrip() + "\n\n" + table + "\n"
-    doc.write_text(text)
-    print(f"wrote {doc}")
+    print(f"wrote {args.write_doc}")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,12 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import MIB, machine, median, mlp_layers, results_table, state_bytes, write_marked
 from torch import nn
 
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer
-
-MIB = 1024 * 1024
 
 
 def build(
@@ -50,8 +47,7 @@ def build(
 
     With ``frozen_backbone`` every layer but a small head is frozen (not in the optimizer).
     """
-    per_layer = hidden * hidden * 4
-    layers = max(2, round(size_mb * MIB / 3 / per_layer))
+    layers = mlp_layers(size_mb, hidden)
     torch.manual_seed(0)
     blocks: list[nn.Module] = [nn.Linear(hidden, hidden) for _ in range(layers - 1)]
     # fine-tune: a frozen backbone and a small task head (64 outputs)
@@ -73,13 +69,6 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
             p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    n: int = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for st in opt.state.values():
-        n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-    return n
 
 
 def fsync_dir(path: Path) -> None:
@@ -151,10 +140,6 @@ def config(root: Path, codec: str, run: str) -> AgentConfig:
 def events(cfg: AgentConfig, name: str) -> list[dict[str, Any]]:
     path = Path(cfg.work_dir or "") / "decisions.rank0.jsonl"
     return [e for line in path.read_text().splitlines() if (e := json.loads(line))["event"] == name]
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def ours(
@@ -338,35 +323,22 @@ def write_doc(
     import numpy
     import zstandard
 
-    doc = args.write_doc
-    text = doc.read_text() if doc.exists() else ""
-    marker = "<!-- bench_engine results -->"
-    table = "\n".join(
+    write_marked(
+        args.write_doc,
+        "<!-- bench_engine results -->",
         [
-            marker,
             f"State: {nbytes / MIB:.0f} MiB (MLP {args.hidden}x{args.hidden} layers, fp32 weights + "
-            f"AdamW moments), {args.repeat} repetitions, medians. Machine: {platform.machine()}, "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"AdamW moments), {args.repeat} repetitions, medians. Machine: {machine()}, "
             f"numpy {numpy.__version__}, zstandard {zstandard.__version__}; storage: local disk "
             f"(`--dir` {args.dir or 'a temp dir'}). Run on {time.strftime('%Y-%m-%d')}.",
             "",
-            "| measure | value | comparison |",
-            "|---|---:|---|",
-            *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+            *results_table(rows),
             "",
             f"Stalls of each save (s): zstd {[round(s, 4) for s in z['stalls']]}, "
             f"none {[round(s, 4) for s in n['stalls']]}.",
-            marker,
-        ]
+        ],
     )
-    if marker in text:
-        head, _, rest = text.partition(marker)
-        _, _, tail = rest.partition(marker)
-        text = head + table + tail
-    else:
-        text = text.rstrip() + "\n\n" + table + "\n"
-    doc.write_text(text)
-    print(f"\nwrote {doc}")
+    print(f"\nwrote {args.write_doc}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_agent import Checkpointer
 
 FEATURES = 64
 CLASSES = 10

@@ -40,6 +40,7 @@ __all__ = [
     "RetryableStorageError",
     "ShmError",
     "StorageError",
+    "UnsafePathError",
 ]
 
 
@@ -82,6 +83,11 @@ class RetryableStorageError(StorageError, RetryableError):
 
 class NotFoundError(StorageError, PermanentError, FileNotFoundError):
     """The key does not exist."""
+
+
+class UnsafePathError(PermanentStorageError):
+    """A key leads to something that is not a regular file or folder (a symbolic link,
+    a FIFO, a device) planted in the store; it is refused, never followed or read."""
 
 
 # --------------------------------------------------------------------------- format

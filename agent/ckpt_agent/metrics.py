@@ -1,8 +1,11 @@
-"""Prometheus metrics, the JSON Lines decision log, and optional TensorBoard scalars.
+"""Prometheus metrics, their HTTP server, and the JSON Lines decision log.
 
 Every :class:`~ckpt_agent.runtime.checkpointer.Checkpointer` owns one :class:`Metrics` with
 its own ``CollectorRegistry`` (tests stay isolated; a process can run several
-checkpointers). ``serve(port)`` starts the HTTP exporter on that registry.
+checkpointers). ``serve(port)`` starts the HTTP exporter on that registry;
+:class:`MetricsServer` is that exporter, with optional health endpoints (the
+sidecar's ``/healthz``/``/readyz``; the operator can use it too). TensorBoard
+scalars live in :mod:`ckpt_agent.runtime.tensorboard` (they need torch).
 
 =========================================== ==========================================
 ``ckpt_save_latency_seconds{tier}``          histogram: snapshot → commit (persist time)
@@ -23,15 +26,24 @@ checkpointers). ``serve(port)`` starts the HTTP exporter on that registry.
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-__all__ = ["DecisionLog", "Metrics", "TensorBoard"]
+__all__ = ["DecisionLog", "HealthCheck", "Metrics", "MetricsServer"]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +126,7 @@ class Metrics:
         )
         self.score = Gauge("ckpt_score", "Scheduler score", registry=r)
         self.interval = Gauge("ckpt_interval_steps", "Dynamic pulse interval (steps)", registry=r)
-        self._server: Any = None
+        self._server: MetricsServer | None = None
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample (0 when absent); for tests and reports."""
@@ -125,17 +137,72 @@ class Metrics:
         """Start the HTTP exporter (no-op for port 0)."""
         if port <= 0 or self._server is not None:
             return
-        self._server = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = MetricsServer(self.registry, port, addr)
 
     def close(self) -> None:
         srv = self._server
         self._server = None
-        if srv is None:
-            return
-        server = srv[0] if isinstance(srv, tuple) else None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        if srv is not None:
+            srv.close()
+
+
+#: ``() -> (healthy, details)`` behind ``/healthz`` and ``/readyz`` (503 when not healthy).
+HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
+
+_HEALTH_PATHS = ("/healthz", "/readyz", "/health")
+
+
+class MetricsServer:
+    """``/metrics`` of one registry (and ``/healthz``, ``/readyz`` with ``health``) on a thread.
+
+    Without ``health`` every path serves the metrics (like ``prometheus_client``'s
+    exporter); with it, unknown paths are 404. ``port=0`` binds a free port
+    (:attr:`port` says which); :meth:`close` stops it.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        port: int,
+        addr: str = "0.0.0.0",
+        *,
+        health: HealthCheck | None = None,
+        name: str = "ckpt-metrics-http",
+    ) -> None:
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics" or (server.health is None and path != "/favicon.ico"):
+                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path in _HEALTH_PATHS and server.health is not None:
+                    ok, details = server.health()
+                    body = json.dumps(details, sort_keys=True, default=str).encode()
+                    self._send(200 if ok else 503, body, "application/json")
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                del format, args
+
+        self.health = health
+        self._httpd = http.server.ThreadingHTTPServer((addr, port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = int(self._httpd.server_address[1])
+        threading.Thread(target=self._httpd.serve_forever, name=name, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
 
 
 class DecisionLog:
@@ -168,32 +235,3 @@ class DecisionLog:
             if self._f is not None:
                 self._f.close()
                 self._f = None
-
-
-class TensorBoard:
-    """``checkpoint/score`` and ``checkpoint/interval`` scalars, when tensorboard is installed."""
-
-    def __init__(self, logdir: str | Path) -> None:
-        self._writer: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return
-        try:
-            self._writer = SummaryWriter(log_dir=str(logdir))
-        except Exception:  # pragma: no cover - tensorboard present but broken
-            log.warning("TensorBoard writer could not start", exc_info=True)
-
-    @property
-    def enabled(self) -> bool:
-        return self._writer is not None
-
-    def scalars(self, step: int, score: float, interval: int) -> None:
-        if self._writer is not None:
-            self._writer.add_scalar("checkpoint/score", score, step)
-            self._writer.add_scalar("checkpoint/interval", interval, step)
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any, TypeAlias
 
 from ckpt_agent.policy.models import Tier
 
@@ -16,10 +17,15 @@ __all__ = [
     "AnomalyEvent",
     "CheckpointRecord",
     "CheckpointStatus",
+    "Json",
     "RetentionClass",
     "Tier",
     "checkpoint_id",
 ]
+
+#: A JSON value (dict/list/str/int/float/bool/None) as parsed or about to be dumped;
+#: ``Any`` keeps call sites simple. The one definition every layer imports.
+Json: TypeAlias = Any
 
 STEP_DIGITS = 12
 RANK_DIGITS = 5

@@ -20,7 +20,9 @@ import threading
 from pathlib import Path
 
 from . import tools
-from .cluster import ClusterError, LocalCluster, stop_workdir
+from .cluster import LocalCluster
+from .errors import ClusterError
+from .procs import stop_workdir
 
 
 def _up(args: argparse.Namespace) -> int:

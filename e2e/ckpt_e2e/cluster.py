@@ -19,121 +19,34 @@ and :meth:`LocalCluster.helm`. Components use the admin identity. Everything is 
 by :meth:`LocalCluster.stop` / the context manager, and as a last resort by an ``atexit``
 hook and a parent-death signal (see ``ckpt_e2e.procs``). Logs of each component are in
 ``<workdir>/logs``; :meth:`LocalCluster.diagnostics` returns their tails.
+
+Where each part lives: starting and watching the components in ``ckpt_e2e.bootstrap``,
+the client side (raw requests, kubectl, helm, kubeconfigs) in ``ckpt_e2e.api``, the
+errors in ``ckpt_e2e.errors``; this module puts them together and adds the cluster-level
+helpers (namespaces, PVCs, identities).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
-import ssl
-import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-import yaml
-
 from . import pki, tools
-from .procs import ManagedProcess, clean_env, install_signal_handlers, wait_until
-
-KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
-SERVICE_CIDR = "10.96.0.0/16"
-POD_CIDR = "10.244.0.1/16"
-STAGES_FILE = Path(__file__).parent / "data" / "kwok-stages.yaml"
-
-
-class ClusterError(RuntimeError):
-    """The local cluster failed to start or a client command failed."""
+from .api import KubeClient, cert_credentials, write_kubeconfig
+from .bootstrap import ClusterOptions, ControlPlane
+from .errors import ClusterError
+from .podstatus import report_container_exit
+from .procs import ManagedProcess, install_signal_handlers
 
 
-class ApiError(ClusterError):
-    """The API server answered a request made by :meth:`LocalCluster.request` with an error."""
-
-    def __init__(self, method: str, path: str, status: int, body: str) -> None:
-        self.status = status
-        self.body = body
-        super().__init__(f"{method} {path} -> HTTP {status}: {body[:2000]}")
-
-
-class CommandError(ClusterError):
-    """``kubectl``/``helm`` exited non-zero."""
-
-    def __init__(self, argv: Sequence[str], result: subprocess.CompletedProcess[str]) -> None:
-        self.argv = list(argv)
-        self.result = result
-        super().__init__(
-            f"{' '.join(self.argv)} exited {result.returncode}\n"
-            f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
-        )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _opener(ctx: ssl.SSLContext | None) -> urllib.request.OpenerDirector:
-    """A urllib opener that ignores proxy variables (everything here is on 127.0.0.1)."""
-    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
-    if ctx is not None:
-        handlers.append(urllib.request.HTTPSHandler(context=ctx))
-    return urllib.request.build_opener(*handlers)
-
-
-def _http_get(url: str, ctx: ssl.SSLContext | None = None, timeout: float = 3.0) -> tuple[int, str]:
-    try:
-        with _opener(ctx).open(url, timeout=timeout) as r:
-            return int(r.status), r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return int(e.code), e.read().decode(errors="replace")
-
-
-def _insecure_ctx() -> ssl.SSLContext:
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-def stop_workdir(workdir: Path, grace: float = 10.0) -> list[str]:
-    """Stop the processes a (persistent) cluster recorded in ``workdir/pids``."""
-    pids_file = Path(workdir) / "pids"
-    stopped: list[str] = []
-    if not pids_file.exists():
-        return stopped
-    entries = [line.split(maxsplit=1) for line in pids_file.read_text().splitlines() if line]
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
-        for pid, _name in reversed(entries):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(pid), sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(_pid_alive(int(p)) for p, _ in entries):
-            time.sleep(0.2)
-    stopped = [f"{name} (pid {pid})" for pid, name in entries]
-    pids_file.unlink()
-    return stopped
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-class LocalCluster:
+class LocalCluster(KubeClient):
     """Local control plane; use as a context manager or call :meth:`start`/:meth:`stop`.
 
     Args:
@@ -149,8 +62,8 @@ class LocalCluster:
         keep_workdir: never delete ``workdir`` (also via ``CKPT_E2E_KEEP_WORKDIR=1``).
         persistent: the components may outlive this Python process (no parent-death signal,
             no atexit kill); :meth:`release` leaves them running, and
-            ``python -m ckpt_e2e down WORKDIR`` (or :func:`stop_workdir`) stops them later
-            using ``WORKDIR/pids``. Implies keep_workdir.
+            ``python -m ckpt_e2e down WORKDIR`` (or :func:`ckpt_e2e.procs.stop_workdir`)
+            stops them later using ``WORKDIR/pids``. Implies keep_workdir.
     """
 
     def __init__(
@@ -172,35 +85,53 @@ class LocalCluster:
         self.workdir = (
             Path(tempfile.mkdtemp(prefix="ckpt-e2e-")) if workdir is None else Path(workdir)
         ).resolve()
-        self.with_scheduler = scheduler
-        self.with_controller_manager = controller_manager
-        self.with_kwok = kwok
-        self.with_training_operator = training_operator
-        self.node_count = nodes if kwok else 0
-        self.verbosity = verbosity
-        self.startup_timeout = startup_timeout
         self.keep_workdir = (
             keep_workdir or persistent or os.environ.get("CKPT_E2E_KEEP_WORKDIR") == "1"
         )
-
-        self.pki_dir = self.workdir / "pki"
-        self.log_dir = self.workdir / "logs"
-        self.kubeconfig = self.workdir / "kubeconfig"
-        self.helm_home = self.workdir / "helm"
+        super().__init__(self.workdir / "kubeconfig", self.workdir / "helm")
         self.pods_dir = self.workdir / "pods"
         self.pvc_dir = self.workdir / "pvc"
-        self.ca: pki.CertificateAuthority | None = None
-        self.admin: pki.CertPair | None = None
-        self.procs: dict[str, ManagedProcess] = {}
-        self.bin: dict[str, Path] = {}
-        self._api_ctx: ssl.SSLContext | None = None
-        self._api_opener = _opener(None)
-        self.ports: dict[str, int] = {}
-        self.node_names: list[str] = []
-        self._api_client: Any = None
+        options = ClusterOptions(
+            scheduler=scheduler,
+            controller_manager=controller_manager,
+            kwok=kwok,
+            training_operator=training_operator,
+            nodes=nodes if kwok else 0,
+            verbosity=verbosity,
+            startup_timeout=startup_timeout,
+        )
+        self.plane = ControlPlane(self.workdir, options, self, persistent=persistent)
         self._failed = False
         self._started = False
-        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the components
+    @property
+    def options(self) -> ClusterOptions:
+        return self.plane.options
+
+    @property
+    def log_dir(self) -> Path:
+        return self.plane.log_dir
+
+    @property
+    def procs(self) -> dict[str, ManagedProcess]:
+        return self.plane.procs
+
+    @property
+    def bin(self) -> dict[str, Path]:
+        return self.plane.bin
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return self.plane.ports
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.plane.timings
+
+    @property
+    def ca(self) -> pki.CertificateAuthority | None:
+        return self.plane.ca
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -216,10 +147,6 @@ class LocalCluster:
             self._failed = True
         self.stop()
 
-    @property
-    def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports['apiserver']}"
-
     def start(self) -> Self:
         """Start every component and wait until each is ready. Raises ClusterError."""
         if self._started:
@@ -228,26 +155,7 @@ class LocalCluster:
         install_signal_handlers()
         t0 = time.monotonic()
         try:
-            self._resolve_binaries()
-            self.timings["binaries"] = time.monotonic() - t0
-            self._make_pki()
-            self._start_etcd()
-            self._start_apiserver()
-            self._write_kubeconfig()
-            if self.with_controller_manager:
-                self._start_controller_manager()
-            if self.with_scheduler:
-                self._start_scheduler()
-            if self.with_training_operator:
-                self._install_pytorchjob_crd()
-                self._start_training_operator()
-            if self.with_kwok:
-                self._start_kwok()
-                for i in range(self.node_count):
-                    self.create_node(f"kwok-node-{i}")
-            if self.with_controller_manager:
-                # The ServiceAccount admission plugin rejects pods until "default" exists.
-                self._wait_default_service_account("default")
+            self.plane.start()
         except BaseException as e:
             self._failed = True
             diag = self.diagnostics()
@@ -260,24 +168,15 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop all components (reverse start order) and remove a temp workdir."""
-        if self._api_client is not None:
-            with contextlib.suppress(Exception):
-                self._api_client.close()
-            self._api_client = None
-        for name in reversed(list(self.procs)):
-            self.procs[name].stop()
+        self.close()
+        self.plane.stop()
         if self._own_workdir and not self.keep_workdir and not self._failed:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def release(self) -> None:
         """Leave the components running (``persistent`` clusters) and forget them here."""
-        if self._api_client is not None:
-            with contextlib.suppress(Exception):
-                self._api_client.close()
-            self._api_client = None
-        for p in self.procs.values():
-            p.release()
-        self.procs.clear()
+        self.close()
+        self.plane.release()
 
     def mark_failed(self) -> None:
         """Keep the workdir (logs) when the cluster is stopped later."""
@@ -285,467 +184,35 @@ class LocalCluster:
 
     def check_alive(self) -> None:
         """Raise ClusterError if a component process has exited."""
-        dead = [n for n, p in self.procs.items() if not p.running]
-        if dead:
-            raise ClusterError(
-                f"component(s) exited: {', '.join(f'{n} rc={self.procs[n].poll()}' for n in dead)}"
-                f"\n{self.diagnostics(dead)}"
-            )
+        self.plane.check_alive()
 
     def diagnostics(self, names: Sequence[str] | None = None, max_bytes: int = 4000) -> str:
         """Tails of the component logs (all, or ``names``)."""
-        out = []
-        for n, p in self.procs.items():
-            if names is None or n in names:
-                out.append(f"===== {n} ({p!r}) log {p.log_path} =====\n{p.tail(max_bytes)}")
-        return "\n".join(out)
+        return self.plane.diagnostics(names, max_bytes)
 
-    # ------------------------------------------------------------------ components
-    def _resolve_binaries(self) -> None:
-        names = ["etcd", "kube-apiserver", "kubectl"]
-        if self.with_controller_manager:
-            names.append("kube-controller-manager")
-        if self.with_scheduler:
-            names.append("kube-scheduler")
-        if self.with_kwok:
-            names.append("kwok")
-        if self.with_training_operator:
-            names.append("training-operator.v1")
-        self.bin = {n: tools.binary(n) for n in names}
+    def create_node(self, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Create a kwok-managed fake Node and wait until kwok reports it Ready."""
+        return self.plane.create_node(name, labels)
 
-    def _make_pki(self) -> None:
-        self.ca = pki.CertificateAuthority(self.pki_dir)
-        self.apiserver_cert = self.ca.serving_cert(
-            "apiserver",
-            [
-                "127.0.0.1",
-                "localhost",
-                "kubernetes",
-                "kubernetes.default",
-                "kubernetes.default.svc",
-                "kubernetes.default.svc.cluster.local",
-                "10.96.0.1",
-            ],
-        )
-        self.admin = self.ca.client_cert("admin", "kubernetes-admin", ["system:masters"])
-        # Front proxy (aggregation layer / requestheader auth), as kubeadm sets it up; without
-        # it every component logs "missing content for CA bundle ... requestheader".
-        self.front_proxy_ca = pki.CertificateAuthority(
-            self.pki_dir, "ckpt-e2e-front-proxy-ca", filename="front-proxy-ca"
-        )
-        self.front_proxy_client = self.front_proxy_ca.client_cert(
-            "front-proxy-client", "front-proxy-client"
-        )
-        self.sa_keys = pki.service_account_keys(self.pki_dir)
+    def wait_crd_established(self, name: str, timeout: float | None = None) -> None:
+        """Wait until CustomResourceDefinition ``name`` is Established (served)."""
+        self.plane.wait_crd_established(name, timeout)
 
-    def _spawn(
-        self, name: str, argv: Sequence[str | os.PathLike[str]], **kw: Any
-    ) -> ManagedProcess:
-        p = ManagedProcess(
-            name, argv, self.log_dir / f"{name}.log", detached=self.persistent, **kw
-        ).start()
-        self.procs[name] = p
-        with open(self.workdir / "pids", "a") as f:
-            f.write(f"{p.pid} {name}\n")
-        return p
-
-    def _wait(self, what: str, predicate: Any, component: str) -> None:
-        t0 = time.monotonic()
-
-        def alive() -> None:
-            p = self.procs.get(component)
-            if p is not None and not p.running:
-                raise ClusterError(f"{component} exited rc={p.poll()} while waiting for {what}")
-
-        wait_until(predicate, self.startup_timeout, what, on_poll=alive)
-        self.timings[component] = time.monotonic() - t0
-
-    def _start_etcd(self) -> None:
-        client, peer = free_port(), free_port()
-        self.ports["etcd"] = client
-        url_c, url_p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-        self._spawn(
-            "etcd",
-            [
-                self.bin["etcd"],
-                "--name=ckpt-e2e",
-                f"--data-dir={self.workdir / 'etcd-data'}",
-                f"--listen-client-urls={url_c}",
-                f"--advertise-client-urls={url_c}",
-                f"--listen-peer-urls={url_p}",
-                f"--initial-advertise-peer-urls={url_p}",
-                f"--initial-cluster=ckpt-e2e={url_p}",
-                "--unsafe-no-fsync=true",
-                "--auto-compaction-retention=1",
-                "--quota-backend-bytes=4294967296",
-                "--log-level=warn",
-            ],
-        )
-        self._wait(
-            "etcd /health",
-            lambda: _http_get(f"{url_c}/health")[1].find('"health":"true"') >= 0,
-            "etcd",
-        )
-
-    def _start_apiserver(self) -> None:
-        assert self.ca is not None and self.admin is not None
-        port = free_port()
-        self.ports["apiserver"] = port
-        self._spawn(
-            "kube-apiserver",
-            [
-                self.bin["kube-apiserver"],
-                f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
-                f"--cert-dir={self.workdir / 'apiserver'}",
-                f"--tls-cert-file={self.apiserver_cert.cert}",
-                f"--tls-private-key-file={self.apiserver_cert.key}",
-                f"--client-ca-file={self.ca.cert_path}",
-                f"--secure-port={port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                "--endpoint-reconciler-type=none",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--allow-privileged=true",
-                "--authorization-mode=Node,RBAC",
-                "--enable-admission-plugins=MutatingAdmissionWebhook,ValidatingAdmissionWebhook",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={self.sa_keys.cert}",
-                f"--service-account-signing-key-file={self.sa_keys.key}",
-                f"--requestheader-client-ca-file={self.front_proxy_ca.cert_path}",
-                "--requestheader-allowed-names=front-proxy-client",
-                "--requestheader-username-headers=X-Remote-User",
-                "--requestheader-group-headers=X-Remote-Group",
-                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-                f"--proxy-client-cert-file={self.front_proxy_client.cert}",
-                f"--proxy-client-key-file={self.front_proxy_client.key}",
-                "--profiling=false",
-                f"--v={self.verbosity}",
-            ],
-        )
-        ctx = ssl.create_default_context(cafile=str(self.ca.cert_path))
-        ctx.load_cert_chain(str(self.admin.cert), str(self.admin.key))
-        self._api_ctx = ctx
-        self._api_opener = _opener(ctx)
-        self._wait(
-            "kube-apiserver /readyz",
-            lambda: _http_get(f"{self.server}/readyz", ctx)[0] == 200,
-            "kube-apiserver",
-        )
-
-    def _write_kubeconfig(self) -> None:
-        assert self.ca is not None and self.admin is not None
-        self.kubeconfig.write_text(
-            self.kubeconfig_yaml(self.admin.cert, self.admin.key, user="kubernetes-admin")
-        )
-        self.kubeconfig.chmod(0o600)
-
-    def kubeconfig_yaml(self, cert: Path, key: Path, user: str) -> str:
-        """A kubeconfig for this cluster that authenticates with a client certificate."""
-        assert self.ca is not None
-        cfg = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "ckpt-e2e",
-                    "cluster": {
-                        "server": self.server,
-                        "certificate-authority": str(self.ca.cert_path),
-                    },
-                }
-            ],
-            "users": [
-                {"name": user, "user": {"client-certificate": str(cert), "client-key": str(key)}}
-            ],
-            "contexts": [{"name": "ckpt-e2e", "context": {"cluster": "ckpt-e2e", "user": user}}],
-            "current-context": "ckpt-e2e",
-        }
-        return yaml.safe_dump(cfg, sort_keys=False)
-
+    # ------------------------------------------------------------------ identities
     def kubeconfig_for(self, user: str, groups: Sequence[str] = ()) -> Path:
         """Issue a client certificate for ``user``/``groups`` and write a kubeconfig for it."""
         assert self.ca is not None
         safe = "".join(c if c.isalnum() else "-" for c in user)
         pair = self.ca.client_cert(f"user-{safe}", user, list(groups))
-        path = self.workdir / f"kubeconfig-{safe}"
-        path.write_text(self.kubeconfig_yaml(pair.cert, pair.key, user=user))
-        path.chmod(0o600)
-        return path
-
-    def _component_auth_flags(self) -> list[str]:
-        return [
-            f"--kubeconfig={self.kubeconfig}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
-            "--bind-address=127.0.0.1",
-            "--leader-elect=false",
-            f"--v={self.verbosity}",
-        ]
-
-    def _start_controller_manager(self) -> None:
-        assert self.ca is not None
-        port = free_port()
-        self.ports["kube-controller-manager"] = port
-        self._spawn(
-            "kube-controller-manager",
-            [
-                self.bin["kube-controller-manager"],
-                *self._component_auth_flags(),
-                f"--secure-port={port}",
-                f"--cert-dir={self.workdir / 'controller-manager'}",
-                "--controllers=*",
-                f"--root-ca-file={self.ca.cert_path}",
-                f"--service-account-private-key-file={self.sa_keys.key}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--use-service-account-credentials=false",
-                "--kube-api-qps=100",
-                "--kube-api-burst=200",
-            ],
-        )
-        ctx = _insecure_ctx()
-        self._wait(
-            "kube-controller-manager /healthz",
-            lambda: _http_get(f"https://127.0.0.1:{port}/healthz", ctx)[0] == 200,
-            "kube-controller-manager",
+        return write_kubeconfig(
+            self.workdir / f"kubeconfig-{safe}",
+            self.server,
+            self.ca.cert_path,
+            user,
+            cert_credentials(pair.cert, pair.key),
         )
 
-    def _start_scheduler(self) -> None:
-        port = free_port()
-        self.ports["kube-scheduler"] = port
-        self._spawn(
-            "kube-scheduler",
-            [
-                self.bin["kube-scheduler"],
-                *self._component_auth_flags(),
-                f"--secure-port={port}",
-                f"--cert-dir={self.workdir / 'scheduler'}",
-            ],
-        )
-        ctx = _insecure_ctx()
-        self._wait(
-            "kube-scheduler /readyz",
-            lambda: _http_get(f"https://127.0.0.1:{port}/readyz", ctx)[0] == 200,
-            "kube-scheduler",
-        )
-
-    def _install_pytorchjob_crd(self) -> None:
-        crd = tools.pytorchjob_crd()
-        # ~600 KB: too big for client-side apply's last-applied annotation.
-        self.kubectl("apply", "--server-side", "--field-manager=ckpt-e2e", "-f", str(crd))
-        # (not "kubectl wait": it errors out while .status.conditions is still empty)
-        self.wait_crd_established("pytorchjobs.kubeflow.org")
-
-    def wait_crd_established(self, name: str, timeout: float | None = None) -> None:
-        """Wait until CustomResourceDefinition ``name`` is Established (served)."""
-
-        def established() -> bool:
-            crd = self.request(
-                "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
-            )
-            conds = (crd.get("status") or {}).get("conditions") or []
-            return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
-
-        wait_until(
-            established,
-            timeout or self.startup_timeout,
-            f"CRD {name} Established",
-            on_poll=self.check_alive,
-        )
-
-    def _start_training_operator(self) -> None:
-        metrics, probe = free_port(), free_port()
-        self.ports["training-operator"] = probe
-        self._spawn(
-            "training-operator",
-            [
-                self.bin["training-operator.v1"],
-                "--enable-scheme=pytorchjob",
-                f"--metrics-bind-address=127.0.0.1:{metrics}",
-                f"--health-probe-bind-address=127.0.0.1:{probe}",
-                f"--monitoring-port={free_port()}",
-                "--leader-elect=false",
-            ],
-            env=clean_env({"KUBECONFIG": str(self.kubeconfig)}),
-        )
-        self._wait(
-            "training-operator /readyz",
-            lambda: _http_get(f"http://127.0.0.1:{probe}/readyz")[0] == 200,
-            "training-operator",
-        )
-
-    def _start_kwok(self) -> None:
-        cfg = self.workdir / "kwok-stages.yaml"
-        shutil.copyfile(STAGES_FILE, cfg)
-        self._spawn(
-            "kwok",
-            [
-                self.bin["kwok"],
-                f"--kubeconfig={self.kubeconfig}",
-                f"--config={cfg}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-                "--node-ip=127.0.0.1",
-                f"--cidr={POD_CIDR}",
-                "--node-lease-duration-seconds=40",
-                "-v=INFO",
-            ],
-        )
-
-    def create_node(self, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """Create a kwok-managed fake Node and wait until kwok reports it Ready."""
-        node = {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": name,
-                "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
-                "labels": {
-                    "kubernetes.io/hostname": name,
-                    "kubernetes.io/os": "linux",
-                    "kubernetes.io/arch": "amd64",
-                    "type": "kwok",
-                    **(labels or {}),
-                },
-            },
-            "spec": {},
-            "status": {
-                "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "110"},
-                "capacity": {"cpu": "64", "memory": "256Gi", "pods": "110"},
-            },
-        }
-        self.kubectl("create", "-f", "-", input=json.dumps(node))
-        t0 = time.monotonic()
-
-        def ready() -> bool:
-            obj = self.get_json("node", name)
-            conds = obj.get("status", {}).get("conditions", [])
-            return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-
-        wait_until(ready, self.startup_timeout, f"kwok node {name} Ready", on_poll=self.check_alive)
-        self.timings.setdefault("kwok", time.monotonic() - t0)
-        self.node_names.append(name)
-        return self.get_json("node", name)
-
-    # ------------------------------------------------------------------ clients
-    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Environment for a client process: KUBECONFIG set, proxies unset."""
-        return clean_env({"KUBECONFIG": str(self.kubeconfig), **(extra or {})})
-
-    def _run(
-        self,
-        argv: list[str],
-        *,
-        input: str | None,
-        check: bool,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-    ) -> subprocess.CompletedProcess[str]:
-        try:
-            res = subprocess.run(
-                argv,
-                input=input,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=self.env(env),
-                check=False,
-            )
-        except subprocess.TimeoutExpired as e:
-            raise ClusterError(f"{' '.join(argv)} timed out after {timeout}s") from e
-        if check and res.returncode != 0:
-            raise CommandError(argv, res)
-        return res
-
-    def kubectl(
-        self,
-        *args: str,
-        input: str | None = None,
-        check: bool = True,
-        timeout: float = 120.0,
-    ) -> subprocess.CompletedProcess[str]:
-        """Run the real kubectl (built from k8s.io/kubernetes) against this cluster."""
-        kubectl = self.bin.get("kubectl") or tools.binary("kubectl")
-        return self._run(
-            [str(kubectl), f"--kubeconfig={self.kubeconfig}", *args],
-            input=input,
-            check=check,
-            timeout=timeout,
-        )
-
-    def helm(
-        self,
-        *args: str,
-        input: str | None = None,
-        check: bool = True,
-        timeout: float = 300.0,
-    ) -> subprocess.CompletedProcess[str]:
-        """Run the real helm (built from helm.sh/helm/v3) with its state under the workdir."""
-        helm_env = {
-            "HELM_CACHE_HOME": str(self.helm_home / "cache"),
-            "HELM_CONFIG_HOME": str(self.helm_home / "config"),
-            "HELM_DATA_HOME": str(self.helm_home / "data"),
-        }
-        return self._run(
-            [str(tools.binary("helm")), f"--kubeconfig={self.kubeconfig}", *args],
-            input=input,
-            check=check,
-            timeout=timeout,
-            env=helm_env,
-        )
-
-    def get_json(self, *args: str) -> dict[str, Any]:
-        """``kubectl get ARGS -o json`` parsed."""
-        out = self.kubectl("get", *args, "-o", "json").stdout
-        data: dict[str, Any] = json.loads(out)
-        return data
-
-    def apply(self, manifest: str | Mapping[str, Any], namespace: str | None = None) -> str:
-        """``kubectl apply -f -`` of a YAML string or one object; returns kubectl's output."""
-        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
-        ns = [f"--namespace={namespace}"] if namespace else []
-        return self.kubectl("apply", *ns, "-f", "-", input=text).stdout
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        content_type: str = "application/json",
-        timeout: float = 30.0,
-    ) -> dict[str, Any]:
-        """A raw API request as the admin (e.g. ``request("GET", "/api/v1/nodes")``).
-
-        ``body`` is JSON-encoded; PATCH defaults to a JSON merge patch. Raises ApiError
-        (with ``.status``, e.g. 404) for an HTTP error status.
-        """
-        if method == "PATCH" and content_type == "application/json":
-            content_type = "application/merge-patch+json"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.server + path,
-            data=data,
-            method=method,
-            headers={"Content-Type": content_type, "Accept": "application/json"},
-        )
-        try:
-            with self._api_opener.open(req, timeout=timeout) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise ApiError(method, path, e.code, e.read().decode(errors="replace")) from None
-        out: dict[str, Any] = json.loads(raw) if raw else {}
-        return out
-
-    def api_client(self) -> Any:
-        """A ``kubernetes.client.ApiClient`` for this cluster (admin), closed by stop()."""
-        if self._api_client is None:
-            from kubernetes import config
-
-            self._api_client = config.new_client_from_config(  # type: ignore[no-untyped-call,unused-ignore]
-                config_file=str(self.kubeconfig)
-            )
-        return self._api_client
-
+    # ------------------------------------------------------------------ namespaces
     def create_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> str:
         """Create a namespace and wait until its ``default`` ServiceAccount exists."""
         obj = {
@@ -754,8 +221,8 @@ class LocalCluster:
             "metadata": {"name": name, "labels": dict(labels or {})},
         }
         self.kubectl("create", "-f", "-", input=json.dumps(obj))
-        if self.with_controller_manager:
-            self._wait_default_service_account(name)
+        if self.options.controller_manager:
+            self.plane.wait_default_service_account(name)
         return name
 
     def delete_namespace(self, name: str, wait: bool = False, timeout: float = 120.0) -> None:
@@ -769,30 +236,6 @@ class LocalCluster:
             f"--timeout={int(timeout)}s",
             timeout=timeout + 10,
         )
-
-    def _wait_default_service_account(self, namespace: str) -> None:
-        wait_until(
-            lambda: (
-                self.kubectl(
-                    "get", "serviceaccount", "default", "-n", namespace, check=False
-                ).returncode
-                == 0
-            ),
-            self.startup_timeout,
-            f"ServiceAccount {namespace}/default",
-            interval=0.3,
-            on_poll=self.check_alive,
-        )
-
-    def wait_for(
-        self,
-        predicate: Any,
-        timeout: float = 60.0,
-        what: str = "condition",
-        interval: float = 0.5,
-    ) -> Any:
-        """Poll ``predicate`` (exceptions count as "not yet"); fail fast if a component died."""
-        return wait_until(predicate, timeout, what, interval=interval, on_poll=self.check_alive)
 
     # ------------------------------------------------------------------ storage
     def create_pvc(
@@ -834,7 +277,7 @@ class LocalCluster:
         }
         self.request("POST", "/api/v1/persistentvolumes", pv)
         self.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", pvc)
-        if self.with_controller_manager:
+        if self.options.controller_manager:
             self.wait_for(
                 lambda: (
                     self.request(
@@ -851,18 +294,9 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ pods
     def set_pod_exit(
-        self,
-        namespace: str,
-        name: str,
-        exit_code: int,
-        *,
-        container: str | None = None,
-        reason: str | None = None,
-        message: str | None = None,
+        self, namespace: str, name: str, exit_code: int, **report: str | None
     ) -> dict[str, Any]:
-        """Report that a pod's container exited with ``exit_code`` (see ckpt_e2e.localpod)."""
-        from .localpod import report_container_exit
-
-        return report_container_exit(
-            self, namespace, name, exit_code, container=container, reason=reason, message=message
-        )
+        """Report that a pod's container exited with ``exit_code`` (see ckpt_e2e.localpod);
+        ``report``: ``container``, ``reason``, ``message`` of
+        :func:`ckpt_e2e.podstatus.report_container_exit`."""
+        return report_container_exit(self, namespace, name, exit_code, **report)

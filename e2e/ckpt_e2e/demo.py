@@ -38,7 +38,9 @@ from typing import Any, TextIO
 
 import yaml
 
-from .cluster import ClusterError, LocalCluster, free_port
+from .api import free_port
+from .cluster import LocalCluster
+from .errors import ClusterError
 from .kubelet import PodRun
 from .scenario import Scenario
 from .stack import Stack

@@ -1,5 +1,7 @@
 """Throw-away PKI for a local control plane, generated with ``cryptography`` at start.
 
+The certificates are built by the operator's :mod:`ckpt_operator.certs` (one home
+for certificate building); this module only names them and writes the PEM files.
 Everything is ECDSA P-256 (fast to generate) except the service-account signing key,
 which is RSA 2048 (RS256 is what every token consumer expects). Nothing here is
 meant to outlive one test session.
@@ -7,17 +9,15 @@ meant to outlive one test session.
 
 from __future__ import annotations
 
-import datetime as _dt
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
-_VALIDITY = _dt.timedelta(days=7)
+from ckpt_operator.certs import KeyPair, generate_ca, issue_cert, pem_private_key
+
+_VALIDITY_DAYS = 7
 
 
 @dataclass(frozen=True)
@@ -36,22 +36,11 @@ def _write(path: Path, data: bytes, private: bool = False) -> Path:
     return path
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
+def _write_pair(directory: Path, name: str, cert: bytes, key: bytes, *, cert_ext: str) -> CertPair:
+    return CertPair(
+        cert=_write(directory / f"{name}.{cert_ext}", cert),
+        key=_write(directory / f"{name}.key", key, private=True),
     )
-
-
-def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
-    names: list[x509.GeneralName] = []
-    for h in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            names.append(x509.DNSName(h))
-    return x509.SubjectAlternativeName(names)
 
 
 class CertificateAuthority:
@@ -61,46 +50,15 @@ class CertificateAuthority:
         self, directory: Path, common_name: str = "ckpt-e2e-ca", filename: str = "ca"
     ) -> None:
         self.directory = directory
-        now = _dt.datetime.now(_dt.UTC)
-        self._key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-        self._name = name
-        self._cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(self._key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _dt.timedelta(minutes=5))
-            .not_valid_after(now + _VALIDITY)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False
-            )
-            .sign(self._key, hashes.SHA256())
+        self._pair: KeyPair = generate_ca(common_name, days=_VALIDITY_DAYS)
+        files = _write_pair(
+            directory, filename, self._pair.cert_pem, self._pair.key_pem, cert_ext="crt"
         )
-        self.cert_path = _write(
-            directory / f"{filename}.crt", self._cert.public_bytes(serialization.Encoding.PEM)
-        )
-        self.key_path = _write(directory / f"{filename}.key", _key_pem(self._key), private=True)
+        self.cert_path, self.key_path = files.cert, files.key
 
     @property
     def cert_pem(self) -> bytes:
-        return self._cert.public_bytes(serialization.Encoding.PEM)
+        return self._pair.cert_pem
 
     def issue(
         self,
@@ -113,54 +71,16 @@ class CertificateAuthority:
         client: bool = False,
     ) -> CertPair:
         """Issue ``<name>.crt``/``<name>.key``. ``hosts`` become SANs (IPs or DNS names)."""
-        now = _dt.datetime.now(_dt.UTC)
-        key = ec.generate_private_key(ec.SECP256R1())
-        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
-        attrs += [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations or []]
-        usages = []
-        if server:
-            usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-        if client:
-            usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name(attrs))
-            .issuer_name(self._name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _dt.timedelta(minutes=5))
-            .not_valid_after(now + _VALIDITY)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),
-                critical=False,
-            )
+        leaf = issue_cert(
+            self._pair,
+            common_name,
+            sans=hosts or (),
+            organizations=organizations or (),
+            server=server,
+            client=client,
+            days=_VALIDITY_DAYS,
         )
-        if usages:
-            builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        if hosts:
-            builder = builder.add_extension(_san(hosts), critical=False)
-        cert = builder.sign(self._key, hashes.SHA256())
-        return CertPair(
-            cert=_write(
-                self.directory / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM)
-            ),
-            key=_write(self.directory / f"{name}.key", _key_pem(key), private=True),
-        )
+        return _write_pair(self.directory, name, leaf.cert_pem, leaf.key_pem, cert_ext="crt")
 
     def serving_cert(self, name: str, hosts: list[str]) -> CertPair:
         """A TLS server certificate for ``hosts`` (e.g. a webhook on 127.0.0.1)."""
@@ -177,7 +97,4 @@ def service_account_keys(directory: Path) -> CertPair:
     pub = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    return CertPair(
-        cert=_write(directory / "sa.pub", pub),
-        key=_write(directory / "sa.key", _key_pem(key), private=True),
-    )
+    return _write_pair(directory, "sa", pub, pem_private_key(key), cert_ext="pub")

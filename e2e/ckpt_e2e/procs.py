@@ -7,6 +7,11 @@ and SIGTERM/SIGHUP handlers drain, and, on Linux, children started from the main
 thread also get ``PR_SET_PDEATHSIG=SIGKILL`` so that even a SIGKILLed harness leaves no
 orphans behind (the death signal fires when the *thread* that forked them exits, which
 is why it is only set from the main thread).
+
+Processes that outlive their group are found too: :func:`container_pids` finds a local
+container's processes by the ``CKPT_E2E_CONTAINER`` marker in their environment, and
+:func:`stop_workdir` stops the detached processes a persistent cluster recorded with
+:func:`record_pid`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from pathlib import Path
 from typing import IO
 
 _PR_SET_PDEATHSIG = 1
+#: Environment marker of every process a local container started (``<pod uid>/<container>``).
+CONTAINER_ENV = "CKPT_E2E_CONTAINER"
+#: File under a cluster workdir listing ``<pid> <name>`` of each component it started.
+PIDS_FILE = "pids"
 _registry: set[ManagedProcess] = set()
 _released: list[ManagedProcess] = []  # detached processes left running: never garbage-collected
 _registry_lock = threading.Lock()
@@ -225,6 +234,59 @@ def wait_until(
 
 
 atexit.register(stop_all)
+
+
+def container_pids(marker: str) -> list[int]:
+    """Processes (other than this one) whose environment carries ``CONTAINER_ENV=marker``."""
+    needle = f"{CONTAINER_ENV}={marker}".encode() + b"\0"
+    out: list[int] = []
+    me = os.getpid()
+    with contextlib.suppress(OSError):
+        entries = os.listdir("/proc")
+        for entry in entries:
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            if needle in env or env.endswith(needle[:-1]):
+                out.append(int(entry))
+    return out
+
+
+def record_pid(workdir: Path, process: ManagedProcess) -> None:
+    """Append ``process`` to ``workdir/pids`` (read back by :func:`stop_workdir`)."""
+    with open(Path(workdir) / PIDS_FILE, "a") as f:
+        f.write(f"{process.pid} {process.name}\n")
+
+
+def stop_workdir(workdir: Path, grace: float = 10.0) -> list[str]:
+    """Stop the processes a (persistent) cluster recorded in ``workdir/pids``."""
+    pids_file = Path(workdir) / PIDS_FILE
+    stopped: list[str] = []
+    if not pids_file.exists():
+        return stopped
+    entries = [line.split(maxsplit=1) for line in pids_file.read_text().splitlines() if line]
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
+        for pid, _name in reversed(entries):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid), sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(_group_alive(int(p)) for p, _ in entries):
+            time.sleep(0.2)
+    stopped = [f"{name} (pid {pid})" for pid, name in entries]
+    pids_file.unlink()
+    return stopped
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def install_signal_handlers() -> None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cluster import LocalCluster, free_port
+from .api import free_port
+from .cluster import LocalCluster
 from .kubelet import Decision, PodRun, PodRunner
 from .stack import OperatorProcess
 from .training import (

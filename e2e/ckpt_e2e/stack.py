@@ -34,7 +34,6 @@ import socket
 import ssl
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,9 @@ from typing import Any, Self
 
 import yaml
 
-from .cluster import ClusterError, LocalCluster, free_port
+from .api import free_port, no_proxy_opener, write_kubeconfig
+from .cluster import LocalCluster
+from .errors import ClusterError
 from .procs import ManagedProcess, clean_env, wait_until
 from .tools import REPO_ROOT
 
@@ -203,26 +204,7 @@ def service_account_kubeconfig(
     ).stdout.strip()
     assert cluster.ca is not None
     user = f"system:serviceaccount:{namespace}:{service_account}"
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "ckpt-e2e",
-                "cluster": {
-                    "server": cluster.server,
-                    "certificate-authority": str(cluster.ca.cert_path),
-                },
-            }
-        ],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "ckpt-e2e", "context": {"cluster": "ckpt-e2e", "user": user}}],
-        "current-context": "ckpt-e2e",
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    path.chmod(0o600)
-    return path
+    return write_kubeconfig(path, cluster.server, cluster.ca.cert_path, user, {"token": token})
 
 
 def materialize_secret(cluster: LocalCluster, namespace: str, name: str, directory: Path) -> Path:
@@ -343,7 +325,7 @@ class OperatorProcess:
 
     def _healthy(self) -> bool:
         try:
-            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            opener = no_proxy_opener()
             with opener.open(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
                 return int(r.status) == 200
         except OSError:
@@ -417,7 +399,7 @@ class OperatorProcess:
         return text
 
     def metrics(self) -> str:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        opener = no_proxy_opener()
         with opener.open(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return str(r.read().decode())
 

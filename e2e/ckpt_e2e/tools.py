@@ -49,7 +49,11 @@ def build(names: list[str] | None = None, timeout: float = 3600) -> None:
 
 @functools.cache
 def tool_dir(module: str, timeout: float = 3600) -> Path:
-    """Folder holding the binaries of tool module ``module`` (builds it when needed)."""
+    """Folder holding the binaries of tool module ``module`` (builds it when needed).
+
+    The one place that asks ``build-tools.sh --path``: the e2e cluster, and the storage
+    tests and benchmark for MinIO/Toxiproxy (``tests/ckpt_agent/storage/s3_servers.py``).
+    """
     try:
         out = subprocess.run(
             ["bash", str(BUILD_SCRIPT), "--path", module],
@@ -58,8 +62,12 @@ def tool_dir(module: str, timeout: float = 3600) -> Path:
             text=True,
             timeout=timeout,
         )
+    except FileNotFoundError as e:
+        raise ToolError(f"cannot run {BUILD_SCRIPT}: {e}") from e
     except subprocess.CalledProcessError as e:
-        raise ToolError(f"building e2e/tools/{module} failed:\n{e.stderr[-4000:]}") from e
+        raise ToolError(
+            f"building e2e/tools/{module} failed (is Go >= 1.24 installed?):\n{e.stderr[-4000:]}"
+        ) from e
     except subprocess.TimeoutExpired as e:
         raise ToolError(f"building e2e/tools/{module} timed out after {timeout}s") from e
     return Path(out.stdout.strip().splitlines()[-1])

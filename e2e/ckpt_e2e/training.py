@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_agent.format.manifest import list_checkpoints
+from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
 from ckpt_agent.storage import StorageOptions, open_storage
 
-from .cluster import ApiError, LocalCluster
+from .cluster import LocalCluster
+from .errors import ApiError
 from .procs import clean_env
 from .tools import REPO_ROOT
 

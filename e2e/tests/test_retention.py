@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_agent.format.manifest import verify_hashes
+from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.storage import StorageOptions
 from ckpt_e2e.scenario import Scenario
 from ckpt_e2e.training import StorageView, Training, condition, events, s3_storage

@@ -1,9 +1,13 @@
-"""Webhook TLS: a CA and a serving certificate, generated with ``cryptography``.
+"""TLS certificates generated with ``cryptography``: a CA, and leaves it signs.
 
-Used when the operator runs outside the chart (local runs, the e2e harness:
-``--webhook-generate-certs``) and by the webhook tests. In a cluster the
-chart provides the certificate as a mounted Secret (Helm-generated or
-cert-manager) and the operator only reads the files.
+One home for certificate building: the operator's webhook certificate
+(:func:`write_webhook_certs`, used when the operator runs outside the chart:
+local runs, the e2e harness's ``--webhook-generate-certs``, the webhook tests)
+and the e2e harness's throw-away cluster PKI (``ckpt_e2e.pki``: serving and
+client certificates of a local control plane) both use :func:`generate_ca` and
+:func:`issue_cert`. In a cluster the chart provides the webhook certificate as
+a mounted Secret (Helm-generated or cert-manager) and the operator only reads
+the files.
 
 (kopf's own self-signed path needs ``oscrypto``, which does not work with
 OpenSSL 3; this module replaces it.)
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
@@ -27,6 +31,8 @@ __all__ = [
     "KeyPair",
     "generate_ca",
     "generate_serving_cert",
+    "issue_cert",
+    "pem_private_key",
     "service_sans",
     "write_webhook_certs",
 ]
@@ -53,7 +59,8 @@ def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+def pem_private_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
+    """``key`` as unencrypted PKCS#8 PEM."""
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -61,42 +68,49 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-def generate_ca(common_name: str = "ckpt-operator-webhook-ca", days: int = 3650) -> KeyPair:
-    """A self-signed CA able to sign serving certificates."""
-    key = _key()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = _now()
-    cert = (
+def _builder(
+    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, days: float
+) -> x509.CertificateBuilder:
+    """Subject, issuer, public key, serial and validity (from five minutes ago)."""
+    now = dt.datetime.now(dt.UTC)
+    return (
         x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
+        .subject_name(subject)
+        .issuer_name(issuer)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=days))
+    )
+
+
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Signatures for every certificate; certificate and CRL signing for a CA."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def generate_ca(common_name: str = "ckpt-operator-webhook-ca", days: float = 3650) -> KeyPair:
+    """A self-signed CA able to sign leaf certificates (EC P-256)."""
+    key = _key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    cert = (
+        _builder(name, name, key, days)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), pem_private_key(key))
 
 
 def _san(name: str) -> x509.GeneralName:
@@ -106,34 +120,57 @@ def _san(name: str) -> x509.GeneralName:
         return x509.DNSName(name)
 
 
-def generate_serving_cert(ca: KeyPair, sans: Iterable[str], days: int = 365) -> KeyPair:
-    """A TLS server certificate for ``sans`` (DNS names and IP addresses), signed by ``ca``."""
-    names = list(dict.fromkeys(s for s in sans if s))
-    if not names:
-        raise ValueError("a serving certificate needs at least one DNS name or IP address")
+def issue_cert(
+    ca: KeyPair,
+    common_name: str,
+    *,
+    sans: Iterable[str] = (),
+    organizations: Iterable[str] = (),
+    server: bool = False,
+    client: bool = False,
+    days: float = 365,
+) -> KeyPair:
+    """A leaf certificate signed by ``ca`` (from :func:`generate_ca`), EC P-256.
+
+    ``sans`` (DNS names and IP addresses) become the subject alternative names;
+    ``organizations`` the subject's O attributes (the API server maps a client
+    certificate's CN to the user, its Os to the groups); ``server``/``client``
+    the extended key usages.
+    """
     ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
     ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise TypeError("the CA key must be an EC key (generated by generate_ca)")
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    attrs += [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations]
     key = _key()
-    now = _now()
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
+    builder = (
+        _builder(x509.Name(attrs), ca_cert.subject, key, days)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(_key_usage(ca=False), critical=True)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
-        .sign(ca_key, hashes.SHA256())
     )
-    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
+    usages += [ExtendedKeyUsageOID.CLIENT_AUTH] if client else []
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    names = list(dict.fromkeys(s for s in sans if s))
+    if names:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([_san(n) for n in names]), critical=False
+        )
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), pem_private_key(key))
+
+
+def generate_serving_cert(ca: KeyPair, sans: Iterable[str], days: float = 365) -> KeyPair:
+    """A TLS server certificate for ``sans`` (DNS names and IP addresses), signed by ``ca``."""
+    names = list(dict.fromkeys(s for s in sans if s))
+    if not names:
+        raise ValueError("a serving certificate needs at least one DNS name or IP address")
+    return issue_cert(ca, names[0], sans=names, server=True, days=days)
 
 
 def service_sans(service: str, namespace: str) -> list[str]:

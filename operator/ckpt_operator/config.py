@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckpt_agent.tuning import GC_GRACE_S
+
 __all__ = [
     "InjectionConfig",
     "OperatorConfig",
@@ -75,7 +77,7 @@ class RetentionConfig:
     enabled: bool = True
     tick_s: float = 10.0
     """Loop granularity; each policy runs at its own ``retention.reconcileIntervalSeconds``."""
-    gc_grace_s: float = 3600.0
+    gc_grace_s: float = GC_GRACE_S
     """Unreferenced blobs younger than this are left alone (a writer may be committing)."""
 
 

@@ -1,4 +1,4 @@
-"""kopf handlers: thin glue from kopf's callbacks to :mod:`ckpt_operator.service`.
+"""kopf handlers: thin glue from kopf's callbacks to :mod:`ckpt_operator.behaviours`.
 
 :func:`register` wires them onto a registry (``main.py`` uses a fresh one;
 tests do the same). The shared state travels in kopf's ``memo`` as a
@@ -28,19 +28,14 @@ from typing import Any, cast
 import kopf
 
 from ckpt_operator import constants as c
+from ckpt_operator.behaviours.admission import inject_pod, validate_policy
+from ckpt_operator.behaviours.deps import Deps
+from ckpt_operator.behaviours.disruption import signal_node, signal_pod
+from ckpt_operator.behaviours.policies import reconcile_policy
+from ckpt_operator.behaviours.recovery import observe_job, recover_job
+from ckpt_operator.behaviours.retention import reconcile_retention
 from ckpt_operator.jsonpatch import JSONPatchOp, apply_patch_in_place
 from ckpt_operator.loops import RecoveryScheduler, RetentionLoop
-from ckpt_operator.service import (
-    Deps,
-    inject_pod,
-    observe_job,
-    reconcile_policy,
-    reconcile_retention,
-    recover_job,
-    signal_node,
-    signal_pod,
-    validate_policy,
-)
 
 __all__ = ["Runtime", "make_runtime", "register"]
 
@@ -114,7 +109,7 @@ def on_probe(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
 
 async def on_policy(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     rt = _rt(memo)
-    # writes Ready itself (guarded read-modify-write, see service.write_policy_status):
+    # writes Ready itself (guarded read-modify-write, see policies.write_policy_status):
     # kopf's status patch would replace the conditions the retention loop writes
     await reconcile_policy(rt.deps, _raw(body))
     rt.retention.upsert(_raw(body))

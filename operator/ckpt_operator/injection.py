@@ -46,6 +46,7 @@ from ckpt_agent.policy.agent_config import (
     ENV_STORAGE_URL,
     ENV_WORK_DIR,
 )
+from ckpt_agent.storage.options import s3_env
 from ckpt_operator import constants as c
 from ckpt_operator.jsonpatch import JSONPatchOp, add, pointer
 
@@ -184,14 +185,7 @@ def _agent_env(
     ]
     if spec.storage.type == StorageType.S3 and spec.storage.s3 is not None:
         s3 = spec.storage.s3
-        if s3.endpoint:
-            env.append({"name": c.ENV_S3_ENDPOINT_URL, "value": s3.endpoint})
-        env.append({"name": c.ENV_S3_REGION, "value": s3.region})
-        env.append({"name": c.ENV_S3_PATH_STYLE, "value": "true" if s3.path_style else "false"})
-        sse = s3.server_side_encryption
-        env.append({"name": c.ENV_S3_SSE, "value": sse.mode.value})
-        if sse.kms_key_id:
-            env.append({"name": c.ENV_S3_KMS_KEY_ID, "value": sse.kms_key_id})
+        env += [{"name": name, "value": value} for name, value in s3_env(s3)]
         if s3.credentials_secret is not None:
             ref = s3.credentials_secret
             env.append(_secret_env(c.ENV_S3_ACCESS_KEY_ID, ref.name, ref.access_key_id_key))

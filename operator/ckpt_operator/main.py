@@ -13,13 +13,13 @@ from pathlib import Path
 import kopf
 
 from ckpt_operator import constants as c
+from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.certs import write_webhook_certs
 from ckpt_operator.config import OperatorConfig, parse_config
 from ckpt_operator.events import KopfEvents
 from ckpt_operator.handlers import MEMO_KEY, make_runtime, register
 from ckpt_operator.kube import KubernetesApi
 from ckpt_operator.metrics import Metrics
-from ckpt_operator.service import Deps
 from ckpt_operator.sources import StorageSourceFactory
 from ckpt_operator.webhook import InstrumentedWebhookServer
 

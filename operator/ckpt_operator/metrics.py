@@ -35,61 +35,53 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.restarts = Counter(
-            "ckpt_operator_restarts", "Restarts created", ["action"], registry=r
-        )
-        self.recoveries = Counter(
-            "ckpt_operator_recoveries",
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"ckpt_operator_{name}", doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(
+                f"ckpt_operator_{name}", doc, labels, buckets=buckets, registry=self.registry
+            )
+
+        self.restarts = counter("restarts", "Restarts created", "action")
+        self.recoveries = counter(
+            "recoveries",
             "Recovery attempts by result (success: restart created; failure: gave up, "
             "crash loop or create error)",
-            ["result", "reason"],
-            registry=r,
+            "result",
+            "reason",
         )
-        self.poisoned = Counter(
-            "ckpt_operator_poisoned_checkpoints", "Checkpoints poisoned by crash loops", registry=r
-        )
-        self.failure_to_restart = Histogram(
-            "ckpt_operator_failure_to_restart_seconds",
+        self.poisoned = counter("poisoned_checkpoints", "Checkpoints poisoned by crash loops")
+        self.failure_to_restart = histogram(
+            "failure_to_restart_seconds",
             "Seconds from a job's Failed condition to its restart being created",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.retention_deletions = Counter(
-            "ckpt_operator_retention_deletions", "Checkpoints deleted by retention", registry=r
+        self.retention_deletions = counter(
+            "retention_deletions", "Checkpoints deleted by retention"
         )
-        self.retention_bytes = Counter(
-            "ckpt_operator_retention_bytes_deleted",
+        self.retention_bytes = counter(
+            "retention_bytes_deleted",
             "Bytes freed by retention (checkpoints and garbage-collected blobs)",
-            registry=r,
         )
-        self.retention_errors = Counter(
-            "ckpt_operator_retention_errors", "Failed retention passes or deletions", registry=r
-        )
-        self.webhook_requests = Counter(
-            "ckpt_operator_webhook_requests",
+        self.retention_errors = counter("retention_errors", "Failed retention passes or deletions")
+        self.webhook_requests = counter(
+            "webhook_requests",
             "Admission requests by webhook and result (allowed, denied, error)",
-            ["webhook", "result"],
-            registry=r,
+            "webhook",
+            "result",
         )
-        self.webhook_duration = Histogram(
-            "ckpt_operator_webhook_duration_seconds",
-            "Admission request latency",
-            ["webhook"],
-            buckets=_WEBHOOK_BUCKETS,
-            registry=r,
+        self.webhook_duration = histogram(
+            "webhook_duration_seconds", "Admission request latency", _WEBHOOK_BUCKETS, "webhook"
         )
-        self.injections = Counter(
-            "ckpt_operator_injections",
+        self.injections = counter(
+            "injections",
             "Pods seen by the injection webhook (injected, skipped, already)",
-            ["result"],
-            registry=r,
+            "result",
         )
-        self.save_now = Counter(
-            "ckpt_operator_save_now_signals",
-            "Emergency-checkpoint signals sent to pods",
-            ["reason"],
-            registry=r,
+        self.save_now = counter(
+            "save_now_signals", "Emergency-checkpoint signals sent to pods", "reason"
         )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:

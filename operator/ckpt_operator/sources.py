@@ -2,43 +2,49 @@
 
 :class:`CheckpointSource` is the small interface the handlers use; unit tests
 use an in-memory fake, production uses :class:`StorageCheckpointSource`
-over :mod:`ckpt_agent.storage` and :mod:`ckpt_agent.format.manifest` (torch-free).
+over :mod:`ckpt_agent.storage`, the agent's torch-free readers
+(:mod:`ckpt_agent.format.listing`, ``.heartbeat``, ``.verify``) and its
+housekeeping (:mod:`ckpt_agent.persist.housekeeping`, the same deletion and
+blob GC as ``ckpt gc`` and the agent).
 
 Deleting a checkpoint removes its ``COMMIT`` first (from then on it does
-not exist for any reader: it is expired), then its manifests. Payload blobs
+not exist for any reader: it is expired), then its folder. Payload blobs
 are shared between checkpoints (content addressed), so they are removed by
 :meth:`CheckpointSource.collect_garbage` only when no manifest in storage
 (committed or still being written) references them **and** they are older
 than a grace period, so a checkpoint being written right now never loses a
 blob it is about to reference (the writer also re-checks its blobs before it
-commits).
+commits). Uncommitted folders older than the grace period (crash leftovers)
+are removed by the same pass. While any rank manifest of the run is
+unreadable (it might reference anything) nothing is collected.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Protocol
 
-from ckpt_agent.format.manifest import (
-    CheckpointFormatError,
-    RankManifest,
-    blob_key,
-    checkpoint_prefix,
-    commit_key,
-    list_checkpoints,
-    read_heartbeat,
-    verify_hashes,
+from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.format.heartbeat import read_heartbeat
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.verify import verify_hashes
+from ckpt_agent.persist.housekeeping import (
+    GcResult,
+    ManifestCache,
+    delete_checkpoint,
+    gc_blobs,
+    referenced_blobs,
 )
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.storage import Storage, StorageError, StorageOptions, open_storage
+from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = [
     "CheckpointSource",
-    "GcResult",
     "SourceFactory",
     "StorageCheckpointSource",
     "VerificationFailedError",
@@ -47,18 +53,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Blobs younger than this are never garbage-collected (a writer may be about to commit them).
-DEFAULT_GC_GRACE_S = 3600.0
-
 
 class VerificationFailedError(Exception):
     """A checkpoint failed re-verification; the message says why."""
-
-
-@dataclass(frozen=True)
-class GcResult:
-    blobs_deleted: int = 0
-    bytes_freed: int = 0
 
 
 class CheckpointSource(Protocol):
@@ -84,11 +81,12 @@ class CheckpointSource(Protocol):
         ...
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
-        """Expire (remove the COMMIT) and delete the checkpoint's manifests."""
+        """Expire (remove the COMMIT) and delete the checkpoint's folder."""
         ...
 
     def collect_garbage(self, run_id: str) -> GcResult:
-        """Delete blobs no manifest references any more (older than the grace period)."""
+        """Delete blobs no manifest references any more and stale uncommitted folders
+        (both older than the grace period)."""
         ...
 
     def close(self) -> None: ...
@@ -105,22 +103,9 @@ def storage_options_for(
     secret_access_key: str | None = None,
 ) -> StorageOptions:
     """StorageOptions equivalent to what the webhook injects into the pods for ``spec``."""
-    env_defaults = StorageOptions.from_env()
-    if spec.storage.type != StorageType.S3 or spec.storage.s3 is None:
-        return env_defaults
-    s3 = spec.storage.s3
-    sse = s3.server_side_encryption
-    return env_defaults.replace(
-        endpoint_url=s3.endpoint or env_defaults.endpoint_url,
-        region=s3.region,
-        path_style=s3.path_style,
-        sse=sse.mode.value,
-        kms_key_id=sse.kms_key_id,
-        part_size_bytes=s3.part_size_mb * 1024 * 1024,
-        max_concurrency=s3.max_concurrency,
-        max_attempts=s3.max_attempts,
-        access_key_id=access_key_id or env_defaults.access_key_id,
-        secret_access_key=secret_access_key or env_defaults.secret_access_key,
+    s3 = spec.storage.s3 if spec.storage.type == StorageType.S3 else None
+    return StorageOptions.from_spec(
+        s3, access_key_id=access_key_id, secret_access_key=secret_access_key
     )
 
 
@@ -131,12 +116,13 @@ class StorageCheckpointSource:
         self,
         storage: Storage,
         *,
-        gc_grace_s: float = DEFAULT_GC_GRACE_S,
+        gc_grace_s: float = GC_GRACE_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.storage = storage
         self.gc_grace_s = gc_grace_s
         self.clock = clock
+        self._manifests = ManifestCache()
 
     @classmethod
     def open(cls, url: str, options: StorageOptions | None = None) -> StorageCheckpointSource:
@@ -161,41 +147,22 @@ class StorageCheckpointSource:
         return True
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
-        self.storage.delete(commit_key(run_id, checkpoint_id))
-        self.storage.delete_prefix(checkpoint_prefix(run_id, checkpoint_id))
+        delete_checkpoint(self.storage, run_id, checkpoint_id)
 
     def collect_garbage(self, run_id: str) -> GcResult:
-        referenced: set[str] = set()
-        steps = f"{run_id}/steps/"
-        for info in list(self.storage.list(steps)):
-            name = info.key.rsplit("/", 1)[-1]
-            if not (name.startswith("rank_") and name.endswith(".json")):
-                continue
-            try:
-                manifest = RankManifest.from_bytes(self.storage.read(info.key), info.key)
-            except (CheckpointFormatError, StorageError) as e:
-                # An unreadable manifest might reference anything: collect nothing this time.
-                log.warning("run %s: skipping blob GC, unreadable %s: %s", run_id, info.key, e)
-                return GcResult()
-            referenced.update(manifest.referenced_blobs())
-        cutoff = self.clock() - self.gc_grace_s
-        deleted = freed = 0
-        prefix = f"{run_id}/blobs/sha256/"
-        for info in list(self.storage.list(prefix)):
-            digest = info.key.rsplit("/", 1)[-1]
-            if digest in referenced:
-                continue
-            if info.mtime is None or info.mtime > cutoff:
-                continue
-            try:
-                if info.key != blob_key(run_id, digest):
-                    continue  # not a blob of ours
-            except CheckpointFormatError:
-                continue
-            self.storage.delete(info.key)
-            deleted += 1
-            freed += info.size
-        return GcResult(deleted, freed)
+        # An unreadable manifest might reference anything: collect nothing this time
+        # (gc_blobs itself would ignore it).
+        _, unreadable = referenced_blobs(self.storage, run_id, self._manifests)
+        if unreadable:
+            log.warning("run %s: skipping blob GC, unreadable %s", run_id, "; ".join(unreadable))
+            return GcResult(unreadable_manifests=unreadable)
+        return gc_blobs(
+            self.storage,
+            run_id,
+            grace_s=self.gc_grace_s,
+            now=self.clock(),
+            cache=self._manifests,
+        )
 
     def close(self) -> None:
         self.storage.close()
@@ -214,7 +181,7 @@ class StorageSourceFactory:
         get_secret: Callable[[str, str], Awaitable[dict[str, str] | None]],
         *,
         read_secrets: bool = True,
-        gc_grace_s: float = DEFAULT_GC_GRACE_S,
+        gc_grace_s: float = GC_GRACE_S,
     ) -> None:
         self._get_secret = get_secret
         self._read_secrets = read_secrets
@@ -224,8 +191,6 @@ class StorageSourceFactory:
     async def __call__(
         self, namespace: str, policy: str, spec: CheckpointPolicySpec
     ) -> CheckpointSource:
-        import asyncio
-
         key_id = secret = None
         s3 = spec.storage.s3 if spec.storage.type == StorageType.S3 else None
         if s3 is not None and s3.credentials_secret is not None and self._read_secrets:

@@ -17,15 +17,16 @@ from typing import Any
 
 import pytest
 
+from ckpt_agent.persist.housekeeping import GcResult
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
 from ckpt_operator import constants as c
+from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.config import OperatorConfig
 from ckpt_operator.events import RecordedEvents
 from ckpt_operator.kube import ConflictError, NotFoundError
 from ckpt_operator.metrics import Metrics
-from ckpt_operator.service import Deps
-from ckpt_operator.sources import GcResult, VerificationFailedError
+from ckpt_operator.sources import VerificationFailedError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -234,7 +235,7 @@ class FakeSource:
 
     def collect_garbage(self, run_id: str) -> GcResult:
         self.gc_runs.append(run_id)
-        return GcResult(2, 4096)
+        return GcResult(deleted=["a" * 64, "b" * 64], freed_bytes=4096)
 
     def close(self) -> None:
         pass

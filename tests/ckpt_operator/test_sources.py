@@ -10,14 +10,9 @@ from typing import Any
 
 import pytest
 
-from ckpt_agent.format.manifest import (
-    CheckpointMeta,
-    Heartbeat,
-    ValidationRecord,
-    encode_heartbeats,
-    heartbeat_key,
-    validation_key,
-)
+from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
+from ckpt_agent.format.layout import heartbeat_key, validation_key
+from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointStatus, Tier
@@ -111,22 +106,31 @@ def test_delete_then_gc_keeps_shared_blobs(store: LocalStorage, tmp_path: Path) 
     assert not (tmp_path / "ckpt" / RUN / "steps" / "pulse_step_000000000200").exists()
     gc = src.collect_garbage(RUN)
     after = {p.name for p in blob_dir.rglob("*") if p.is_file()}
-    assert gc.blobs_deleted == 1 and len(before - after) == 1  # only 200's own "head" blob
+    assert len(gc.deleted) == 1 and len(before - after) == 1  # only 200's own "head" blob
     # what remains still verifies: the shared frozen blobs survived
     assert src.verify(RUN, "full_step_000000000100")
     assert src.verify(RUN, "pulse_step_000000000300")
 
 
+def _age(paths: Any, seconds: float) -> None:
+    for p in paths:
+        if p.is_file():
+            t = p.stat().st_mtime - seconds
+            os.utime(p, (t, t))
+
+
 def test_gc_spares_young_blobs_and_in_flight_manifests(store: LocalStorage, tmp_path: Path) -> None:
     src = StorageCheckpointSource(store)  # default grace: an hour
     src.delete_checkpoint(RUN, "pulse_step_000000000200")
-    assert src.collect_garbage(RUN).blobs_deleted == 0  # blobs are seconds old
-    # an uncommitted checkpoint (rank manifest written, no COMMIT) protects its blobs too
+    assert src.collect_garbage(RUN).deleted == []  # blobs are seconds old
+    # an uncommitted checkpoint (rank manifest written, no COMMIT) protects its blobs too,
+    # however old they are
     writer = CheckpointWriter(store, RUN, codec=CodecPolicy(codec="none"), inline_max_bytes=0)
     meta = CheckpointMeta(run_id=RUN, step=400, tier=Tier.PULSE)
     writer.write_rank(meta, 0, {}, [TensorSource("t", "uint8", (64,), memoryview(os.urandom(64)))])
-    old = StorageCheckpointSource(store, gc_grace_s=0.0, clock=lambda: time.time() + 10)
-    old.collect_garbage(RUN)
+    _age((tmp_path / "ckpt" / RUN / "blobs").rglob("*"), 2 * 3600)
+    gc = src.collect_garbage(RUN)
+    assert len(gc.deleted) == 1 and gc.stale_folders == []  # only 200's own "head" blob
     rank = tmp_path / "ckpt" / RUN / "steps" / "pulse_step_000000000400" / "rank_00000.json"
     assert rank.exists()
     from ckpt_agent.format.manifest import RankManifest
@@ -134,6 +138,31 @@ def test_gc_spares_young_blobs_and_in_flight_manifests(store: LocalStorage, tmp_
     manifest = RankManifest.from_bytes(rank.read_bytes())
     for digest in manifest.referenced_blobs():
         assert (tmp_path / "ckpt" / RUN / "blobs" / "sha256" / digest[:2] / digest).exists()
+
+
+def test_gc_removes_stale_uncommitted_folders_and_their_blobs(
+    store: LocalStorage, tmp_path: Path
+) -> None:
+    writer = CheckpointWriter(store, RUN, codec=CodecPolicy(codec="none"), inline_max_bytes=0)
+    meta = CheckpointMeta(run_id=RUN, step=400, tier=Tier.PULSE)
+    writer.write_rank(meta, 0, {}, [TensorSource("t", "uint8", (64,), memoryview(os.urandom(64)))])
+    src = StorageCheckpointSource(store, clock=lambda: time.time() + 2 * 3600)  # a crash leftover
+    gc = src.collect_garbage(RUN)
+    assert gc.stale_folders == ["pulse_step_000000000400"] and len(gc.deleted) == 1
+    assert not (tmp_path / "ckpt" / RUN / "steps" / "pulse_step_000000000400").exists()
+    for ckpt_id in ("full_step_000000000100", "pulse_step_000000000300"):
+        assert src.verify(RUN, ckpt_id)
+
+
+def test_gc_collects_nothing_while_a_manifest_is_unreadable(
+    store: LocalStorage, tmp_path: Path
+) -> None:
+    src = StorageCheckpointSource(store, gc_grace_s=0.0, clock=lambda: time.time() + 10)
+    src.delete_checkpoint(RUN, "pulse_step_000000000200")
+    rank = tmp_path / "ckpt" / RUN / "steps" / "pulse_step_000000000300" / "rank_00000.json"
+    rank.write_bytes(b"{not json")
+    gc = src.collect_garbage(RUN)
+    assert gc.deleted == [] and gc.unreadable_manifests
 
 
 def test_storage_options_follow_the_policy(fixture: Any) -> None:

@@ -28,9 +28,10 @@ import base64
 import binascii
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Final
 
 from ckpt_agent.errors import JsonTreeError
+from ckpt_agent.records import Json
 
 __all__ = [
     "EXTENSION_TAGS",
@@ -43,7 +44,6 @@ __all__ = [
     "walk_refs",
 ]
 
-Json = Any  # JSON values (dict/list/str/int/float/bool/None); Any keeps call sites simple
 
 TUPLE: Final = "__tuple__"
 DICT: Final = "__dict__"

@@ -7,15 +7,9 @@ Used by the coordinator of the two-phase commit before it publishes ``COMMIT``:
 
 from __future__ import annotations
 
-from ckpt_agent.format.manifest import (
-    CheckpointFormatError,
-    RankManifest,
-    RankRef,
-    blob_key,
-    checkpoint_prefix,
-    rank_manifest_key,
-    sha256_hex,
-)
+from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.format.layout import blob_key, checkpoint_prefix, rank_manifest_key, sha256_hex
+from ckpt_agent.format.manifest import RankManifest, RankRef
 from ckpt_agent.records import rank_name
 from ckpt_agent.storage.base import NotFoundError, Storage
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ckpt_agent.format.manifest import list_checkpoints
+from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, RetentionClass, Tier
 from ckpt_agent.storage.base import Storage
 

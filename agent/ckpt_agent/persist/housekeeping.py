@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.decide.retention import RetentionPlan
-from ckpt_agent.format.manifest import (
+from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.format.layout import (
     COMMIT,
-    CheckpointFormatError,
-    RankManifest,
     audit_key,
     blobs_prefix,
     checkpoint_prefix,
@@ -33,15 +32,14 @@ from ckpt_agent.format.manifest import (
     parse_checkpoint_id,
     steps_prefix,
 )
+from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.records import Tier
 from ckpt_agent.storage.base import NotFoundError, Storage, StorageError
+from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = ["GcResult", "append_audit", "apply_retention", "delete_checkpoint", "gc_blobs", "who"]
 
 log = logging.getLogger(__name__)
-
-#: Default age under which an unreferenced blob is presumed in flight (external GC).
-DEFAULT_GRACE_S = 3600.0
 
 
 def delete_checkpoint(storage: Storage, run_id: str, ckpt_id: str) -> int:
@@ -162,7 +160,7 @@ def gc_blobs(
     storage: Storage,
     run_id: str,
     *,
-    grace_s: float = DEFAULT_GRACE_S,
+    grace_s: float = GC_GRACE_S,
     dry_run: bool = False,
     now: float | None = None,
     cache: ManifestCache | None = None,

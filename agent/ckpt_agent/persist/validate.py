@@ -36,20 +36,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
-from ckpt_agent.format.manifest import (
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    IntegrityError,
-    ValidationRecord,
-    read_commit,
-    read_rank_manifest,
-    read_tensor_bytes,
-    validation_key,
-)
+from ckpt_agent.format.layout import blob_key, sha256_hex, validation_key
+from ckpt_agent.format.manifest import ValidationRecord
+from ckpt_agent.format.readers import read_commit, read_rank_manifest, read_tensor_bytes
 from ckpt_agent.policy.models import ValidationSpec
-from ckpt_agent.records import CheckpointStatus
+from ckpt_agent.records import CheckpointStatus, Json
+from ckpt_agent.storage import open_storage
 from ckpt_agent.storage.base import Storage, StorageError
 
 __all__ = [
@@ -63,7 +58,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Json = Any
 TensorMeta = Mapping[str, tuple[str, tuple[int, ...]]]
 
 #: Seconds the loader process may take before the checkpoint counts as unloadable.
@@ -161,12 +155,10 @@ def load_check(
 
 def _bad_blobs(storage: Storage, run_id: str, manifest: Any, chunks: Sequence[str]) -> list[str]:
     """Which of ``chunks`` do not hash to their name (for self-healing)."""
-    from ckpt_agent.format.manifest import blob_bytes, blob_key, sha256_hex
-
     bad: list[str] = []
     for digest in chunks:
         try:
-            with blob_bytes(storage, blob_key(run_id, digest)) as b:
+            with storage.read_view(blob_key(run_id, digest)) as b:
                 if len(b) != manifest.blobs[digest].size or sha256_hex(b) != digest:
                     bad.append(digest)
         except StorageError:
@@ -416,8 +408,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--serve", action="store_true", help="answer JSON-line requests on stdin")
     args = p.parse_args(argv)
-    from ckpt_agent.storage import open_storage
-
     if args.serve:
         return _serve(args.storage)
     if not args.run_id or not args.checkpoint:
@@ -433,8 +423,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(url: str) -> int:
-    from ckpt_agent.storage import open_storage
-
     storage = open_storage(url)
     for line in sys.stdin:
         if not line.strip():

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ckpt_agent.format.codec import (
     CODEC_NONE,
@@ -41,26 +41,29 @@ from ckpt_agent.format.codec import (
     encode,
     none_spec,
 )
-from ckpt_agent.format.manifest import (
+from ckpt_agent.format.layout import (
     DTYPE_ITEMSIZE,
     FLOAT_DTYPES,
+    blob_key,
+    checkpoint_prefix,
+    commit_key,
+    rank_manifest_key,
+    sha256_hex,
+    validation_key,
+)
+from ckpt_agent.format.manifest import (
     BlobEntry,
     CheckpointMeta,
     CommitManifest,
     RankManifest,
     RankRef,
     TensorEntry,
-    blob_key,
-    checkpoint_prefix,
-    commit_key,
     library_versions,
-    rank_manifest_key,
-    sha256_hex,
-    validation_key,
 )
 from ckpt_agent.policy.models import CompressionSpec
-from ckpt_agent.records import rank_name
+from ckpt_agent.records import Json, rank_name
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.tuning import CHUNK_BYTES
 
 __all__ = [
     "BlobIndex",
@@ -76,12 +79,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Json = Any
 
 #: Tensors up to this many bytes are stored inline in the manifest (base64).
 INLINE_MAX_BYTES = 8 * 1024
-#: Larger tensors are split into blobs of this many raw bytes (multiple of 16).
-CHUNK_BYTES = 16 * 1024 * 1024
 #: Blob uploads in flight at once (overlaps fsync/network latency with hashing/encoding;
 #: bounds the encoded chunks held in memory to this many).
 PARALLEL_WRITES = 4

@@ -65,12 +65,10 @@ import torch
 
 from ckpt_agent.decide.scheduler import AdaptiveScheduler, Decision, SystemSignals, merge_decisions
 from ckpt_agent.errors import CommitAbortedError, DistributedError
-from ckpt_agent.format.manifest import (
-    CheckpointMeta,
-    RankRef,
-)
+from ckpt_agent.format.manifest import CheckpointMeta, RankRef
 from ckpt_agent.format.parts import verify_part
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenCheckpoint, WrittenRank
+from ckpt_agent.records import Json
 
 __all__ = [
     "Agreed",
@@ -88,7 +86,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Json = Any
 
 #: Default timeout of the agent's own process groups (a hung rank fails the save after it).
 DEFAULT_TIMEOUT_S = 600.0

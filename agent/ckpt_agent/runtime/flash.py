@@ -1,9 +1,9 @@
 """The trainer's side of flash checkpoints: snapshot into shared memory, a persister does the rest.
 
-:class:`FlashTarget` owns this rank's :class:`~ckpt_agent.flash.shm.ShmWriter` and
+:class:`FlashTarget` owns this rank's :class:`~ckpt_agent.runtime.shm_writer.ShmWriter` and
 makes sure a persister serves it: the pod's sidecar container (the operator
 injects it when ``spec.agent.sidecar`` is true) or, for a local run, a
-subprocess ``python -m ckpt_agent.flash.sidecar --exit-with-trainer`` started in
+subprocess ``python -m ckpt_agent.cli sidecar --exit-with-trainer`` started in
 its own session, so that it outlives a SIGKILL of the trainer, persists the
 last complete snapshot, and exits.
 
@@ -28,23 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_agent.flash.shm import (
-    DEFAULT_SLOTS,
-    Descriptor,
-    PersistedMark,
-    ShmReader,
-    ShmWriter,
-    read_health,
-    verify_snapshot,
-)
+import torch
+
+from ckpt_agent.flash.protocol import DEFAULT_SLOTS, Descriptor, PersistedMark, read_health
+from ckpt_agent.flash.reader import ShmReader, verify_snapshot
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.records import Tier
+from ckpt_agent.records import Json, Tier
+from ckpt_agent.runtime.serialization import torch_dtype
+from ckpt_agent.runtime.shm_writer import ShmWriter
 
 __all__ = ["FlashTarget", "ShmRestore"]
 
 log = logging.getLogger(__name__)
 
-Json = Any
 #: How long a local persister may take to start (it imports no torch: about a second).
 PERSISTER_START_TIMEOUT_S = 30.0
 #: How long :meth:`FlashTarget.start` waits for a persister to handle snapshots a
@@ -173,7 +169,8 @@ class FlashTarget:
         cmd = [
             sys.executable,
             "-m",
-            "ckpt_agent.flash.sidecar",
+            "ckpt_agent.cli",
+            "sidecar",
             "--config",
             str(cfg),
             "--rank",
@@ -322,8 +319,6 @@ class FlashTarget:
         wrote them (chunk SHA-256s). Snapshots without recorded hashes are
         not trusted. The tensors are copied out of shared memory.
         """
-        import torch
-
         r = self.reader
         for desc in reversed(r.complete()):
             if desc.step < min_step:
@@ -340,8 +335,6 @@ class FlashTarget:
                         "shared-memory snapshot of step %d rejected: %s", desc.step, problems[:3]
                     )
                     continue
-                from ckpt_agent.runtime.serialization import torch_dtype
-
                 arrays: dict[str, Any] = {}
                 for name, t in desc.tensors.items():
                     buf = torch.empty(t.nbytes, dtype=torch.uint8)

@@ -1,6 +1,6 @@
 """Training state ↔ pickle-free payloads: tensors as raw bytes, everything else as JSON.
 
-The torch side of the format (the byte-level side is :mod:`ckpt_agent.format.manifest`).
+The torch side of the format (the byte-level side is :mod:`ckpt_agent.format.readers`).
 
 * :func:`flatten` walks a state tree (``model.state_dict()``,
   ``optimizer.state_dict()`` — AdamW state keyed by parameter index and its
@@ -25,20 +25,19 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 import torch
 
+from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format import jsontree
-from ckpt_agent.format.manifest import (
-    DTYPE_ITEMSIZE,
-    CheckpointFormatError,
-    RankManifest,
-    TensorEntry,
-    read_tensor_bytes,
-)
+from ckpt_agent.format.layout import DTYPE_ITEMSIZE
+from ckpt_agent.format.manifest import RankManifest, TensorEntry
+from ckpt_agent.format.manifest import library_versions as format_library_versions
+from ckpt_agent.format.readers import read_tensor_bytes
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
+from ckpt_agent.records import Json
 from ckpt_agent.storage.base import Storage
 
 __all__ = [
@@ -54,7 +53,6 @@ __all__ = [
     "unflatten",
 ]
 
-Json = Any
 
 _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     name: dt for name in DTYPE_ITEMSIZE if isinstance(dt := getattr(torch, name, None), torch.dtype)
@@ -78,13 +76,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def library_versions() -> dict[str, str]:
-    from ckpt_agent.format.manifest import library_versions as base
-
+    """The format's versions plus torch, numpy and CUDA."""
     extra = {"torch": str(torch.__version__), "numpy": str(np.__version__)}
     cuda = torch.version.cuda
     if cuda:
         extra["cuda"] = str(cuda)
-    return base(extra)
+    return format_library_versions(extra)
 
 
 # --------------------------------------------------------------------------- flatten

@@ -41,13 +41,11 @@ from typing import Any, Final
 
 import torch
 
+from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format import jsontree
-from ckpt_agent.format.manifest import (
-    CheckpointFormatError,
-    RankManifest,
-    read_commit,
-    read_rank_manifest,
-)
+from ckpt_agent.format.manifest import RankManifest
+from ckpt_agent.format.readers import read_checkpoint, read_commit, read_rank_manifest
+from ckpt_agent.records import Json
 from ckpt_agent.runtime.serialization import dtype_name, load_entry, torch_dtype
 from ckpt_agent.storage.base import Storage
 
@@ -59,9 +57,11 @@ __all__ = [
     "is_dtensor",
     "load_sharded",
     "plan_save",
+    "restore_sharded",
+    "sharded_compat",
+    "sharded_state",
 ]
 
-Json = Any
 
 SHARDED: Final = "__sharded__"
 """Tag of a (possibly sharded) tensor in the tree, resolved through the layout."""
@@ -342,3 +342,77 @@ def _fill(value: object, flat: Mapping[str, torch.Tensor]) -> object:
     if isinstance(value, tuple):
         return tuple(_fill(v, flat) for v in value)
     return value
+
+
+# --------------------------------------------------------------------------- Checkpointer glue
+
+
+def sharded_state(model: torch.nn.Module, optimizer: Any, lightweight: bool) -> dict[str, object]:
+    """The model's (and optimizer's) DTensor state as DCP's ``get_state_dict`` gives it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None or lightweight:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optimizer": osd}
+
+
+def sharded_compat(manifest: RankManifest, model: torch.nn.Module, live_sharded: bool) -> list[str]:
+    """Global shapes of the saved model shards vs the live (DTensor) model (empty: it fits)."""
+    if SECTION not in manifest.meta.sections:
+        return ["the checkpoint holds no sharded state (saved without FSDP)"]
+    if not live_sharded:
+        return ["the checkpoint holds sharded (FSDP) state; the live model is not sharded"]
+    state = manifest.state if isinstance(manifest.state, dict) else {}
+    sec = state.get(SECTION)
+    layout = jsontree.decode(sec.get("layout")) if isinstance(sec, dict) else None
+    if not isinstance(layout, dict):
+        return ["the sharded section has no layout"]
+    live = {
+        f"model/{k}": tuple(int(x) for x in v.shape)
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    saved = {
+        k: tuple(int(x) for x in v.get("size") or [])
+        for k, v in layout.items()
+        if k.startswith("model/") and isinstance(v, dict)
+    }
+    problems = [f"{k}: missing from the checkpoint" for k in sorted(live.keys() - saved)]
+    problems += [f"{k}: not in the live model" for k in sorted(saved.keys() - live)]
+    problems += [
+        f"{k}: checkpoint has {list(saved[k])}, live model {list(live[k])}"
+        for k in sorted(live.keys() & saved.keys())
+        if live[k] != saved[k]
+    ]
+    return problems
+
+
+def restore_sharded(
+    storage: Storage,
+    run_id: str,
+    ckpt_id: str,
+    model: torch.nn.Module,
+    optimizer: Any,
+    warnings: list[str],
+) -> None:
+    """Reshard the saved model (and optimizer) into this world size's DTensors, in place."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    saved = read_checkpoint(storage, run_id, ckpt_id, 0)[1]
+    sec = saved.state.get(SECTION) if isinstance(saved.state, dict) else None
+    layout = jsontree.decode(sec.get("layout")) if isinstance(sec, dict) else {}
+    has_optim = isinstance(layout, dict) and any(k.startswith("optimizer/") for k in layout)
+    target = sharded_state(model, optimizer, lightweight=not has_optim)
+    state = load_sharded(storage, run_id, ckpt_id, target)
+    if optimizer is not None and "optimizer" in state:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],  # type: ignore[arg-type]
+            optim_state_dict=state["optimizer"],  # type: ignore[arg-type]
+        )
+        return
+    set_model_state_dict(model, state["model"])  # type: ignore[arg-type]
+    if optimizer is not None:
+        warnings.append(f"optimizer state is not in {ckpt_id} (lightweight checkpoint)")

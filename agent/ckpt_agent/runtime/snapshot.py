@@ -25,14 +25,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
-from ckpt_agent.format.manifest import Heartbeat, encode_heartbeats, heartbeat_key
+from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
+from ckpt_agent.format.layout import heartbeat_key
 from ckpt_agent.persist.writer import TensorSource
-from ckpt_agent.records import Tier
+from ckpt_agent.records import Json, Tier
 from ckpt_agent.runtime.serialization import LiveArray, flatten, raw_bytes
 from ckpt_agent.storage.base import Storage
 
@@ -48,7 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Json = Any
 J = TypeVar("J")
 
 #: Optimizer state entries the opt-in approximate filter may keep stale.
@@ -212,6 +212,9 @@ class JobError:
 
     what: str
     error: BaseException
+    tier: Tier | None = None
+    """The tier of the save that failed (None: not a save, e.g. a validation); the
+    scheduler retries that tier."""
 
 
 class BackgroundWorker(Generic[J]):
@@ -229,10 +232,12 @@ class BackgroundWorker(Generic[J]):
         *,
         capacity: int = 1,
         describe: Callable[[J], str] = repr,
+        tier_of: Callable[[J], Tier | None] = lambda job: None,
     ) -> None:
         self.name = name
         self._handler = handler
         self._describe = describe
+        self._tier_of = tier_of
         self._capacity = capacity
         self._queue: queue.Queue[J | None] = queue.Queue()
         self._cond = threading.Condition()
@@ -299,7 +304,7 @@ class BackgroundWorker(Generic[J]):
                 what = self._describe(job)
                 log.error("%s: %s failed: %s", self.name, what, e, exc_info=True)
                 with self._cond:
-                    self._errors.append(JobError(what, e))
+                    self._errors.append(JobError(what, e, self._tier_of(job)))
             finally:
                 with self._cond:
                     self._inflight -= 1

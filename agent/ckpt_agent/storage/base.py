@@ -1,7 +1,7 @@
 """The storage interface every backend implements.
 
 The engine and the operator talk to storage only through :class:`Storage`.
-Backends live one per module (``fs.py``, ``s3.py``) and are chosen by URL
+Backends live one per module or package (``fs.py``, ``s3/``) and are chosen by URL
 scheme (see :func:`ckpt_agent.storage.open_storage`). Keys are ``/``-separated
 relative paths under the backend's root (see :func:`validate_key`); backends
 never interpret them.
@@ -33,6 +33,7 @@ on it in :attr:`Storage.last_write_latency_s` and calls
 from __future__ import annotations
 
 import abc
+import contextlib
 import io
 import logging
 import time
@@ -308,6 +309,15 @@ class Storage(abc.ABC):
 
         Reading past the end returns fewer bytes (``b""`` from beyond the end).
         """
+
+    def read_view(self, key: str) -> contextlib.AbstractContextManager[memoryview]:
+        """The whole object as a read-only view, valid inside the ``with`` block.
+
+        ``with storage.read_view(key) as view: ...``. The default reads the
+        object into memory; a backend that can map it (the filesystem) overrides
+        this to serve it without a copy. Raises :class:`NotFoundError`.
+        """
+        return contextlib.nullcontext(memoryview(self.read(key)))
 
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:

@@ -2,12 +2,25 @@
 
 Layout: key ``a/b/c`` is the file ``<root>/a/b/c``.
 
+Confinement: this backend never leaves its root. The root is resolved once
+(it may itself be a symlink, as mounted volumes often are); below it every
+folder is opened relative to its parent's descriptor with ``O_NOFOLLOW``, so
+a symbolic link planted in the store (by anyone who can write the volume) is
+never followed, for reading, listing, writing or deleting, even if it is
+swapped in while we walk. A link on the way to a key (or to a listed or
+deleted prefix's folder) raises :class:`UnsafePathError`; one met while
+listing is no object: skipped, logged and counted in
+:attr:`LocalStorage.unsafe_entries`; one inside a folder being deleted is
+removed as a link, never its target. Only regular files are read: a FIFO or
+device behind a key is refused (it is opened non-blocking, so nothing hangs),
+and a whole-object read stops at the size ``fstat`` reported plus one byte.
+
 Atomicity: a write goes to a temporary file beside its target
 (``.ckpt-tmp.<name>.<random>``, never listed), is fsynced, renamed over the
-target with ``os.replace`` (atomic on POSIX filesystems and on NFS, where the
-server performs the rename) and the directory is fsynced, as are the parents
-of directories the write created. A crash leaves at most a temporary file,
-which readers ignore. ``commit`` always fsyncs, whatever ``options.fsync``.
+target (atomic on POSIX filesystems and on NFS, where the server performs the
+rename) and the directory is fsynced, as are the parents of directories the
+write created. A crash leaves at most a temporary file, which readers ignore.
+``commit`` always fsyncs, whatever ``options.fsync``.
 
 Errors: ENOSPC/EDQUOT/EFBIG, EACCES/EPERM and EROFS become
 :class:`PermanentStorageError` with what to fix; the temporary file is removed,
@@ -30,28 +43,41 @@ entries that are still gone, logs a warning and counts them in
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import logging
+import mmap
 import os
 import stat as stat_mod
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
+from ckpt_agent.errors import UnsafePathError
 from ckpt_agent.storage.base import (
     TEMP_PREFIX,
     NotFoundError,
     ObjectInfo,
     ObjectWriter,
-    PermanentStorageError,
     RetryableStorageError,
     Storage,
     StorageError,
     validate_key,
     validate_prefix,
+)
+from ckpt_agent.storage.confined import (
+    O_READ,
+    O_TEMP,
+    ConfinedTree,
+    check_regular,
+    close_all,
+    conflict,
+    kind_of,
+    link_text,
+    unsafe,
 )
 from ckpt_agent.storage.options import StorageOptions
 
@@ -59,21 +85,22 @@ __all__ = ["LocalStorage"]
 
 log = logging.getLogger(__name__)
 
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_NO_PERMISSION = {errno.EACCES, errno.EPERM}
-_TRANSIENT = {errno.ESTALE, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.EBUSY}
-
 
 class LocalStorage(Storage):
     """Objects as files under a root directory (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str], options: StorageOptions | None = None) -> None:
-        self.root = Path(os.path.abspath(os.fspath(root)))
-        self.url = self.root.as_uri()
+        given = Path(os.path.abspath(os.fspath(root)))
+        #: The root, resolved once: links above it are the mount's business, none below.
+        self.root = Path(os.path.realpath(given))
+        self.url = given.as_uri()
         self.options = options or StorageOptions()
         #: Listed entries whose stat failed even after re-reading their directory
         #: (a stale NFS listing, or a concurrent delete).
         self.stale_entries = 0
+        #: Symbolic links met while listing: skipped (never followed) and logged.
+        self.unsafe_entries = 0
+        self._tree = ConfinedTree(self.root)
         self._lock = threading.Lock()
 
     @classmethod
@@ -95,80 +122,8 @@ class LocalStorage(Storage):
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"
 
-    # -- paths and errors -----------------------------------------------------------
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*validate_key(key).split("/"))
-
-    def _error(self, e: OSError, action: str, path: Path | str) -> StorageError:
-        """Map an OSError to the storage taxonomy with a message saying what to fix."""
-        code = e.errno
-        where = f"{action} {path}"
-        if isinstance(e, FileNotFoundError | NotADirectoryError | IsADirectoryError):
-            return NotFoundError(f"{where}: no such object")
-        if code in _NO_SPACE:
-            free = _free_bytes(self.root)
-            what = {
-                errno.ENOSPC: "no space left on device",
-                errno.EDQUOT: "disk quota exceeded",
-                errno.EFBIG: "file too large for this filesystem or process limit (RLIMIT_FSIZE)",
-            }[code]
-            return PermanentStorageError(
-                f"{where}: {what} ({free} bytes free under {self.root}); nothing was "
-                "published. Free space, enlarge the volume or its quota, or keep fewer "
-                "checkpoints (retention)."
-            )
-        if code in _NO_PERMISSION:
-            return PermanentStorageError(
-                f"{where}: permission denied for uid {os.geteuid()} gid {os.getegid()}; "
-                "nothing was published. Make the checkpoint directory writable for this user "
-                "(pod securityContext runAsUser/fsGroup, or chown/chmod the volume)."
-            )
-        if code == errno.EROFS:
-            return PermanentStorageError(
-                f"{where}: read-only filesystem; nothing was published. Mount the checkpoint "
-                "volume read-write (volumeMounts[].readOnly: false, PVC accessMode RW)."
-            )
-        if code == errno.ENAMETOOLONG:
-            return PermanentStorageError(f"{where}: name too long for this filesystem")
-        if code in _TRANSIENT:
-            return RetryableStorageError(f"{where}: {e.strerror or e} (transient, retry later)")
-        return PermanentStorageError(f"{where}: {e.strerror or e}")
-
-    def _ensure_dir(self, directory: Path) -> builtins.list[Path]:
-        """``mkdir -p``; returns the directories it created (outermost first)."""
-        missing: builtins.list[Path] = []
-        d = directory
-        while not d.is_dir():
-            missing.append(d)
-            if d == d.parent:
-                break
-            d = d.parent
-        created: builtins.list[Path] = []
-        for d in reversed(missing):
-            try:
-                os.mkdir(d, 0o777)
-                created.append(d)
-            except FileExistsError:
-                if not d.is_dir():
-                    raise _conflict(d) from None
-            except NotADirectoryError:
-                raise _conflict(next(p for p in d.parents if p.exists())) from None
-            except OSError as e:
-                raise self._error(e, "creating directory", d) from e
-        return created
-
-    def _fsync_dir(self, directory: Path) -> None:
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as e:
-            raise self._error(e, "opening directory", directory) from e
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # fs without directory fsync
-                raise self._error(e, "syncing directory", directory) from e
-        finally:
-            os.close(fd)
 
     # -- writing ---------------------------------------------------------------------
     def open_write(self, key: str) -> ObjectWriter:
@@ -179,49 +134,102 @@ class LocalStorage(Storage):
             f.write(data)
 
     # -- reading ---------------------------------------------------------------------
+    def _open_object(self, key: str, action: str) -> tuple[int, int]:
+        """A descriptor of the regular file behind ``key``, and its size.
+
+        Raises :class:`NotFoundError` (missing, or a folder) and
+        :class:`UnsafePathError` (a link on the way, or not a regular file).
+        """
+        parts = validate_key(key).split("/")
+        path = self.root.joinpath(*parts)
+        try:
+            dfd = self._tree.open_dir(parts[:-1])
+        except NotFoundError:
+            raise NotFoundError(f"{action} {path}: no such object") from None
+        try:
+            st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            if stat_mod.S_ISLNK(st.st_mode):
+                raise unsafe(path, action, link_text(dfd, parts[-1]))
+            check_regular(st, path, action)
+            fd = os.open(parts[-1], O_READ, dir_fd=dfd)  # O_NOFOLLOW: no link swapped in
+        except StorageError:
+            raise
+        except OSError as e:
+            raise self._tree.error(e, action, path) from e
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            check_regular(st, path, action)  # what we opened, not what we looked at
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         if start < 0 or (length is not None and length < 0):
             raise ValueError("start and length must be >= 0")
-        path = self._path(key)
+        fd, size = self._open_object(key, "reading")
+        # Files are immutable once published: never read more than fstat said, plus one byte.
+        want = max(size - start, 0) + 1 if length is None else length
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(fd, "rb", buffering=0) as f:
                 if start:
                     f.seek(start)
-                if length is None:
-                    return f.readall()  # one allocation of the file's size
-                data = f.read(length)
-                if data is None or len(data) == length or not data:
-                    return data or b""
-                parts = [data]  # a short read (possible on network filesystems)
-                got = len(data)
-                while got < length:
-                    more = f.read(length - got)
+                parts: builtins.list[bytes] = []
+                got = 0
+                while got < want:
+                    more = f.read(want - got)  # short reads happen on network filesystems
                     if not more:
                         break
                     parts.append(more)
                     got += len(more)
-                return b"".join(parts)
-        except IsADirectoryError:
-            raise NotFoundError(f"reading {path}: no such object (a directory)") from None
+                return parts[0] if len(parts) == 1 else b"".join(parts)
         except OSError as e:
-            raise self._error(e, "reading", path) from e
+            raise self._tree.error(e, "reading", self._path(key)) from e
 
     def open_read(self, key: str) -> BinaryIO:
-        path = self._path(key)
+        fd, _ = self._open_object(key, "opening")
+        # The name stays the path (for messages); the opener hands over our descriptor.
+        return open(self._path(key), "rb", opener=lambda _p, _f: fd)
+
+    @contextlib.contextmanager
+    def read_view(self, key: str) -> Iterator[memoryview]:
+        """The object memory-mapped (no copy), valid inside the ``with`` block."""
+        fd, size = self._open_object(key, "reading")
         try:
-            f = open(path, "rb")  # noqa: SIM115 - the caller closes it
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
         except OSError as e:
-            raise self._error(e, "opening", path) from e
-        return f
+            raise self._tree.error(e, "mapping", self._path(key)) from e
+        finally:
+            os.close(fd)
+        if mm is None:
+            yield memoryview(b"")
+            return
+        view = memoryview(mm)
+        try:
+            yield view
+        finally:
+            view.release()
+            mm.close()
 
     def stat(self, key: str) -> ObjectInfo:
-        path = self._path(key)
+        parts = validate_key(key).split("/")
+        path = self.root.joinpath(*parts)
         try:
-            st = os.stat(path)
+            dfd = self._tree.open_dir(parts[:-1])
+        except NotFoundError:
+            raise NotFoundError(f"stat {path}: no such object") from None
+        try:
+            st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            if stat_mod.S_ISLNK(st.st_mode):
+                raise unsafe(path, "stat", link_text(dfd, parts[-1]))
         except OSError as e:
-            raise self._error(e, "stat", path) from e
-        if not stat_mod.S_ISREG(st.st_mode):
-            raise NotFoundError(f"stat {path}: no such object (not a regular file)")
+            raise self._tree.error(e, "stat", path) from e
+        finally:
+            os.close(dfd)
+        check_regular(st, path, "stat")
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
     # -- listing ---------------------------------------------------------------------
@@ -230,41 +238,64 @@ class LocalStorage(Storage):
         if delimiter is not None and delimiter != "/":
             return _collapse(self.list(prefix), prefix, delimiter)
         dir_part, _, name_prefix = prefix.rpartition("/")
-        start = self.root.joinpath(*dir_part.split("/")) if dir_part else self.root
-        key_prefix = f"{dir_part}/" if dir_part else ""
-        return self._walk(start, key_prefix, name_prefix, recursive=delimiter is None)
+        parts = dir_part.split("/") if dir_part else []
+        return self._list(parts, name_prefix, recursive=delimiter is None)
+
+    def _list(
+        self, parts: builtins.list[str], name_prefix: str, *, recursive: bool
+    ) -> Iterator[ObjectInfo]:
+        try:
+            fd = self._tree.open_dir(parts)
+        except NotFoundError:
+            return
+        yield from self._walk(fd, parts, name_prefix, recursive=recursive)
 
     def _walk(
-        self, directory: Path, key_prefix: str, name_prefix: str, *, recursive: bool
+        self, fd: int, parts: builtins.list[str], name_prefix: str, *, recursive: bool
     ) -> Iterator[ObjectInfo]:
-        for name, is_dir, st in self._scan(directory):
-            if not name.startswith(name_prefix):
-                continue
-            key = key_prefix + name
-            if is_dir:
+        """Objects in the folder ``fd`` (closed when done), in key order."""
+        directory = self.root.joinpath(*parts)
+        key_prefix = "".join(p + "/" for p in parts)
+        try:
+            for name, st in self._scan(fd, directory):
+                if not name.startswith(name_prefix):
+                    continue
+                key = key_prefix + name
+                if not stat_mod.S_ISDIR(st.st_mode):
+                    yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+                    continue
+                try:
+                    sub, _ = self._tree.subdir(fd, name, directory / name)
+                except NotFoundError:
+                    continue  # deleted meanwhile
                 if recursive:
-                    yield from self._walk(directory / name, key + "/", "", recursive=True)
-                elif self._has_objects(directory / name):
+                    yield from self._walk(sub, [*parts, name], "", recursive=True)
+                    continue
+                try:
+                    found = self._has_objects(sub, directory / name)
+                finally:
+                    os.close(sub)
+                if found:
                     yield ObjectInfo(key=key + "/", size=0)
-            else:
-                assert st is not None
-                yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+        finally:
+            os.close(fd)
 
-    def _scan(self, directory: Path) -> builtins.list[tuple[str, bool, os.stat_result | None]]:
-        """One directory's visible entries in key order, stat'ed; re-read once if stale."""
+    def _scan(self, fd: int, directory: Path) -> builtins.list[tuple[str, os.stat_result]]:
+        """One folder's files and subfolders in key order, lstat'ed; re-read once if stale.
+
+        Links, FIFOs, sockets and devices are not objects: skipped (links reported).
+        """
         for attempt in (1, 2):
             try:
-                with os.scandir(directory) as it:
+                with os.scandir(fd) as it:
                     names = [e.name for e in it if not e.name.startswith(TEMP_PREFIX)]
-            except (FileNotFoundError, NotADirectoryError):
-                return []
             except OSError as e:
-                raise self._error(e, "listing", directory) from e
-            out: builtins.list[tuple[str, bool, os.stat_result | None]] = []
+                raise self._tree.error(e, "listing", directory) from e
+            out: builtins.list[tuple[str, os.stat_result]] = []
             gone: builtins.list[str] = []
             for name in names:
                 try:
-                    st = os.stat(directory / name)
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     gone.append(name)
                     continue
@@ -272,11 +303,11 @@ class LocalStorage(Storage):
                     if e.errno == errno.ESTALE:
                         gone.append(name)
                         continue
-                    raise self._error(e, "stat", directory / name) from e
-                if stat_mod.S_ISDIR(st.st_mode):
-                    out.append((name, True, None))
-                elif stat_mod.S_ISREG(st.st_mode):
-                    out.append((name, False, st))
+                    raise self._tree.error(e, "stat", directory / name) from e
+                if stat_mod.S_ISLNK(st.st_mode):
+                    self._skip_link(fd, name, directory)
+                elif stat_mod.S_ISDIR(st.st_mode) or stat_mod.S_ISREG(st.st_mode):
+                    out.append((name, st))
             if not gone:
                 break
             if attempt == 2:
@@ -290,63 +321,146 @@ class LocalStorage(Storage):
                     "y" if len(gone) == 1 else "ies",
                     ", ".join(gone[:5]),
                 )
-        out.sort(key=lambda t: t[0] + "/" if t[1] else t[0])
+        out.sort(key=lambda t: t[0] + "/" if stat_mod.S_ISDIR(t[1].st_mode) else t[0])
         return out
 
-    def _has_objects(self, directory: Path) -> bool:
+    def _skip_link(self, fd: int, name: str, directory: Path) -> None:
+        with self._lock:
+            self.unsafe_entries += 1
+        log.warning(
+            "listing %s: skipped %s, %s: never followed. Whoever can write the checkpoint "
+            "volume planted it: remove it.",
+            directory,
+            name,
+            link_text(fd, name),
+        )
+
+    def _has_objects(self, fd: int, directory: Path) -> bool:
+        """Whether the folder ``fd`` holds an object at any depth (links are not objects)."""
         try:
-            with os.scandir(directory) as it:
-                for e in it:
-                    if e.name.startswith(TEMP_PREFIX):
-                        continue
-                    try:
-                        if e.is_file() or (e.is_dir() and self._has_objects(Path(e.path))):
-                            return True
-                    except OSError:
-                        continue
+            with os.scandir(fd) as it:
+                names = [e.name for e in it if not e.name.startswith(TEMP_PREFIX)]
         except OSError:
             return False
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat_mod.S_ISLNK(st.st_mode):
+                self._skip_link(fd, name, directory)
+            elif stat_mod.S_ISREG(st.st_mode):
+                return True
+            elif stat_mod.S_ISDIR(st.st_mode):
+                try:
+                    sub, _ = self._tree.subdir(fd, name, directory / name)
+                except NotFoundError:
+                    continue
+                try:
+                    if self._has_objects(sub, directory / name):
+                        return True
+                finally:
+                    os.close(sub)
         return False
 
     # -- deleting --------------------------------------------------------------------
     def delete(self, key: str) -> None:
-        path = self._path(key)
-        if self._unlink(path) and self.options.fsync:
-            self._fsync_dir(path.parent)
-        self._prune(path.parent)
+        parts = validate_key(key).split("/")
+        try:
+            fds, _ = self._tree.chain(parts[:-1])
+        except NotFoundError:
+            return
+        try:
+            if self._unlink(fds[-1], parts[-1], self.root.joinpath(*parts)) and self.options.fsync:
+                self._tree.fsync_fd(fds[-1], self.root.joinpath(*parts[:-1]))
+            _prune(fds, parts[:-1])
+        finally:
+            close_all(fds)
 
     def delete_prefix(self, prefix: str) -> int:
-        dirs: set[Path] = set()
-        n = 0
-        for info in list(self.list(prefix)):
-            path = self._path(info.key)
-            if self._unlink(path):
-                n += 1
-                dirs.add(path.parent)
-        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-            if self.options.fsync and d.is_dir():
-                self._fsync_dir(d)
-            self._prune(d)
+        validate_prefix(prefix)
+        dir_part, _, name_prefix = prefix.rpartition("/")
+        parts = dir_part.split("/") if dir_part else []
+        try:
+            fds, _ = self._tree.chain(parts)
+        except NotFoundError:
+            return 0
+        try:
+            n = self._delete_tree(fds[-1], parts, name_prefix)
+            _prune(fds, parts)
+        finally:
+            close_all(fds)
         return n
 
-    def _unlink(self, path: Path) -> bool:
+    def _delete_tree(self, fd: int, parts: builtins.list[str], name_prefix: str) -> int:
+        """Delete the objects in folder ``fd`` whose names start with ``name_prefix``, at
+        any depth, and the folders left empty; links are removed, never followed."""
+        directory = self.root.joinpath(*parts)
+        n = 0
+        removed = False
         try:
-            os.unlink(path)
+            names = sorted(os.listdir(fd))
+        except OSError as e:
+            raise self._tree.error(e, "listing", directory) from e
+        for name in names:
+            if not name.startswith(name_prefix) or name.startswith(TEMP_PREFIX):
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise self._tree.error(e, "stat", directory / name) from e
+            if not stat_mod.S_ISDIR(st.st_mode):
+                if self._unlink(fd, name, directory / name):
+                    removed = True
+                    n += stat_mod.S_ISREG(st.st_mode)
+                continue
+            try:
+                sub, _ = self._tree.subdir(fd, name, directory / name)
+            except NotFoundError:
+                continue
+            except UnsafePathError:  # became a link after the stat: remove the link
+                removed |= self._unlink(fd, name, directory / name)
+                continue
+            try:
+                n += self._delete_tree(sub, [*parts, name], "")
+            finally:
+                os.close(sub)
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=fd)
+                removed = True
+        if removed and self.options.fsync:
+            self._tree.fsync_fd(fd, directory)
+        return n
+
+    def _unlink(self, fd: int, name: str, path: Path) -> bool:
+        """Remove the entry ``name`` of folder ``fd`` (a link itself, never its target)."""
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            os.unlink(name, dir_fd=fd)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return False
         except OSError as e:
-            raise self._error(e, "deleting", path) from e
+            raise self._tree.error(e, "deleting", path) from e
+        if not stat_mod.S_ISREG(st.st_mode):
+            log.warning(
+                "removed %s, a %s planted in the store (not an object; a link's target is "
+                "left alone)",
+                path,
+                kind_of(st.st_mode),
+            )
         return True
 
-    def _prune(self, directory: Path) -> None:
-        """Remove now-empty directories up to (not including) the root."""
-        d = directory
-        while d != self.root and self.root in d.parents:
-            try:
-                os.rmdir(d)
-            except OSError:
-                return
-            d = d.parent
+
+def _prune(fds: Sequence[int], parts: Sequence[str]) -> None:
+    """Remove the now-empty folders ``parts`` (``fds`` is their chain from the root),
+    deepest first, up to (not including) the root."""
+    for i in range(len(parts) - 1, -1, -1):
+        try:
+            os.rmdir(parts[i], dir_fd=fds[i])
+        except OSError:
+            return
 
 
 class _FileWriter(ObjectWriter):
@@ -354,28 +468,33 @@ class _FileWriter(ObjectWriter):
 
     def __init__(self, storage: LocalStorage, key: str, path: Path, *, fsync: bool) -> None:
         super().__init__(storage, key)
-        self._fs = storage
+        self._tree = storage._tree
         self._target = path
         self._do_fsync = fsync
-        self._tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.{uuid.uuid4().hex[:16]}")
+        self._parts = key.split("/")  # validated by storage._path
+        self._tmp_name = f"{TEMP_PREFIX}{self._parts[-1]}.{uuid.uuid4().hex[:16]}"
+        self._tmp = path.with_name(self._tmp_name)
         self._fd = -1
-        self._created: list[Path] = []
+        self._dfd = -1
+        self._created: list[int] = []  # depths of the folders this writer created
         try:
             # A concurrent delete() may prune the directory between mkdir and open: retry.
             for attempt in range(3):
-                self._created += storage._ensure_dir(path.parent)
+                fds, created = self._tree.chain(self._parts[:-1], create=True, fsync=fsync)
+                self._created += created
+                self._dfd = fds.pop()
+                close_all(fds)
                 try:
-                    self._fd = os.open(
-                        self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666
-                    )
+                    self._fd = os.open(self._tmp_name, O_TEMP, 0o666, dir_fd=self._dfd)
                     break
                 except FileNotFoundError:
+                    self._close_dir()
                     if attempt == 2:
                         raise RetryableStorageError(
                             f"directory {path.parent} keeps disappearing (concurrent delete?)"
                         ) from None
                 except OSError as e:
-                    raise storage._error(e, "creating", self._tmp) from e
+                    raise self._tree.error(e, "creating", self._tmp) from e
         except BaseException:
             self.abort()
             raise
@@ -386,69 +505,62 @@ class _FileWriter(ObjectWriter):
                 n = os.write(self._fd, data)
                 data = data[n:]
         except OSError as e:
-            raise self._fs._error(e, f"writing {self.key!r} to", self._tmp) from e
+            raise self._tree.error(e, f"writing {self.key!r} to", self._tmp) from e
 
     def _publish(self) -> None:
-        fs = self._fs
+        tree = self._tree
         try:
             if self._do_fsync:
                 os.fsync(self._fd)
         except OSError as e:
-            raise fs._error(e, f"syncing {self.key!r} to", self._tmp) from e
+            raise tree.error(e, f"syncing {self.key!r} to", self._tmp) from e
         fd, self._fd = self._fd, -1
         try:
             os.close(fd)  # NFS reports deferred write errors (ENOSPC, EDQUOT) here
         except OSError as e:
-            raise fs._error(e, f"closing {self.key!r} at", self._tmp) from e
+            raise tree.error(e, f"closing {self.key!r} at", self._tmp) from e
         try:
-            os.replace(self._tmp, self._target)
+            # a rename replaces a link at the target itself, never its target
+            os.replace(self._tmp_name, self._parts[-1], src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
         except IsADirectoryError:
-            raise _conflict(self._target) from None
+            raise conflict(self._target) from None
         except OSError as e:
-            raise fs._error(e, f"publishing {self.key!r} as", self._target) from e
+            raise tree.error(e, f"publishing {self.key!r} as", self._target) from e
         if self._do_fsync:
-            fs._fsync_dir(self._target.parent)
-            for d in self._created:
-                fs._fsync_dir(d.parent)
+            tree.fsync_fd(self._dfd, self._target.parent)
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._dfd >= 0:
+            dfd, self._dfd = self._dfd, -1
+            os.close(dfd)
 
     def _discard(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
+        if self._dfd >= 0:
+            try:
+                os.unlink(self._tmp_name, dir_fd=self._dfd)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError:
+                log.warning("could not remove temporary file %s", self._tmp, exc_info=True)
+            self._close_dir()
+        if self._created:  # leave no empty directories behind
+            dirs = self._parts[:-1]
+            try:
+                fds, _ = self._tree.chain(dirs[: max(self._created)])
+            except StorageError:
+                return
+            try:
+                for depth in sorted(self._created, reverse=True):
+                    os.rmdir(dirs[depth], dir_fd=fds[depth])
             except OSError:
                 pass
-        try:
-            os.unlink(self._tmp)
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except OSError:
-            log.warning("could not remove temporary file %s", self._tmp, exc_info=True)
-        for d in reversed(self._created):  # leave no empty directories behind
-            try:
-                os.rmdir(d)
-            except OSError:
-                break
-
-
-def _conflict(path: Path) -> PermanentStorageError:
-    kind = "directory" if path.is_dir() else "file"
-    return PermanentStorageError(
-        f"{path} is a {kind}: on a filesystem a key cannot be both an object and the "
-        "prefix of other keys (a and a/b); choose keys that do not collide"
-    )
-
-
-def _free_bytes(path: Path) -> int:
-    p = path
-    while True:
-        try:
-            st = os.statvfs(p)
-            return st.f_bavail * st.f_frsize
-        except OSError:
-            if p == p.parent:
-                return -1
-            p = p.parent
+            finally:
+                close_all(fds)
 
 
 def _collapse(items: Iterator[ObjectInfo], prefix: str, delimiter: str) -> Iterator[ObjectInfo]:

@@ -23,7 +23,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["ENV_VARS", "MIB", "S3_MIN_PART_SIZE", "SseMode", "StorageOptions"]
+from ckpt_agent.policy.agent_config import AgentConfig, S3Options
+from ckpt_agent.policy.models import S3StorageSpec
+
+__all__ = [
+    "ENV_VARS",
+    "MIB",
+    "S3_MIN_PART_SIZE",
+    "S3Section",
+    "SseMode",
+    "StorageOptions",
+    "s3_env",
+]
 
 MIB = 1024 * 1024
 #: S3 rejects multipart parts smaller than this (except the last one).
@@ -57,6 +68,9 @@ ENV_VARS: dict[str, str] = {
     "CKPT_FS_FSYNC": "fsync",
 }
 
+#: The policy's S3 section: the CRD's (operator) or the agent config's (pods); same fields.
+S3Section = S3Options | S3StorageSpec
+
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": MIB, "g": 1024 * MIB, "t": 1024 * 1024 * MIB}
 
@@ -83,7 +97,9 @@ def _parse_bool(text: str) -> bool:
 class StorageOptions:
     """Options for :func:`ckpt_agent.storage.open_storage`.
 
-    Construct directly, or from the environment with :meth:`from_env`.
+    Construct directly, from the environment with :meth:`from_env`, or from the
+    policy with :meth:`from_spec` / :meth:`for_config` (the one place the policy's
+    S3 section becomes options: trainer, sidecar, operator and webhook use it).
     """
 
     # --- S3 connection -------------------------------------------------------
@@ -201,3 +217,65 @@ class StorageOptions:
                 raise ValueError(f"{var}={raw!r}: {e}") from None
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_spec(
+        cls,
+        s3: S3Section | None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+    ) -> StorageOptions:
+        """The policy's S3 section over the environment's defaults (:meth:`from_env`).
+
+        ``s3=None`` (local storage): the environment's options unchanged. Explicit
+        credentials (a Secret the operator read) win over ``CKPT_S3_*`` ones.
+        ``pathStyle: false`` means "the default" (path style with a custom endpoint).
+        """
+        opts = cls.from_env(environ)
+        if s3 is None:
+            return opts
+        sse = s3.server_side_encryption
+        return opts.replace(
+            endpoint_url=s3.endpoint or opts.endpoint_url,
+            region=s3.region,
+            path_style=s3.path_style or None,
+            sse=sse.mode.value,
+            kms_key_id=sse.kms_key_id,
+            part_size_bytes=s3.part_size_mb * MIB,
+            max_concurrency=s3.max_concurrency,
+            max_attempts=s3.max_attempts,
+            access_key_id=access_key_id or opts.access_key_id,
+            secret_access_key=secret_access_key or opts.secret_access_key,
+        )
+
+    @classmethod
+    def for_config(
+        cls, config: AgentConfig, environ: Mapping[str, str] | None = None
+    ) -> StorageOptions:
+        """Options for an agent config (S3 section applied for ``s3://`` URLs only)."""
+        s3 = config.s3 if config.storage_url.startswith("s3://") else None
+        return cls.from_spec(s3, environ=environ)
+
+
+_ENV_OF = {name: var for var, name in ENV_VARS.items()}
+
+
+def s3_env(s3: S3Section) -> list[tuple[str, str]]:
+    """``CKPT_S3_*`` variables the webhook injects for the policy's S3 section.
+
+    Connection and encryption only (the transfer settings reach the pod through the
+    mounted config, which :meth:`StorageOptions.for_config` reads); credentials are
+    Secret references, added by the webhook.
+    """
+    sse = s3.server_side_encryption
+    env: list[tuple[str, str]] = []
+    if s3.endpoint:
+        env.append((_ENV_OF["endpoint_url"], s3.endpoint))
+    env.append((_ENV_OF["region"], s3.region))
+    env.append((_ENV_OF["path_style"], "true" if s3.path_style else "false"))
+    env.append((_ENV_OF["sse"], sse.mode.value))
+    if sse.kms_key_id:
+        env.append((_ENV_OF["kms_key_id"], sse.kms_key_id))
+    return env

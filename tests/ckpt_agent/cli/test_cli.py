@@ -12,16 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpt_agent.cli.main import app, recover_app
-from ckpt_agent.format.manifest import (
-    CheckpointMeta,
-    ValidationRecord,
-    audit_key,
-    blob_key,
-    list_checkpoints,
-    read_checkpoint,
-    recover_request_key,
-    validation_key,
-)
+from ckpt_agent.format.layout import audit_key, blob_key, recover_request_key, validation_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
 from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
+from decide_builders import C, E, P, V, record
 
 from ckpt_agent.decide.recovery import (
     ForceRequiredError,
@@ -18,14 +19,6 @@ from ckpt_agent.decide.recovery import (
 from ckpt_agent.policy.models import RecoverySpec, Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 
-V, C, P, E = (
-    CheckpointStatus.VALID,
-    CheckpointStatus.CORRUPTED,
-    CheckpointStatus.PENDING,
-    CheckpointStatus.EXPIRED,
-)
-_TIERS = {"h": Tier.HEARTBEAT, "p": Tier.PULSE, "f": Tier.FULL}
-
 
 def R(
     name: str,
@@ -37,12 +30,8 @@ def R(
     score: float = 0.0,
 ) -> CheckpointRecord:
     """``R("p300", prev="p200")``: pulse of step 300 whose prev-hash points at p200."""
-    return CheckpointRecord(
-        id=name,
-        step=int(name[1:]),
-        tier=_TIERS[name[0]],
-        status=status,
-        score=score,
+    return replace(
+        record(name, status, score=score),
         manifest_hash=f"sha-{name}",
         prev_hash=None if prev is None else f"sha-{prev}",
         lightweight=lightweight,

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
+from decide_builders import C, E, P, V, record
 
 from ckpt_agent.decide.retention import GB, classify, effective_class, plan_retention
 from ckpt_agent.policy.models import RetentionSpec, Tier
 from ckpt_agent.records import AnomalyEvent, CheckpointRecord, CheckpointStatus, RetentionClass
-
-V, C, P, E = (
-    CheckpointStatus.VALID,
-    CheckpointStatus.CORRUPTED,
-    CheckpointStatus.PENDING,
-    CheckpointStatus.EXPIRED,
-)
-_TIERS = {"h": Tier.HEARTBEAT, "p": Tier.PULSE, "f": Tier.FULL}
 
 
 def R(
@@ -32,16 +25,12 @@ def R(
     cls: RetentionClass | None = None,
 ) -> CheckpointRecord:
     """``R("p300")``: the pulse of step 300 (h = heartbeat, p = pulse, f = full)."""
-    step = int(name[1:])
-    return CheckpointRecord(
-        id=name,
-        step=step,
-        tier=_TIERS[name[0]],
-        status=status,
-        score=score,
+    base = record(name, status, score=score)
+    return replace(
+        base,
         retention_class=cls,
         size_bytes=size,
-        created_at=float(step) if created is None else created,
+        created_at=float(base.step) if created is None else created,
         depends_on=deps,
         anomaly=anomaly,
     )

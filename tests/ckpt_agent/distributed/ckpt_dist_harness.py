@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+
+from ckpt_e2e.api import free_port
 
 _CTX: ForkServerContext | None = None
 
@@ -32,12 +33,6 @@ def context() -> ForkServerContext:
         ctx.set_forkserver_preload(["torch", "torch.distributed", "ckpt_dist_workers"])
         _CTX = ctx
     return _CTX
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

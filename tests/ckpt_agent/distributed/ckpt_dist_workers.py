@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -54,16 +55,22 @@ def entry(name: str, rank: int, world: int, port: int, out: str, args: tuple[Any
 # --------------------------------------------------------------------------- helpers
 
 
+def tiers(base: int, lo: int, hi: int) -> dict[str, Any]:
+    """A heartbeat every step, pulses every ``base`` steps (adapted within ``lo``..``hi``),
+    no routine full checkpoint."""
+    return {
+        "heartbeat": {"everySteps": 1},
+        "pulse": {"baseInterval": base, "minInterval": lo, "maxInterval": hi},
+        "full": {"everySteps": 1000},
+    }
+
+
 def config(out: Path, **over: Any) -> AgentConfig:
     data: dict[str, Any] = {
         "runId": RUN,
         "storageUrl": (out.parent / "store").as_uri(),
         "workDir": str(out / "work"),
-        "tiers": {
-            "heartbeat": {"everySteps": 1},
-            "pulse": {"baseInterval": 5, "minInterval": 2, "maxInterval": 6},
-            "full": {"everySteps": 1000},
-        },
+        "tiers": tiers(5, 2, 6),
         "scheduler": {"risk": {"enabled": False}},
         "validation": {"loadInSubprocess": False},
         "retention": {"routineKeep": 20, "importantKeep": 20},
@@ -114,86 +121,128 @@ class Position:
         self.pos = int(d["pos"])
 
 
-# --------------------------------------------------------------------------- DDP training
+# --------------------------------------------------------------------------- MLP training
+
+
+def resume_record(resume: Any, *fields: str) -> str:
+    """JSON of a ResumePoint: step and checkpoint, then ``fields`` (attribute names)."""
+    rec: dict[str, Any] = {"step": resume.step, "checkpoint": resume.checkpoint_id}
+    for f in fields:
+        value = getattr(resume, f)
+        rec[f] = list(value) if f == "warnings" else value
+    return json.dumps(rec)
+
+
+class MlpRun:
+    """The training program of ``train_ddp``/``train_flash``: an MLP with dropout (per-rank
+    RNG), AdamW, StepLR and a data position; every step's loss goes to
+    ``losses.rank<r>.txt`` and the final parameter hash to ``final.rank<r>.json``."""
+
+    def __init__(self, rank: int, out: Path, *, ddp: bool) -> None:
+        self.rank = rank
+        self.out = out
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
+        self.net: nn.Module = self.model
+        if ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.net = DistributedDataParallel(self.model)
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, 7, 0.5)
+        torch.manual_seed(1000 + self.rank)  # each rank its own dropout stream
+        self.pos = Position()
+
+    def checkpointer(
+        self,
+        cfg: AgentConfig,
+        world: int,
+        storage: LocalStorage,
+        opts: dict[str, Any],
+        resume_fields: tuple[str, ...],
+        **kw: Any,
+    ) -> tuple[Checkpointer, int]:
+        """Start a Checkpointer over this run; writes ``resume.rank<r>.json``, returns the
+        checkpointer and the step to go on from."""
+        ckpt = Checkpointer(
+            cfg,
+            model=self.model,
+            optimizer=self.opt,
+            lr_scheduler=self.sched,
+            dataloader_state=self.pos,
+            rank=self.rank,
+            world_size=world,
+            storage=storage,
+            handle_sigterm=bool(opts.get("sigterm")),
+            preallocate=False,
+            **kw,
+        )
+        resume = ckpt.start()
+        Path(self.out, f"resume.rank{self.rank}.json").write_text(
+            resume_record(resume, *resume_fields)
+        )
+        return ckpt, resume.step
+
+    def train(
+        self,
+        start: int,
+        steps: int,
+        ckpt: Checkpointer | None,
+        die: Callable[[int, Any], bool],
+    ) -> None:
+        """Steps ``start`` .. ``steps - 1``; SIGKILL itself after a step where
+        ``die(step, decision)`` (the step is written to ``died_after.txt`` first)."""
+        rank, out = self.rank, self.out
+        with open(out / f"losses.rank{rank}.txt", "a") as log:
+            for step in range(start, steps):
+                g = torch.Generator().manual_seed(step * 100 + rank)
+                x = torch.randn(8, 16, generator=g)
+                y = torch.randn(8, 4, generator=g)
+                loss = nnf.mse_loss(self.net(x), y)
+                self.opt.zero_grad()
+                loss.backward()
+                self.opt.step()
+                self.sched.step()
+                self.pos.pos = step + 1
+                log.write(f"{step} {loss.item().hex()}\n")
+                log.flush()
+                if ckpt is not None and die(step, ckpt.step(step, loss.item())):
+                    Path(out, "died_after.txt").write_text(str(step))
+                    os.kill(os.getpid(), signal.SIGKILL)
+        if ckpt is not None:
+            ckpt.wait()
+            ckpt.close()
+        Path(out, f"final.rank{rank}.json").write_text(json.dumps({"sha": params_sha(self.model)}))
+
+
+def _saved(d: Any) -> bool:
+    return bool(d.save and d.tier in ("pulse", "full"))
 
 
 def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]) -> None:
     """A 2-rank DDP run with dropout (per-rank RNG), AdamW, StepLR and a data position."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
-    ddp = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 7, 0.5)
-    torch.manual_seed(1000 + rank)  # each rank its own dropout stream
-    pos = Position()
-    use_ckpt = opts.get("checkpoint", True)
+    run = MlpRun(rank, out, ddp=True)
     ckpt: Checkpointer | None = None
     start = 0
-    if use_ckpt:
+    if opts.get("checkpoint", True):
         over = dict(opts.get("config", {}))
         if opts.get("shm"):  # flash checkpoints: every rank's own local persister
             over["shmDir"] = str(out.parent / "shm")
-        ckpt = Checkpointer(
-            config(out, **over),
-            model=model,
-            optimizer=opt,
-            lr_scheduler=sched,
-            dataloader_state=pos,
-            rank=rank,
-            world_size=world,
-            storage=store(
-                out,
-                opts.get("kill_suffix") if rank == opts.get("kill_rank") else None,
-                int(opts.get("kill_after", 0)),
-            ),
-            handle_sigterm=bool(opts.get("sigterm")),
-            preallocate=False,
-            dist_timeout_s=30.0,
+        storage = store(
+            out,
+            opts.get("kill_suffix") if rank == opts.get("kill_rank") else None,
+            int(opts.get("kill_after", 0)),
         )
-        resume = ckpt.start()
-        start = resume.step
-        Path(out, f"resume.rank{rank}.json").write_text(
-            json.dumps(
-                {
-                    "step": resume.step,
-                    "checkpoint": resume.checkpoint_id,
-                    "exact": resume.exact,
-                    "warnings": list(resume.warnings),
-                }
-            )
+        ckpt, start = run.checkpointer(
+            config(out, **over), world, storage, opts, ("exact", "warnings"), dist_timeout_s=30.0
         )
-        assert pos.pos == start, (pos.pos, start)
-    with open(out / f"losses.rank{rank}.txt", "a") as log:
-        for step in range(start, steps):
-            g = torch.Generator().manual_seed(step * 100 + rank)
-            x = torch.randn(8, 16, generator=g)
-            y = torch.randn(8, 4, generator=g)
-            loss = nnf.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            pos.pos = step + 1
-            log.write(f"{step} {loss.item().hex()}\n")
-            log.flush()
-            if ckpt is not None:
-                d = ckpt.step(step, loss.item())
-                die_at = opts.get("die_after_save_at")
-                if (
-                    die_at is not None
-                    and rank == opts.get("die_rank")
-                    and step >= die_at
-                    and d.save
-                    and d.tier in ("pulse", "full")
-                ):
-                    Path(out, "died_after.txt").write_text(str(step))
-                    os.kill(os.getpid(), signal.SIGKILL)
-    if ckpt is not None:
-        ckpt.wait()
-        ckpt.close()
-    Path(out, f"final.rank{rank}.json").write_text(json.dumps({"sha": params_sha(model)}))
+        assert run.pos.pos == start, (run.pos.pos, start)
+    die_at = opts.get("die_after_save_at")
+
+    def die(step: int, d: Any) -> bool:
+        return die_at is not None and rank == opts.get("die_rank") and step >= die_at and _saved(d)
+
+    run.train(start, steps, ckpt, die)
 
 
 # --------------------------------------------------------------------------- agreement
@@ -209,11 +258,7 @@ def agree(rank: int, world: int, out: Path, first: int, last: int, swap: bool) -
     cfg = config(
         out,
         signalFile=str(signal_file),
-        tiers={
-            "heartbeat": {"everySteps": 1},
-            "pulse": {"baseInterval": 10, "minInterval": 2, "maxInterval": 12},
-            "full": {"everySteps": 1000},
-        },
+        tiers=tiers(10, 2, 12),
     )
     ckpt = Checkpointer(
         cfg,
@@ -387,77 +432,30 @@ def train_flash(rank: int, world: int, out: Path, steps: int, opts: dict[str, An
     ``die_after_save_at``: SIGKILL this process right after the first snapshot taken at or
     after that step (the step is written to ``died_after.txt`` first).
     """
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 7, 0.5)
-    torch.manual_seed(1000 + rank)
-    pos = Position()
-    use_ckpt = opts.get("checkpoint", True)
+    run = MlpRun(rank, out, ddp=False)
     ckpt: Checkpointer | None = None
     start = 0
-    if use_ckpt:
+    if opts.get("checkpoint", True):
         cfg = config(
             out,
             shmDir=str(out.parent / "shm"),
             validation={"loadInSubprocess": False},
             **opts.get("config", {}),
         )
-        ckpt = Checkpointer(
-            cfg,
-            model=model,
-            optimizer=opt,
-            lr_scheduler=sched,
-            dataloader_state=pos,
-            rank=rank,
-            world_size=world,
-            storage=store(out),
-            handle_sigterm=bool(opts.get("sigterm")),
-            preallocate=False,
-        )
-        resume = ckpt.start()
-        start = resume.step
-        Path(out, f"resume.rank{rank}.json").write_text(
-            json.dumps(
-                {
-                    "step": resume.step,
-                    "checkpoint": resume.checkpoint_id,
-                    "action": resume.action,
-                    "exact": resume.exact,
-                    "reason": resume.reason,
-                }
-            )
-        )
+        ckpt, start = run.checkpointer(cfg, world, store(out), opts, ("action", "exact", "reason"))
     die_at = opts.get("die_after_save_at")
-    with open(out / f"losses.rank{rank}.txt", "a") as log:
-        for step in range(start, steps):
-            g = torch.Generator().manual_seed(step * 100 + rank)
-            x = torch.randn(8, 16, generator=g)
-            y = torch.randn(8, 4, generator=g)
-            loss = nnf.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            pos.pos = step + 1
-            log.write(f"{step} {loss.item().hex()}\n")
-            log.flush()
-            if ckpt is not None:
-                d = ckpt.step(step, loss.item())
-                saved = d.save and d.tier in ("pulse", "full") and ckpt.stats.saves
-                if die_at is not None and step >= die_at and saved:
-                    Path(out, "died_after.txt").write_text(str(step))
-                    os.kill(os.getpid(), signal.SIGKILL)
-    if ckpt is not None:
-        ckpt.wait()
-        ckpt.close()
-    Path(out, f"final.rank{rank}.json").write_text(json.dumps({"sha": params_sha(model)}))
+
+    def die(step: int, d: Any) -> bool:
+        saved = _saved(d) and ckpt is not None and ckpt.stats.saves
+        return die_at is not None and step >= die_at and bool(saved)
+
+    run.train(start, steps, ckpt, die)
 
 
 def shm_half_write(rank: int, world: int, out: Path, shm: str) -> None:
     """Write one complete snapshot (step 1), then die (SIGKILL) in the middle of the second."""
-    from ckpt_agent.flash.shm import ShmWriter
     from ckpt_agent.records import Tier
+    from ckpt_agent.runtime.shm_writer import ShmWriter
 
     writer = ShmWriter(shm, RUN, 0)
     state = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(4096)}
@@ -486,11 +484,7 @@ def fsdp_ckpt(rank: int, world: int, out: Path, steps: int, phase: str) -> None:
     ckpt = Checkpointer(
         config(
             out,
-            tiers={
-                "heartbeat": {"everySteps": 1},
-                "pulse": {"baseInterval": 3, "minInterval": 2, "maxInterval": 4},
-                "full": {"everySteps": 1000},
-            },
+            tiers=tiers(3, 2, 4),
         ),
         model=model,
         optimizer=opt,
@@ -506,16 +500,7 @@ def fsdp_ckpt(rank: int, world: int, out: Path, steps: int, phase: str) -> None:
         full = _full_hashes({"model": msd, "optimizer": osd})
         if rank == 0:
             Path(out, "loaded_full.json").write_text(json.dumps(full, sort_keys=True))
-            Path(out, "resume.json").write_text(
-                json.dumps(
-                    {
-                        "step": resume.step,
-                        "checkpoint": resume.checkpoint_id,
-                        "exact": resume.exact,
-                        "warnings": list(resume.warnings),
-                    }
-                )
-            )
+            Path(out, "resume.json").write_text(resume_record(resume, "exact", "warnings"))
     for step in range(resume.step, resume.step + steps):
         g = torch.Generator().manual_seed(step * 10 + rank)
         loss = model(torch.randn(4, 16, generator=g)).pow(2).mean()

@@ -13,12 +13,9 @@ import ckpt_dist_workers as w
 import pytest
 
 from ckpt_agent.format import jsontree
-from ckpt_agent.format.manifest import (
-    commit_key,
-    list_checkpoints,
-    rank_manifest_key,
-    read_checkpoint,
-)
+from ckpt_agent.format.layout import commit_key, rank_manifest_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.validate import Validator
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus, Tier

@@ -15,7 +15,8 @@ import ckpt_dist_harness as h
 import ckpt_dist_workers as w
 import pytest
 
-from ckpt_agent.format.manifest import list_checkpoints, read_checkpoint
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.validate import Validator
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import Tier

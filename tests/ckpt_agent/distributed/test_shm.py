@@ -11,12 +11,14 @@ import ckpt_dist_workers as w
 import pytest
 import torch
 
-from ckpt_agent.flash.shm import HEADER_BYTES, ShmReader, ShmWriter
+from ckpt_agent.flash.protocol import HEADER_BYTES
+from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
-from ckpt_agent.format.manifest import list_checkpoints
+from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import Tier
+from ckpt_agent.runtime.shm_writer import ShmWriter
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = w.RUN
@@ -128,7 +130,7 @@ def test_one_sidecar_commits_the_parts_of_every_rank_it_serves(tmp_path: Path) -
     A part of another save attempt (other token) is never taken."""
     import threading
 
-    from ckpt_agent.format.manifest import read_checkpoint
+    from ckpt_agent.format.readers import read_checkpoint
 
     w0 = ShmWriter(tmp_path / "shm", RUN, 0, world_size=2)
     w1 = ShmWriter(tmp_path / "shm", RUN, 1, world_size=2)

@@ -19,11 +19,12 @@ import ckpt_dist_workers as w
 import pytest
 import torch
 
-from ckpt_agent.flash.shm import ShmReader, ShmWriter
+from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
-from ckpt_agent.format.manifest import list_checkpoints
+from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.runtime.shm_writer import ShmWriter
 from ckpt_agent.storage.fs import LocalStorage
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
@@ -154,7 +155,7 @@ def test_sidecar_sigterm_drains_what_is_pending(tmp_path: Path) -> None:
     cfg_path.write_text(_config(tmp_path).to_json())
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_agent.flash.sidecar", "--config", str(cfg_path),
+        [sys.executable, "-m", "ckpt_agent.cli", "sidecar", "--config", str(cfg_path),
          "--poll-s", "30", "--grace-s", "20", "--metrics-port", "0"],
         env=env, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -278,3 +279,48 @@ def test_ckpt_sidecar_runs_with_the_environment_the_operator_injects(tmp_path: P
             proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_sidecar_storage_gets_the_policys_s3_transfer_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The persister opens storage with the policy's S3 part size, concurrency and attempts
+    (from the mounted config, like the trainer), not only the ``CKPT_S3_*`` variables."""
+    from ckpt_agent.storage.options import StorageOptions
+    from ckpt_agent.storage.s3 import S3Storage
+
+    for var in list(os.environ):
+        if var.startswith("CKPT_S3_"):
+            monkeypatch.delenv(var)
+    seen: list[StorageOptions | None] = []
+
+    def fake_from_url(cls: type, url: str, options: StorageOptions | None = None) -> LocalStorage:
+        seen.append(options)
+        return LocalStorage(tmp_path / "store")
+
+    monkeypatch.setattr(S3Storage, "from_url", classmethod(fake_from_url))
+    cfg = _config(tmp_path).model_copy(
+        update={
+            "storage_url": "s3://bucket/prefix",
+            "s3": AgentConfig.model_validate(
+                {
+                    "s3": {
+                        "endpoint": "http://minio:9000",
+                        "partSizeMb": 64,
+                        "maxConcurrency": 9,
+                        "maxAttempts": 7,
+                    }
+                }
+            ).s3,
+        }
+    )
+    sidecar = Sidecar(cfg, SidecarOptions(probe_every_s=1000, metrics_port=0))
+    try:
+        (opts,) = seen
+        assert opts is not None
+        assert opts.part_size_bytes == 64 * 1024 * 1024
+        assert opts.max_concurrency == 9
+        assert opts.max_attempts == 7
+        assert opts.endpoint_url == "http://minio:9000" and opts.use_path_style
+    finally:
+        sidecar.close()

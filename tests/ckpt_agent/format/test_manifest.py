@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -10,33 +12,32 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.codec import PY_SHUFFLER, CodecError, CodecSpec, decode, encode
-from ckpt_agent.format.manifest import (
+from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats, read_heartbeat
+from ckpt_agent.format.layout import (
     HEARTBEAT_MAX_BYTES,
-    CheckpointFormatError,
-    CheckpointMeta,
-    CheckpointNotFoundError,
-    CommitManifest,
-    Heartbeat,
-    IntegrityError,
-    ValidationRecord,
     blob_key,
     commit_key,
-    encode_heartbeats,
     heartbeat_key,
-    list_checkpoints,
+    is_digest,
+    is_rank_file,
+    is_run_id,
     parse_checkpoint_id,
     rank_manifest_key,
-    read_checkpoint,
-    read_heartbeat,
-    read_tensor_bytes,
     sha256_hex,
+    validate_run_id,
     validation_key,
-    verify_hashes,
 )
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest, ValidationRecord
+from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
+from ckpt_agent.format.schema import digest_field
+from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.storage.base import NotFoundError, Storage
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"
@@ -108,10 +109,44 @@ def test_layout_names_are_zero_padded_and_sortable() -> None:
         blob_key(RUN, "not-a-digest")
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pulse_step_000000000001\n",
+        "pulse_step_000000000001\r",
+        " pulse_step_000000000001",
+        "pulse_step_0000000000012",
+    ],
+)
+def test_checkpoint_ids_match_whole_strings_only(name: str) -> None:
+    with pytest.raises(ValueError, match="not a checkpoint id"):
+        parse_checkpoint_id(name)
+
+
+@pytest.mark.parametrize("run_id", ["run1\n", "run1\r\n", "\nrun1", "run 1", ".", "..", "-x"])
+def test_run_ids_match_whole_strings_only(run_id: str) -> None:
+    assert not is_run_id(run_id)
+    with pytest.raises(ValueError, match="invalid run id"):
+        validate_run_id(run_id)
+
+
+def test_digests_and_rank_files_match_whole_strings_only() -> None:
+    d = "ab" + "0" * 62
+    assert is_digest(d) and not is_digest(d + "\n") and not is_digest(d.upper())
+    with pytest.raises(CheckpointFormatError):
+        blob_key(RUN, d + "\n")
+    with pytest.raises(CheckpointFormatError, match="not a SHA-256 hex digest"):
+        digest_field(d + "\n", "COMMIT.prev_hash")
+    assert is_rank_file("rank_00003.json") and not is_rank_file("rank_00003.json\n")
+
+
 def test_torch_free_modules_do_not_import_torch_or_numpy() -> None:
     code = (
         "import sys\n"
-        "import ckpt_agent.format.manifest, ckpt_agent.format.codec, ckpt_agent.format.jsontree, ckpt_agent.persist.writer\n"
+        "import ckpt_agent.format.layout, ckpt_agent.format.manifest, ckpt_agent.format.readers\n"
+        "import ckpt_agent.format.listing, ckpt_agent.format.verify, ckpt_agent.format.heartbeat\n"
+        "import ckpt_agent.format.schema, ckpt_agent.storage.s3\n"
+        "import ckpt_agent.format.codec, ckpt_agent.format.jsontree, ckpt_agent.persist.writer\n"
         "import ckpt_agent.persist.housekeeping, ckpt_agent.persist.catalog\n"
         "bad = [m for m in ('torch', 'numpy') if m in sys.modules]\n"
         "assert not bad, bad\n"
@@ -147,6 +182,34 @@ def test_commit_protocol_and_listing_only_committed(ck_store: LocalStorage) -> N
     assert "train_config.json" in manifest.files
     raw = read_tensor_bytes(ck_store, RUN, manifest, manifest.tensors["model/w"], "model/w")
     assert bytes(raw) == _floats(3000, 3)
+
+
+def test_tensor_bytes_read_through_any_backend_view(
+    ck_store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(ck_store, 10, {"model/w": _floats(3000, 1), "model/b": _floats(8, 2)})
+    cid = checkpoint_id(Tier.PULSE, 10)
+    _, manifest = read_checkpoint(ck_store, RUN, cid)
+    entry = manifest.tensors["model/w"]
+    key = blob_key(RUN, entry.chunks[0])
+    with ck_store.read_view(key) as mapped:  # the filesystem maps the file
+        assert isinstance(mapped.obj, mmap.mmap)
+        assert bytes(mapped) == ck_store.read(key)
+    copying = LocalStorage(ck_store.root)  # with the interface's default view: a copy
+    monkeypatch.setattr(copying, "read_view", functools.partial(Storage.read_view, copying))
+    with copying.read_view(key) as copied:
+        assert isinstance(copied.obj, bytes) and bytes(copied) == ck_store.read(key)
+    raw = read_tensor_bytes(copying, RUN, manifest, entry, "model/w")
+    assert bytes(raw) == _floats(3000, 1)
+    with pytest.raises(NotFoundError):
+        with copying.read_view(key + "x"):
+            pass
+    with pytest.raises(NotFoundError):
+        with ck_store.read_view(key + "x"):
+            pass
+    ck_store.write("run1/empty", b"")
+    with ck_store.read_view("run1/empty") as empty:
+        assert len(empty) == 0
 
 
 def test_validation_record_sets_status_only_for_the_judged_commit(ck_store: LocalStorage) -> None:

@@ -7,15 +7,10 @@ import time
 from pathlib import Path
 
 from ckpt_agent.decide.retention import plan_retention
-from ckpt_agent.format.manifest import (
-    CheckpointMeta,
-    ValidationRecord,
-    blob_key,
-    commit_key,
-    list_checkpoints,
-    read_checkpoint,
-    validation_key,
-)
+from ckpt_agent.format.layout import blob_key, commit_key, validation_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.catalog import BUSY_TIMEOUT_MS, Catalog
 from ckpt_agent.persist.housekeeping import apply_retention, delete_checkpoint, gc_blobs
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource

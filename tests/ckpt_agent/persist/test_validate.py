@@ -10,15 +10,10 @@ from typing import Any
 
 import pytest
 
-from ckpt_agent.format.manifest import (
-    CheckpointMeta,
-    blob_key,
-    commit_key,
-    list_checkpoints,
-    rank_manifest_key,
-    read_checkpoint,
-    read_validation,
-)
+from ckpt_agent.format.layout import blob_key, commit_key, rank_manifest_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.manifest import CheckpointMeta
+from ckpt_agent.format.readers import read_checkpoint, read_validation
 from ckpt_agent.persist.validate import LoaderProcess, Validator, compare_meta, load_check
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.policy.models import ValidationSpec

@@ -14,12 +14,10 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from ckpt_agent.format.manifest import (
-    blob_key,
-    list_checkpoints,
-    read_checkpoint,
-    read_heartbeat,
-)
+from ckpt_agent.format.heartbeat import read_heartbeat
+from ckpt_agent.format.layout import audit_key, blob_key, recover_request_key, validation_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus, Tier
 from ckpt_agent.runtime.checkpointer import Checkpointer, PersistError, ResumeError
@@ -106,19 +104,63 @@ def _events(config: AgentConfig, name: str) -> list[dict[str, Any]]:
     return [e for line in path.read_text().splitlines() if (e := json.loads(line))["event"] == name]
 
 
+def _store_for(cfg: AgentConfig, cls: type[S]) -> S:
+    """The config's store (``ck_config`` puts it next to the work dir) opened as ``cls``."""
+    return cls(Path(cfg.work_dir or "").parent / "store")
+
+
+def _store(cfg: AgentConfig) -> LocalStorage:
+    return _store_for(cfg, LocalStorage)
+
+
+def _statuses(store: Storage) -> dict[str, CheckpointStatus]:
+    return {r.id: r.status for r in list_checkpoints(store, "run1")}
+
+
+def _started(
+    cfg: AgentConfig, t: Trainer | None = None, *, steps: int = 0, **kw: Any
+) -> tuple[Trainer, Checkpointer]:
+    """A trainer (default: ``Trainer()``) and its started checkpointer, ``steps`` steps in."""
+    t = t if t is not None else Trainer()
+    ckpt = t.checkpointer(cfg, **kw)
+    ckpt.start()
+    t.run(ckpt, 0, steps)
+    return t, ckpt
+
+
+def _saved(cfg: AgentConfig, t: Trainer | None = None, *, steps: int) -> str:
+    """Train ``steps`` steps, ``save_now``, close: the checkpoint id."""
+    _, ckpt = _started(cfg, t, steps=steps)
+    cid = ckpt.save_now("x")
+    ckpt.close()
+    assert cid is not None
+    return cid
+
+
+def _two_saves(cfg: AgentConfig, first_at: int, second_at: int, **kw: Any) -> tuple[str, str]:
+    """Train, ``save_now`` after ``first_at`` and ``second_at`` steps, close: the two ids."""
+    t, ckpt = _started(cfg, steps=first_at, **kw)
+    first = ckpt.save_now("first")
+    t.run(ckpt, first_at, second_at)
+    second = ckpt.save_now("second")
+    ckpt.close()
+    assert first is not None and second is not None
+    return first, second
+
+
 # --------------------------------------------------------------------------- basics
 
 
 def test_fresh_start_saves_pulses_and_reports(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    resume = ckpt.start()
+    t, ckpt = _started(cfg)
+    resume = ckpt.resume_point
+    assert resume is not None
     assert resume.step == 0 and not resume.resumed and resume.action == "fresh"
     t.run(ckpt, 0, 12)
     assert ckpt.wait(30)
     ckpt.close()
-    store = LocalStorage(Path(cfg.work_dir or "").parent / "store")
+    store = _store(cfg)
     recs = [r for r in list_checkpoints(store, "run1") if r.tier != Tier.HEARTBEAT]
     assert recs and all(r.status == CheckpointStatus.VALID for r in recs)
     assert all(r.tier == Tier.PULSE for r in recs)
@@ -161,7 +203,7 @@ def test_save_now_and_full_tier_with_train_config(ck_config: ConfigFactory) -> N
     cid = ckpt.save_now("operator asked")
     assert cid == "full_step_000000000002"
     ckpt.close()
-    store = LocalStorage(Path(cfg.work_dir or "").parent / "store")
+    store = _store(cfg)
     committed, manifest = read_checkpoint(store, "run1", cid)
     assert committed.commit.meta.emergency and "operator asked" in committed.commit.meta.reason
     assert "train_config.json" in manifest.files
@@ -170,10 +212,7 @@ def test_save_now_and_full_tier_with_train_config(ck_config: ConfigFactory) -> N
 
 def test_mutation_after_step_does_not_leak_into_the_checkpoint(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 2)
+    t, ckpt = _started(cfg, steps=2)
     cid = ckpt.save_now("now", wait=False)
     assert cid is not None
     expect = {k: v.clone() for k, v in t.model.state_dict().items()}
@@ -182,7 +221,7 @@ def test_mutation_after_step_does_not_leak_into_the_checkpoint(ck_config: Config
             p.mul_(-3.0).add_(1.0)
     t.run(ckpt, 2, 4)
     ckpt.close()
-    store = LocalStorage(Path(cfg.work_dir or "").parent / "store")
+    store = _store(cfg)
     from ckpt_agent.runtime.serialization import load_tensors
 
     _, manifest = read_checkpoint(store, "run1", cid)
@@ -220,18 +259,20 @@ class FlakyStorage(LocalStorage):
         super().write(key, data)
 
 
-def _store_for(cfg: AgentConfig, cls: type[S]) -> S:
-    return cls(Path(cfg.work_dir or "").parent / "store")
+def _failing_save(cfg: AgentConfig, steps: int) -> tuple[Trainer, Checkpointer, FlakyStorage]:
+    """``steps`` steps in, a ``save_now`` (not waited for) whose first blob write fails."""
+    store = _store_for(cfg, FlakyStorage)
+    t, ckpt = _started(cfg, steps=steps, storage=store)
+    store.armed = True
+    ckpt.save_now("will fail", wait=False)
+    return t, ckpt, store
 
 
 @pytest.mark.parametrize("mode", ["defer", "wait"])
 def test_backpressure_when_a_persist_is_still_running(ck_config: ConfigFactory, mode: str) -> None:
     cfg = ck_config(tiers={"pulse": {"baseInterval": 2, "minInterval": 1, "maxInterval": 2}})
-    t = Trainer()
     store = _store_for(cfg, SlowStorage)
-    ckpt = t.checkpointer(cfg, storage=store, backpressure=mode)
-    ckpt.start()
-    t.run(ckpt, 0, 8)
+    _, ckpt = _started(cfg, steps=8, storage=store, backpressure=mode)
     ckpt.close()
     events = _events(cfg, "backpressure")
     assert events, "a save met a running persist"
@@ -246,14 +287,8 @@ def test_backpressure_when_a_persist_is_still_running(ck_config: ConfigFactory, 
 
 def test_persist_error_is_reported_once(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer()
-    store = _store_for(cfg, FlakyStorage)
-    ckpt = t.checkpointer(cfg, storage=store)
-    ckpt.start()
-    t.run(ckpt, 0, 2)
-    store.armed = True
-    ckpt.save_now("will fail", wait=False)
-    ckpt._persister.wait_idle(30)  # type: ignore[union-attr]
+    t, ckpt, store = _failing_save(cfg, steps=2)
+    ckpt._persister.wait_persisted(30)
     with pytest.raises(PersistError, match="injected: connection reset"):
         t.run(ckpt, 2, 3)
     t.run(ckpt, 3, 12)  # reported once: training goes on, later saves work
@@ -266,14 +301,7 @@ def test_persist_error_is_reported_once(ck_config: ConfigFactory) -> None:
 
 
 def test_close_reports_a_pending_error(ck_config: ConfigFactory) -> None:
-    cfg = ck_config()
-    t = Trainer()
-    store = _store_for(cfg, FlakyStorage)
-    ckpt = t.checkpointer(cfg, storage=store)
-    ckpt.start()
-    t.run(ckpt, 0, 1)
-    store.armed = True
-    ckpt.save_now("fails", wait=False)
+    _, ckpt, _ = _failing_save(ck_config(), steps=1)
     with pytest.raises(PersistError):
         ckpt.close()
 
@@ -305,10 +333,7 @@ def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def test_resume_in_process_restores_everything(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 6)
+    t, ckpt = _started(cfg, steps=6)
     cid = ckpt.save_now("snapshot for the test")
     saved = _state(t)
     ckpt.close()
@@ -329,37 +354,19 @@ def test_resume_in_process_restores_everything(ck_config: ConfigFactory) -> None
 
 def test_pending_newest_checkpoint_is_verified_on_start(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 3)
-    cid = ckpt.save_now("x")
-    assert cid is not None
-    ckpt.close()
-    store = _store_for(cfg, LocalStorage)
-    from ckpt_agent.format.manifest import validation_key
-
+    cid = _saved(cfg, steps=3)
+    store = _store(cfg)
     store.delete(validation_key("run1", cid))  # as if killed before validation
-    assert {r.id: r.status for r in list_checkpoints(store, "run1")}[
-        cid
-    ] == CheckpointStatus.PENDING
-    t2 = Trainer(seed=5)
-    ckpt2 = t2.checkpointer(cfg)
+    assert _statuses(store)[cid] == CheckpointStatus.PENDING
+    ckpt2 = Trainer(seed=5).checkpointer(cfg)
     assert ckpt2.start().checkpoint_id == cid
     ckpt2.close()
-    assert {r.id: r.status for r in list_checkpoints(store, "run1")}[cid] == CheckpointStatus.VALID
+    assert _statuses(store)[cid] == CheckpointStatus.VALID
 
 
 def test_resume_from_names_exactly_one_checkpoint(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 3)
-    first = ckpt.save_now("a")
-    t.run(ckpt, 3, 6)
-    ckpt.save_now("b")
-    ckpt.close()
+    first, _ = _two_saves(cfg, 3, 6)
     older = cfg.model_copy(update={"resume_from": first})
     t2 = Trainer(seed=1)
     ckpt2 = t2.checkpointer(older)
@@ -367,9 +374,7 @@ def test_resume_from_names_exactly_one_checkpoint(ck_config: ConfigFactory) -> N
     assert resume.checkpoint_id == first and resume.action == "resume_from" and resume.step == 3
     ckpt2.close()
     # the newer checkpoint belongs to the abandoned branch now
-    store = _store_for(cfg, LocalStorage)
-    statuses = {r.id: r.status for r in list_checkpoints(store, "run1")}
-    assert statuses["full_step_000000000005"] == CheckpointStatus.EXPIRED
+    assert _statuses(_store(cfg))["full_step_000000000005"] == CheckpointStatus.EXPIRED
 
     gone = cfg.model_copy(update={"resume_from": "pulse_step_000000004242"})
     with pytest.raises(ResumeError, match="has no committed checkpoint with that id"):
@@ -378,14 +383,8 @@ def test_resume_from_names_exactly_one_checkpoint(ck_config: ConfigFactory) -> N
 
 def test_resume_from_a_corrupted_checkpoint_fails_loudly(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer(hidden=600)  # big enough for blobs (not inline)
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 2)
-    cid = ckpt.save_now("a")
-    assert cid is not None
-    ckpt.close()
-    store = _store_for(cfg, LocalStorage)
+    cid = _saved(cfg, Trainer(hidden=600), steps=2)  # big enough for blobs (not inline)
+    store = _store(cfg)
     _, m = read_checkpoint(store, "run1", cid)
     digest = m.tensors["model/0.weight"].chunks[0]
     path = store.root / blob_key("run1", digest)
@@ -394,18 +393,12 @@ def test_resume_from_a_corrupted_checkpoint_fails_loudly(ck_config: ConfigFactor
     path.write_bytes(bytes(data))
     with pytest.raises(ResumeError, match="cannot be restored: IntegrityError"):
         Trainer(hidden=600).checkpointer(cfg.model_copy(update={"resume_from": cid})).start()
-    statuses = {r.id: r.status for r in list_checkpoints(store, "run1")}
-    assert statuses[cid] == CheckpointStatus.CORRUPTED
+    assert _statuses(store)[cid] == CheckpointStatus.CORRUPTED
 
 
 def test_different_model_shape_is_never_loaded(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer(hidden=600)
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 3)
-    ckpt.save_now("x")
-    ckpt.close()
+    _saved(cfg, Trainer(hidden=600), steps=3)
     other = Trainer(hidden=700)
     before = {k: v.clone() for k, v in other.model.state_dict().items()}
     with pytest.raises(ResumeError) as info:
@@ -416,8 +409,7 @@ def test_different_model_shape_is_never_loaded(ck_config: ConfigFactory) -> None
     for k, v in other.model.state_dict().items():
         assert torch.equal(v, before[k])  # untouched
     # the checkpoints are fine: they are not marked corrupted
-    store = _store_for(cfg, LocalStorage)
-    assert all(r.status != CheckpointStatus.CORRUPTED for r in list_checkpoints(store, "run1"))
+    assert CheckpointStatus.CORRUPTED not in _statuses(_store(cfg)).values()
 
 
 # --------------------------------------------------------------------------- differential storage
@@ -449,7 +441,7 @@ def test_frozen_backbone_fine_tune_writes_a_small_fraction(ck_config: ConfigFact
     train(1)
     second = ckpt.save_now("second")
     ckpt.close()
-    store = _store_for(cfg, LocalStorage)
+    store = _store(cfg)
     sizes = {r.id: r.size_bytes for r in list_checkpoints(store, "run1")}
     assert first is not None and second is not None
     assert sizes[second] < 0.05 * sizes[first], sizes
@@ -474,10 +466,7 @@ def test_signal_file_change_means_save_now(ck_config: ConfigFactory, tmp_path: P
         signalFile=str(sig),
         tiers={"pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500}},
     )
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 3)
+    t, ckpt = _started(cfg, steps=3)
     sig.write_text("request-42")
     os.utime(sig, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
     decisions = [ckpt.step(3, t.step())]
@@ -492,18 +481,15 @@ def test_sigterm_saves_then_exits(ck_config: ConfigFactory) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals need the main thread")
     cfg = ck_config(tiers={"pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500}})
-    t = Trainer()
-    ckpt = t.checkpointer(cfg, handle_sigterm=True)
-    ckpt.start()
-    t.run(ckpt, 0, 4)
+    t, ckpt = _started(cfg, steps=4, handle_sigterm=True)
     os.kill(os.getpid(), signal.SIGTERM)
     with pytest.raises(SystemExit) as info:
         t.run(ckpt, 4, 6)
     assert info.value.code == 143
-    store = _store_for(cfg, LocalStorage)
+    store = _store(cfg)
     ids = [r.id for r in list_checkpoints(store, "run1")]
     assert "full_step_000000000004" in ids
-    assert signal.getsignal(signal.SIGTERM) is not None and ckpt._old_sigterm is None
+    assert signal.getsignal(signal.SIGTERM) is not None and not ckpt._signals.installed
 
 
 # --------------------------------------------------------------------------- scheduler-driven tiers
@@ -517,15 +503,13 @@ def test_gradient_anomaly_takes_a_lightweight_pulse(ck_config: ConfigFactory) ->
         },
         tiers={"pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500}},
     )
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
+    t, ckpt = _started(cfg)
     for s in range(4):
         ckpt.step(s, t.step(), grad_norm=1.0)
     d = ckpt.step(4, t.step(), grad_norm=50.0)
     assert d.lightweight and d.tier == Tier.PULSE and d.anomaly == "grad_anomaly"
     ckpt.close()
-    store = _store_for(cfg, LocalStorage)
+    store = _store(cfg)
     _, manifest = read_checkpoint(store, "run1", "pulse_step_000000000004")
     assert manifest.meta.lightweight
     assert "optimizer" not in manifest.meta.sections and "rng" in manifest.meta.sections
@@ -533,12 +517,9 @@ def test_gradient_anomaly_takes_a_lightweight_pulse(ck_config: ConfigFactory) ->
 
 def test_retention_runs_after_each_commit(ck_config: ConfigFactory) -> None:
     cfg = ck_config(retention={"routineKeep": 1})
-    t = Trainer(hidden=600)
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 20)
+    _, ckpt = _started(cfg, Trainer(hidden=600), steps=20)
     ckpt.close()
-    store = _store_for(cfg, LocalStorage)
+    store = _store(cfg)
     pulses = [r for r in list_checkpoints(store, "run1") if r.tier == Tier.PULSE]
     assert len(pulses) == 1
     assert _events(cfg, "retention")
@@ -564,11 +545,8 @@ def test_validation_in_a_subprocess_marks_a_corrupted_write(ck_config: ConfigFac
             super().write(key, data)
 
     cfg = ck_config(validation={"loadInSubprocess": True})
-    t = Trainer(hidden=600)
     store: Storage = _store_for(cfg, Corrupting)
-    ckpt = t.checkpointer(cfg, storage=store)
-    ckpt.start()
-    t.run(ckpt, 0, 2)
+    _, ckpt = _started(cfg, Trainer(hidden=600), steps=2, storage=store)
     cid = ckpt.save_now("x")
     assert cid is not None
     ckpt.wait(60)
@@ -592,18 +570,10 @@ def test_manual_recovery_request_is_applied_once(ck_config: ConfigFactory) -> No
     from typer.testing import CliRunner
 
     from ckpt_agent.cli.main import app
-    from ckpt_agent.format.manifest import audit_key, recover_request_key
 
     cfg = ck_config()
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 3)
-    older = ckpt.save_now("older")
-    t.run(ckpt, 3, 7)
-    ckpt.save_now("newer")
-    ckpt.close()
-    store = _store_for(cfg, LocalStorage)
+    older, _ = _two_saves(cfg, 3, 7)
+    store = _store(cfg)
     res = CliRunner().invoke(
         app,
         [
@@ -642,10 +612,7 @@ def test_prometheus_endpoint_serves_the_checkpointer_registry(ck_config: ConfigF
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = ck_config(metricsPort=port)
-    t = Trainer()
-    ckpt = t.checkpointer(cfg)
-    ckpt.start()
-    t.run(ckpt, 0, 3)
+    _, ckpt = _started(cfg, steps=3)
     ckpt.save_now("x")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for name in (
@@ -663,17 +630,9 @@ def test_prometheus_endpoint_serves_the_checkpointer_registry(ck_config: ConfigF
 
 def test_approximate_filter_is_opt_in_and_marked(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t = Trainer()
-    ckpt = t.checkpointer(cfg, approximate_threshold=1e9)  # every momentum change is "small"
-    ckpt.start()
-    t.run(ckpt, 0, 2)
-    first = ckpt.save_now("first")
-    t.run(ckpt, 2, 4)
-    second = ckpt.save_now("second")
-    ckpt.close()
-    store = _store_for(cfg, LocalStorage)
-    recs = {r.id: r for r in list_checkpoints(store, "run1")}
-    assert first is not None and second is not None
+    # every momentum change is "small"
+    first, second = _two_saves(cfg, 2, 4, approximate_threshold=1e9)
+    recs = {r.id: r for r in list_checkpoints(_store(cfg), "run1")}
     assert not recs[first].approximate  # nothing to compare with yet: exact
     assert recs[second].approximate
     again = Trainer(seed=8).checkpointer(cfg)

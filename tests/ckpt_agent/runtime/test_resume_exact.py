@@ -31,7 +31,9 @@ from typing import Any
 
 import pytest
 
-from ckpt_agent.format.manifest import blob_key, list_checkpoints, read_checkpoint
+from ckpt_agent.format.layout import blob_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.records import CheckpointStatus, Tier
 from ckpt_agent.storage.fs import LocalStorage
 

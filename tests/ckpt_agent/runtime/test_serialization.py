@@ -11,16 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from ckpt_agent.errors import CheckpointFormatError, IntegrityError
 from ckpt_agent.format import jsontree
-from ckpt_agent.format.manifest import (
-    CheckpointFormatError,
-    CheckpointMeta,
-    IntegrityError,
-    blob_key,
-    rank_manifest_key,
-    read_checkpoint,
-    sha256_hex,
-)
+from ckpt_agent.format.layout import blob_key, rank_manifest_key, sha256_hex
+from ckpt_agent.format.manifest import CheckpointMeta
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.records import Tier, checkpoint_id

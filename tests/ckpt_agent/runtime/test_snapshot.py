@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_agent.format.manifest import Heartbeat, read_heartbeat
+from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
 from ckpt_agent.records import Tier
 from ckpt_agent.runtime.snapshot import BackgroundWorker, HeartbeatWriter, HostArena, take_snapshot
 from ckpt_agent.storage.fs import LocalStorage

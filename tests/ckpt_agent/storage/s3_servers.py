@@ -2,7 +2,7 @@
 
 Binaries come from the pinned Go tool modules ``e2e/tools/minio`` and
 ``e2e/tools/toxiproxy`` through ``e2e/build-tools.sh`` (built once, then cached
-by module hash). Every process is started with a temp data dir and a free
+by module hash; :func:`ckpt_e2e.tools.tool_dir` asks it). Every process is started with a temp data dir and a free
 port, waited for with a bounded readiness probe and stopped on teardown.
 Not a test module: loaded by ``conftest.py`` and ``benchmarks/bench_storage.py``.
 """
@@ -14,18 +14,23 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
-BUILD_TOOLS = REPO / "e2e" / "build-tools.sh"
+# e2e/ is a source root: pytest's pythonpath has it, benchmarks/bench_storage.py does not
+if str(REPO / "e2e") not in sys.path:
+    sys.path.insert(0, str(REPO / "e2e"))
+
+from ckpt_e2e.api import free_port  # noqa: E402
+from ckpt_e2e.tools import ToolError, tool_dir  # noqa: E402
 
 MINIO_USER = "ckpt-test-admin"
 MINIO_PASSWORD = "ckpt-test-secret-0123456789"
@@ -41,28 +46,9 @@ class ServerError(RuntimeError):
 def build_tool(name: str, timeout_s: float = 3600) -> Path:
     """``e2e/build-tools.sh --path NAME`` → the folder holding the tool's binaries."""
     try:
-        proc = subprocess.run(
-            ["bash", str(BUILD_TOOLS), "--path", name],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except FileNotFoundError as e:
-        raise ServerError(f"cannot run {BUILD_TOOLS}: {e}") from e
-    except subprocess.TimeoutExpired as e:
-        raise ServerError(f"building {name} took more than {timeout_s:.0f}s") from e
-    if proc.returncode != 0:
-        raise ServerError(
-            f"building {name} failed (is Go >= 1.24 installed?):\n{proc.stderr[-4000:]}"
-        )
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        return tool_dir(name, timeout_s)
+    except ToolError as e:
+        raise ServerError(str(e)) from e
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
@@ -97,6 +83,39 @@ def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout_s)
+
+
+def _start_on_free_port(
+    name: str,
+    argv: Callable[[int], list[str]],
+    ready_path: str,
+    workdir: Path,
+    env: dict[str, str],
+    timeout_s: float,
+) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """Start ``argv(port)`` on a free port (log ``<workdir>/<name, lower case>-<port>.log``), wait
+    until ``ready_path`` answers 200; three tries (the port may be taken in between)."""
+    last: Exception | None = None
+    for _ in range(3):  # the free port may be taken between probe and bind
+        port = free_port()
+        log = workdir / f"{name.lower()}-{port}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                argv(port),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=workdir,
+                start_new_session=True,
+            )
+        try:
+            _wait_http(f"http://127.0.0.1:{port}{ready_path}", proc, timeout_s, log)
+        except ServerError as e:
+            _stop(proc)
+            last = e
+            continue
+        return proc, port, log
+    raise ServerError(f"{name} did not start: {last}")
 
 
 @dataclass
@@ -165,34 +184,15 @@ def start_minio(
         "MINIO_CI_CD": "on",
         **(extra_env or {}),
     }
-    last: Exception | None = None
-    for _ in range(3):  # the free port may be taken between probe and bind
-        port = free_port()
-        log = workdir / f"minio-{port}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [
-                    str(exe),
-                    "server",
-                    "--quiet",
-                    "--address",
-                    f"127.0.0.1:{port}",
-                    str(data),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=workdir,
-                start_new_session=True,
-            )
-        try:
-            _wait_http(f"http://127.0.0.1:{port}/minio/health/ready", proc, timeout_s, log)
-        except ServerError as e:
-            _stop(proc)
-            last = e
-            continue
-        return MinioServer(proc, port, data, log, version[0] if version else "")
-    raise ServerError(f"MinIO did not start: {last}")
+    proc, port, log = _start_on_free_port(
+        "MinIO",
+        lambda port: [str(exe), "server", "--quiet", "--address", f"127.0.0.1:{port}", str(data)],
+        "/minio/health/ready",
+        workdir,
+        env,
+        timeout_s,
+    )
+    return MinioServer(proc, port, data, log, version[0] if version else "")
 
 
 @dataclass
@@ -301,25 +301,13 @@ def start_toxiproxy(bin_dir: Path, workdir: Path, timeout_s: float = 30) -> Toxi
     version = subprocess.run(
         [str(exe), "-version"], capture_output=True, text=True, timeout=30, check=False
     )
-    last: Exception | None = None
-    for _ in range(3):
-        port = free_port()
-        log = workdir / f"toxiproxy-{port}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [str(exe), "-host", "127.0.0.1", "-port", str(port)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-                start_new_session=True,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir)},
-            )
-        try:
-            _wait_http(f"http://127.0.0.1:{port}/version", proc, timeout_s, log)
-        except ServerError as e:
-            _stop(proc)
-            last = e
-            continue
-        text = (version.stdout + version.stderr).strip().splitlines()
-        return Toxiproxy(proc, port, log, text[0] if text else "")
-    raise ServerError(f"toxiproxy did not start: {last}")
+    proc, port, log = _start_on_free_port(
+        "toxiproxy",
+        lambda port: [str(exe), "-host", "127.0.0.1", "-port", str(port)],
+        "/version",
+        workdir,
+        {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir)},
+        timeout_s,
+    )
+    text = (version.stdout + version.stderr).strip().splitlines()
+    return Toxiproxy(proc, port, log, text[0] if text else "")

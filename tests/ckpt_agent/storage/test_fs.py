@@ -226,12 +226,21 @@ def test_publish_fsyncs_file_and_every_created_directory(
 
 
 def test_stale_listing_entry_is_skipped_counted_and_reported(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A listed name whose stat fails (a dangling entry, as a stale NFS listing gives)."""
+    """A listed name whose stat fails (as a stale NFS listing gives; a planted symlink is
+    refused instead, see test_hostile_fs.py)."""
     store = LocalStorage(tmp_path)
     store.write("steps/1/COMMIT", b"ok")
-    os.symlink(tmp_path / "gone", tmp_path / "steps" / "1" / "rank_0.json")
+    store.write("steps/1/rank_0.json", b"{}")
+    real_stat = os.stat
+
+    def stale_stat(path: object, *a: object, **kw: object) -> os.stat_result:
+        if os.path.basename(str(path)) == "rank_0.json":
+            raise FileNotFoundError(2, "stale", str(path))
+        return real_stat(path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", stale_stat)
     with caplog.at_level(logging.WARNING, logger="ckpt_agent.storage.fs"):
         assert [i.key for i in store.list()] == ["steps/1/COMMIT"]
     assert store.stale_entries == 1
@@ -249,7 +258,8 @@ def test_stale_entry_that_recovers_on_relist(
     failed: list[str] = []
 
     def flaky_stat(path: object, *a: object, **kw: object) -> os.stat_result:
-        if str(path).endswith("/d/b") and not failed:
+        # the backend stats names relative to their folder's descriptor (dir_fd)
+        if os.path.basename(str(path)) == "b" and not failed:
             failed.append(str(path))
             raise FileNotFoundError(2, "stale", str(path))
         return real_stat(path, *a, **kw)  # type: ignore[arg-type]

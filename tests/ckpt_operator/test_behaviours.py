@@ -10,19 +10,14 @@ import pytest
 
 from ckpt_agent.records import CheckpointStatus
 from ckpt_operator import constants as c
+from ckpt_operator.behaviours.admission import inject_pod, validate_policy
+from ckpt_operator.behaviours.disruption import signal_node, signal_pod
+from ckpt_operator.behaviours.policies import reconcile_policy
+from ckpt_operator.behaviours.recovery import observe_job, recover_job
+from ckpt_operator.behaviours.retention import reconcile_retention
 from ckpt_operator.jobs import format_time, job_facts, parse_time
 from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.kube import ApiError
-from ckpt_operator.service import (
-    inject_pod,
-    observe_job,
-    reconcile_policy,
-    reconcile_retention,
-    recover_job,
-    signal_node,
-    signal_pod,
-    validate_policy,
-)
 
 FAILED_AT = parse_time("2024-05-02T11:02:17Z") or 0.0
 RUN = "mnist-ddp-5f0c6a7e"

@@ -1,0 +1,143 @@
+"""The persister's side of the shared-memory protocol (:mod:`ckpt_agent.flash.protocol`).
+
+:class:`ShmReader` claims a rank's area, opens complete snapshots under a shared
+lock (never a half-written one), reports what it handled (``persisted.json``) and
+records chunk hashes for in-place restarts; :func:`verify_snapshot` checks a
+snapshot's bytes against them. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_agent.errors import ShmError
+from ckpt_agent.flash.protocol import (
+    DEFAULT_SLOTS,
+    FORMAT_HASHES,
+    HASH_CHUNK_BYTES,
+    VERSION,
+    Descriptor,
+    PersistedMark,
+    ShmArea,
+    atomic_write,
+    chunk_hashes,
+    hold_lock,
+    read_header,
+    try_flock,
+)
+
+__all__ = ["ShmReader", "ShmSnapshot", "verify_snapshot"]
+
+
+@dataclass
+class ShmSnapshot:
+    """A complete snapshot held open (shared lock) for reading."""
+
+    desc: Descriptor
+    view: memoryview
+
+    def tensor(self, name: str) -> memoryview:
+        t = self.desc.tensors[name]
+        return self.view[t.offset : t.offset + t.nbytes]
+
+    def file(self, name: str) -> memoryview:
+        t = self.desc.files[name]
+        return self.view[t.offset : t.offset + t.nbytes]
+
+
+class ShmReader(ShmArea):
+    """The persister's side: open complete snapshots, report progress."""
+
+    def __init__(
+        self, root: str | Path, run_id: str, rank: int, *, slots: int = DEFAULT_SLOTS
+    ) -> None:
+        super().__init__(root, run_id, rank, slots=slots)
+        self._owner_fd = -1
+
+    def claim(self) -> bool:
+        """Become this area's persister (exclusive); False when another one is alive."""
+        if self._owner_fd >= 0:
+            return True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._owner_fd = hold_lock(self.dir / "persister.lock")
+        return self._owner_fd >= 0
+
+    def release(self) -> None:
+        if self._owner_fd >= 0:
+            os.close(self._owner_fd)
+            self._owner_fd = -1
+
+    @contextlib.contextmanager
+    def open(self, desc: Descriptor) -> Iterator[ShmSnapshot | None]:
+        """Hold ``desc``'s slot (shared lock) and map it; yields None when it is gone or torn.
+
+        A snapshot is yielded only when its descriptor is unchanged under the
+        lock and the header says ``seq_begin == seq_end == desc.seq``.
+        """
+        path = self.data_path(desc.slot)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            if not try_flock(fd, fcntl.LOCK_SH):
+                yield None  # the trainer is writing this slot right now
+                return
+            now = self.descriptor(desc.slot)
+            size = os.fstat(fd).st_size
+            if now is None or now.seq != desc.seq or size < desc.data_size:
+                yield None
+                return
+            mm = mmap.mmap(fd, desc.data_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            view = memoryview(mm)
+            try:
+                if read_header(view) != (desc.seq, desc.seq, desc.data_size):
+                    yield None
+                    return
+                yield ShmSnapshot(desc, view)
+                if read_header(view) != (desc.seq, desc.seq, desc.data_size):  # pragma: no cover
+                    raise ShmError(f"slot {desc.slot} changed while it was read (lock bypassed?)")
+            finally:
+                view.release()
+                mm.close()
+        finally:
+            os.close(fd)  # drops the shared lock
+
+    def mark(self, mark: PersistedMark) -> None:
+        """Tell the trainer which snapshot was handled (atomic replace)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.persisted_path, mark.to_bytes())
+
+    def write_hashes(self, desc: Descriptor, tensors: Mapping[str, Sequence[str]]) -> None:
+        doc = {
+            "format": FORMAT_HASHES,
+            "version": VERSION,
+            "seq": desc.seq,
+            "step": desc.step,
+            "chunk_bytes": HASH_CHUNK_BYTES,
+            "tensors": {k: list(v) for k, v in tensors.items()},
+        }
+        atomic_write(self.hashes_path(desc.slot), json.dumps(doc, sort_keys=True).encode())
+
+
+def verify_snapshot(
+    snap: ShmSnapshot, expected: Mapping[str, Sequence[str]], chunk: int = HASH_CHUNK_BYTES
+) -> list[str]:
+    """Problems found comparing a snapshot's bytes with recorded chunk hashes (empty: intact)."""
+    problems: list[str] = []
+    names = set(snap.desc.tensors) | set(snap.desc.files)
+    for name in sorted(names - set(expected)):
+        problems.append(f"{name}: no recorded hash")
+    for name in sorted(set(expected) & names):
+        view = snap.tensor(name) if name in snap.desc.tensors else snap.file(name)
+        if chunk_hashes(view, chunk) != list(expected[name]):
+            problems.append(f"{name}: bytes differ from the recorded hash")
+    return problems

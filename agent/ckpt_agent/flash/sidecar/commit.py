@@ -1,0 +1,146 @@
+"""The coordinator's commit: gather every rank's part, verify, publish ``COMMIT``, finalize.
+
+The sidecar serving rank 0 waits until every rank's part of a checkpoint is in
+storage with the same save token, verifies each one against its hash, publishes
+``COMMIT`` and hands the checkpoint to the
+:class:`~ckpt_agent.persist.finalize.FinalizePipeline` (validate, verdict,
+catalog, retention, blob GC).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
+from ckpt_agent.flash.sidecar.persisting import Handled, PartWriter
+from ckpt_agent.format.layout import rank_manifest_key, sha256_hex
+from ckpt_agent.format.manifest import RankManifest, RankRef
+from ckpt_agent.format.parts import verify_part
+from ckpt_agent.persist.builder import PersistParts
+from ckpt_agent.persist.finalize import FinalizeJob
+from ckpt_agent.persist.writer import WrittenCheckpoint, WrittenRank
+from ckpt_agent.records import CheckpointStatus, rank_name
+from ckpt_agent.storage.base import NotFoundError
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Commits checkpoints whose rank-0 part this sidecar wrote (see the module doc)."""
+
+    def __init__(
+        self,
+        run_id: str,
+        parts: PersistParts,
+        part_writer: PartWriter,
+        metrics: SidecarMetrics,
+        *,
+        commit_timeout_s: float,
+    ) -> None:
+        self.run_id = run_id
+        self.parts = parts
+        self.part_writer = part_writer
+        self.metrics = metrics
+        self.commit_timeout_s = commit_timeout_s
+
+    def commit(
+        self,
+        own: Handled,
+        *,
+        persist_others: Callable[[], bool],
+        abort: Callable[[], bool],
+    ) -> WrittenCheckpoint:
+        """Wait for the other ranks' parts (persisting ours meanwhile), verify, commit.
+
+        ``persist_others()`` persists the other ranks' pending snapshots this sidecar
+        serves (True if it did any); ``abort()`` gives up early (stopping, not draining).
+        Raises :class:`TimeoutError` when parts are missing after ``commit_timeout_s``.
+        """
+        desc = own.desc
+        meta = self.part_writer.meta(desc)
+        ckpt_id = desc.checkpoint_id
+        parts: dict[int, WrittenRank] = {0: own.written}
+        deadline = time.monotonic() + self.commit_timeout_s
+        delay = 0.01
+        while len(parts) < desc.world_size:
+            for r in range(1, desc.world_size):
+                if r in parts:
+                    continue
+                part = self.read_part(ckpt_id, r, own.token)
+                if part is not None:
+                    parts[r] = part
+            if len(parts) >= desc.world_size:
+                break
+            # The other ranks' parts may be ours to write (one sidecar serves every rank of
+            # its pod): keep persisting them while waiting, or this would wait for itself.
+            if persist_others():
+                continue
+            if time.monotonic() >= deadline or abort():
+                missing = sorted(set(range(desc.world_size)) - set(parts))
+                raise TimeoutError(
+                    f"{ckpt_id}: the parts of rank(s) {missing} did not appear in storage "
+                    f"within {self.commit_timeout_s:g} s: not committed"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        storage = self.parts.storage
+        for r, p in parts.items():
+            verify_part(storage, self.run_id, ckpt_id, p.ref)
+            if p.manifest.meta.world_size != desc.world_size:
+                raise CheckpointFormatError(f"{ckpt_id}: rank {r}'s part has another world size")
+        return self.parts.writer.commit(meta, [parts[r] for r in sorted(parts)])
+
+    def read_part(self, ckpt_id: str, rank: int, token: str) -> WrittenRank | None:
+        """Another rank's part in storage, if it is there and from the same save attempt."""
+        key = rank_manifest_key(self.run_id, ckpt_id, rank)
+        try:
+            raw = self.parts.storage.read(key)
+        except NotFoundError:
+            return None
+        try:
+            m = RankManifest.from_bytes(raw, key)
+        except CheckpointFormatError:
+            return None  # another writer's partial view (never: manifests are atomic)
+        progress = m.state.get("progress") if isinstance(m.state, dict) else None
+        if token and (not isinstance(progress, dict) or progress.get("token") != token):
+            return None  # a stale part of an earlier attempt at the same id
+        ref = RankRef(
+            rank=rank, key=f"{rank_name(rank)}.json", sha256=sha256_hex(raw), size=len(raw)
+        )
+        stats = m.stats
+        return WrittenRank(
+            manifest=m,
+            ref=ref,
+            bytes_new=int(stats.get("bytes_new", 0)) + len(raw),
+            bytes_reused=int(stats.get("bytes_reused", 0)),
+            blobs_new=int(stats.get("blobs_new", 0)),
+            blobs_reused=int(stats.get("blobs_reused", 0)),
+            raw_bytes=int(stats.get("raw_bytes", 0)),
+        )
+
+    def after_commit(self, own: Handled, committed: WrittenCheckpoint) -> None:
+        """Book the commit (metrics, catalog), then validate, record and clean up."""
+        desc = own.desc
+        self.part_writer.last_commit = (desc.step, committed.manifest_hash)
+        tier = desc.tier.value
+        self.metrics.save_latency.labels(tier=tier).observe(max(0.0, time.time() - desc.created_at))
+        self.metrics.bytes_written.labels(tier=tier).inc(committed.size_bytes)
+        record = committed.commit.record(committed.manifest_hash, CheckpointStatus.PENDING)
+        record = replace(record, size_bytes=committed.size_bytes)
+        self.parts.catalog.upsert(
+            self.run_id, record, timings={"stall_s": desc.stall_s, "persist_s": own.persist_s}
+        )
+        self.parts.finalizer.finalize(
+            FinalizeJob(
+                checkpoint_id=desc.checkpoint_id,
+                tier=desc.tier,
+                step=desc.step,
+                manifest_hash=committed.manifest_hash,
+                world_size=desc.world_size,
+                lightweight=bool(desc.meta.get("lightweight")),
+                expected={name: (t.dtype, t.shape) for name, t in desc.tensors.items()},
+            )
+        )

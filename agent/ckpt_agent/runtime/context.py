@@ -1,0 +1,262 @@
+"""What the parts of one :class:`~ckpt_agent.runtime.checkpointer.Checkpointer` share.
+
+:class:`Ranks` says who this process is (rank, world size, whether it writes,
+whether the state is sharded); :class:`Engine` opens and owns the services
+every part uses — storage, catalog, writer, validator and the post-commit
+pipeline (built by :class:`~ckpt_agent.persist.builder.PersistBuilder`),
+scheduler, metrics, the decision log — plus the little mutable state they
+share (the hash chain, the anomalies retention keeps, the write-latency
+sample, the scheduler feedback of the background threads). :class:`Stats` and
+the pipeline's counters are what :meth:`Checkpointer.summary` reports.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_agent.decide.scheduler import (
+    AdaptiveScheduler,
+    Decision,
+    SaveOutcome,
+    SystemSignals,
+)
+from ckpt_agent.format.layout import validate_run_id
+from ckpt_agent.metrics import DecisionLog, Metrics
+from ckpt_agent.persist.builder import PersistBuilder
+from ckpt_agent.policy.agent_config import AgentConfig
+from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Tier
+from ckpt_agent.runtime.sharded import is_dtensor
+from ckpt_agent.runtime.tensorboard import TensorBoard
+from ckpt_agent.storage.base import Storage
+from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
+
+__all__ = ["Engine", "Ranks", "Stats"]
+
+#: Anomalies kept for retention (the newest).
+_ANOMALIES_KEPT = 100
+#: Stall samples kept for the summary (the newest).
+_STALLS_KEPT = 1000
+
+
+@dataclass
+class Stats:
+    """Counters of the saving side of one checkpointer (the verdicts are the pipeline's)."""
+
+    saves: int = 0
+    deferred: int = 0
+    waited: int = 0
+    committed: int = 0
+    bytes_written: int = 0
+    bytes_reused: int = 0
+    stalls: list[float] = field(default_factory=list)
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw else None
+
+
+def _dist_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process among the ranks of the job."""
+
+    rank: int
+    world_size: int
+    distributed: bool
+    """Several ranks with torch.distributed: agreed decisions, every rank writes its part,
+    two-phase commit (:mod:`ckpt_agent.runtime.distributed`). Without an initialized process
+    group, rank 0 writes the (replicated) state alone."""
+    sharded: bool
+    """FSDP2/DTensor state: every rank writes its own shards, planned by DCP
+    (:mod:`ckpt_agent.runtime.sharded`); a resume may use another world size."""
+
+    @property
+    def coordinator(self) -> bool:
+        """Rank 0: commits, validates, applies retention, records verdicts."""
+        return self.rank == 0
+
+    @property
+    def writes(self) -> bool:
+        return self.coordinator or self.distributed
+
+    @property
+    def live_world_size(self) -> int:
+        """The world size a checkpoint written now records (1 without torch.distributed)."""
+        return self.world_size if self.distributed else 1
+
+    @classmethod
+    def resolve(cls, rank: int | None, world_size: int | None, model: torch.nn.Module) -> Ranks:
+        """Explicit values, else ``RANK``/``WORLD_SIZE``, else 0/1."""
+        r = rank if rank is not None else (_env_int("RANK") or 0)
+        w = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+        if not 0 <= r < max(w, 1):
+            raise ValueError(f"rank {r} outside world size {w}")
+        distributed = w > 1 and _dist_initialized()
+        return cls(r, w, distributed, distributed and _has_dtensors(model))
+
+
+def _has_dtensors(model: torch.nn.Module) -> bool:
+    return any(is_dtensor(v) for v in model.state_dict().values())
+
+
+class Engine:
+    """The services and shared state of one checkpointer (opened here, closed by :meth:`close`)."""
+
+    def __init__(
+        self, config: AgentConfig, ranks: Ranks, storage: Storage | None, *, gc_grace_s: float
+    ) -> None:
+        self.config = config
+        self.run_id = validate_run_id(config.run_id)
+        self.ranks = ranks
+        self.work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix=f"ckpt-{self.run_id}-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        rank = ranks.rank
+        self.metrics = Metrics()
+        self.decisions = DecisionLog(self.work_dir / f"decisions.rank{rank}.jsonl")
+        # ranks of one pod share the work dir: one catalog file each (rank 0 keeps the usual name)
+        name = "catalog.sqlite" if rank == 0 else f"catalog.rank{rank}.sqlite"
+        self.store_lock = threading.Lock()
+        """Held by whoever writes or deletes in the run's storage area (persist, retention)."""
+        self.parts = PersistBuilder(config, storage=storage).build(
+            self.work_dir / name,
+            metrics=self.metrics,
+            emit=self.event,
+            anomalies=self._anomalies_for,
+            gc_grace_s=gc_grace_s,
+            store_lock=self.store_lock,
+        )
+        self.storage = self.parts.storage
+        self.catalog = self.parts.catalog
+        self.finalizer = self.parts.finalizer
+        """Validate → verdict → catalog → retention → blob GC (rank 0's validator thread)."""
+        self.tensorboard = TensorBoard(self.work_dir / "tensorboard")
+        self.scheduler = AdaptiveScheduler(config.scheduler, config.tiers)
+        self.stats = Stats()
+        self.prev_hash: str | None = None
+        """The manifest hash of the newest checkpoint (the chain's previous link)."""
+        self.feedback: queue.SimpleQueue[SaveOutcome] = queue.SimpleQueue()
+        """Persist outcomes of background threads, for the scheduler (training thread)."""
+        self.write_latency_ms: float | None = None
+        self._anomalies: list[AnomalyEvent] = []
+        self._anomaly_lock = threading.Lock()
+        self.storage.on_write_latency = self._on_write_latency
+
+    # ------------------------------------------------------------------ events and bookings
+
+    def event(self, event: str, **fields: Any) -> None:
+        """One line of the decision log (tiers as their values); flushed unless a decision."""
+        out: dict[str, Any] = {"event": event, "time": time.time(), "rank": self.ranks.rank}
+        for k, v in fields.items():
+            out[k] = v.value if isinstance(v, Tier) else v
+        self.decisions.write(out)
+        if event != "decision":
+            self.decisions.flush()
+
+    def record_decision(self, decision: Decision) -> None:
+        """The scheduler's decision of one step: log, gauges, TensorBoard, anomalies."""
+        step = decision.step
+        self.decisions.write({"event": "decision", "time": time.time(), **decision.to_dict()})
+        self.metrics.score.set(decision.score)
+        self.metrics.interval.set(decision.interval)
+        self.tensorboard.scalars(step, decision.score, decision.interval)
+        if decision.anomaly is None:
+            return
+        resolved = step + self.config.tiers.pulse.base_interval
+        with self._anomaly_lock:
+            self._anomalies.append(
+                AnomalyEvent(step=step, kind=decision.anomaly, resolved_step=resolved)
+            )
+            del self._anomalies[:-_ANOMALIES_KEPT]
+
+    def _anomalies_for(self, records: Sequence[CheckpointRecord]) -> list[AnomalyEvent]:
+        """The anomalies this run's scheduler saw (retention protects checkpoints before them)."""
+        del records
+        with self._anomaly_lock:
+            return list(self._anomalies)
+
+    def summary(self) -> dict[str, Any]:
+        s, f = self.stats, self.finalizer
+        stalls = sorted(s.stalls)
+        return {
+            "saves": s.saves,
+            "deferred": s.deferred,
+            "waited": s.waited,
+            "committed": s.committed,
+            "valid": f.valid,
+            "corrupted": f.corrupted,
+            "bytes_written": s.bytes_written,
+            "bytes_reused": s.bytes_reused,
+            "stall_p50_s": stalls[len(stalls) // 2] if stalls else None,
+            "stall_max_s": stalls[-1] if stalls else None,
+            "last_valid_step": f.last_valid_step,
+        }
+
+    def book_snapshot(self, decision: Decision, stall_s: float, **details: Any) -> None:
+        """Book a taken snapshot: scheduler feedback, stall metrics/stats, the event."""
+        assert decision.tier is not None
+        self.scheduler.settle(SaveOutcome.taken(decision, stall_seconds=stall_s))
+        self.metrics.stall.labels(tier=decision.tier.value).observe(stall_s)
+        self.stats.saves += 1
+        self.stats.stalls.append(stall_s)
+        del self.stats.stalls[:-_STALLS_KEPT]
+        self.event(
+            "snapshot",
+            step=decision.step,
+            tier=decision.tier,
+            lightweight=decision.lightweight,
+            emergency=decision.emergency,
+            stall_s=round(stall_s, 6),
+            **details,
+        )
+
+    def drain_feedback(self) -> None:
+        """Hand the background threads' persist outcomes to the scheduler (training thread)."""
+        while True:
+            try:
+                outcome = self.feedback.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.settle(outcome)
+
+    def system_signals(self, gpu: int | None, probe_ms: float | None) -> SystemSignals:
+        """The system layer's inputs: GPU errors and the worst write latency seen."""
+        latency = self.write_latency_ms
+        if probe_ms is not None:
+            latency = probe_ms if latency is None else max(latency, probe_ms)
+        return SystemSignals(gpu_errors=gpu, write_latency_ms=latency)
+
+    def _on_write_latency(self, seconds: float) -> None:
+        if self.storage.last_write_bytes <= LATENCY_SAMPLE_MAX_BYTES:
+            self.write_latency_ms = seconds * 1000.0
+
+    # ------------------------------------------------------------------ closing
+
+    def close_writers(self) -> None:
+        """Stop the validator's loader and the writer's pool (before the last feedback)."""
+        self.parts.validator.close()
+        self.parts.writer.close()
+
+    def close(self) -> None:
+        self.decisions.close()
+        self.tensorboard.close()
+        self.metrics.close()
+        self.storage.on_write_latency = None
+        self.parts.close()

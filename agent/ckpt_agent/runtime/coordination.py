@@ -1,0 +1,114 @@
+"""Several ranks: the checkpointer's glue to :mod:`ckpt_agent.runtime.distributed`.
+
+:class:`RankGroup` creates the agent's own gloo groups (a control group for
+the per-step agreement and broadcasts, a commit group for the two-phase
+commit), runs the per-step agreement, and lets rank 0 choose the resume point
+that every rank then restores.
+"""
+
+from __future__ import annotations
+
+from ckpt_agent.decide.scheduler import SystemSignals
+from ckpt_agent.errors import CheckpointError, ResumeError
+from ckpt_agent.records import Json
+from ckpt_agent.runtime.context import Engine
+from ckpt_agent.runtime.distributed import Agreed, Comm, DecisionAgreement, LocalSignals
+from ckpt_agent.runtime.restorer import Restorer, ResumePoint
+
+__all__ = ["RankGroup"]
+
+
+class RankGroup:
+    """The agent's process groups and what the checkpointer does with them (collective calls)."""
+
+    def __init__(self, engine: Engine, timeout_s: float) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._control: Comm | None = None
+        self._commit: Comm | None = None
+        self._agreement: DecisionAgreement | None = None
+
+    def setup(self) -> None:
+        """Create the agent's gloo groups (collective, same order on every rank)."""
+        ranks = self.engine.ranks
+        self._control = Comm.new_group(timeout_s=self.timeout_s)
+        self._commit = Comm.new_group(timeout_s=self.timeout_s)
+        if (self._control.rank, self._control.world_size) != (ranks.rank, ranks.world_size):
+            raise CheckpointError(
+                f"rank/world size {ranks.rank}/{ranks.world_size} disagree with "
+                f"torch.distributed ({self._control.rank}/{self._control.world_size})"
+            )
+        self._agreement = DecisionAgreement(self._control)
+
+    @property
+    def ready(self) -> bool:
+        return self._agreement is not None
+
+    @property
+    def commit_comm(self) -> Comm | None:
+        """The two-phase commit's group (None before :meth:`setup`)."""
+        return self._commit
+
+    def decide(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float | None,
+        system: SystemSignals,
+        busy: bool,
+        emergency: bool,
+        stop: bool,
+    ) -> Agreed:
+        """This rank's inputs in, the agreed decision out (see :class:`LocalSignals`)."""
+        grad = None if grad_norm is None else float(grad_norm)
+        return self.agree(
+            LocalSignals(step, loss, grad, system, busy=busy, emergency=emergency, stop=stop)
+        )
+
+    def agree(self, local: LocalSignals) -> Agreed:
+        """Every rank: same inputs, same decision (logged when some rank was special)."""
+        assert self._agreement is not None
+        agreed = self._agreement.agree(self.engine.scheduler, local)
+        if agreed.busy_ranks or agreed.emergency_ranks or agreed.stop_ranks:
+            self.engine.event(
+                "agreement",
+                step=local.step,
+                busy_ranks=list(agreed.busy_ranks),
+                emergency_ranks=list(agreed.emergency_ranks),
+                stop_ranks=list(agreed.stop_ranks),
+            )
+        return agreed
+
+    def broadcast(self, value: Json) -> Json:
+        """Rank 0's ``value`` on every rank (identity before :meth:`setup`)."""
+        if self._control is None:
+            return value
+        return self._control.broadcast_json(value if self.engine.ranks.coordinator else None)
+
+    def resume_point(self, restorer: Restorer) -> ResumePoint:
+        """Rank 0 walks the ladder; every rank restores exactly its choice."""
+        assert self._control is not None
+        if self.engine.ranks.coordinator:
+            try:
+                point = restorer.resume_point()
+            except BaseException as e:
+                self._control.broadcast_json({"ok": False, "error": f"{type(e).__name__}: {e}"})
+                raise
+            self._control.broadcast_json(
+                {
+                    "ok": True,
+                    "id": point.checkpoint_id,
+                    "action": point.action,
+                    "weights_from": restorer.weights_from,
+                    "reason": point.reason,
+                }
+            )
+            return point
+        msg = self._control.broadcast_json(None)
+        if not msg.get("ok"):
+            raise ResumeError(f"rank 0 could not choose a checkpoint: {msg.get('error')}")
+        if not msg.get("id"):
+            return ResumePoint(step=0, reason=str(msg.get("reason") or "fresh start (rank 0)"))
+        return restorer.resume_point(
+            forced=(str(msg["id"]), msg.get("weights_from"), str(msg.get("action") or "resume"))
+        )

@@ -1,0 +1,80 @@
+"""What the checkpointer needs from whoever persists its snapshots (:class:`Persister`).
+
+Two implementations, chosen once when the checkpointer is built:
+
+* :class:`~ckpt_agent.runtime.local_persister.ThreadPersister` — host buffers and
+  a persister thread in this process (plus rank 0's validator thread);
+* :class:`~ckpt_agent.runtime.shm_persister.ShmPersister` — shared memory and a
+  persister process (the pod's sidecar or a local subprocess): flash checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ckpt_agent.decide.scheduler import Decision
+from ckpt_agent.runtime.capture import StateCapture
+from ckpt_agent.runtime.context import Engine
+from ckpt_agent.runtime.coordination import RankGroup
+from ckpt_agent.runtime.local_persister import ThreadPersister
+from ckpt_agent.runtime.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.shm_persister import ShmPersister
+from ckpt_agent.runtime.snapshot import JobError
+
+__all__ = ["JobError", "Persister", "make_persister"]
+
+
+class Persister(Protocol):
+    """Takes snapshots off the training thread and makes them durable."""
+
+    def flush_previous(self) -> None:
+        """Before resuming: let snapshots a dead trainer left behind be persisted first."""
+
+    def resume_point(self, restorer: Restorer) -> ResumePoint | None:
+        """A resume this persister can serve itself (None: resume from storage as usual)."""
+
+    def start(self, resume: ResumePoint) -> None:
+        """Start the background work (after the resume)."""
+
+    def prepare(self, step: int) -> None:
+        """Allocate and touch the snapshot buffers once, outside the training loop."""
+
+    @property
+    def busy(self) -> bool:
+        """The previous snapshot's buffers are still in use."""
+
+    def wait_free(self) -> None:
+        """Wait until a snapshot can be taken."""
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        """Wait until the last snapshot is committed (or handled by the persister)."""
+
+    def wait_validated(self, timeout: float | None = None) -> bool:
+        """Wait for the validations this process runs (True when it runs none)."""
+
+    def save(self, decision: Decision, files: dict[str, bytes]) -> str | None:
+        """Snapshot now and hand it on; the checkpoint id (None: deferred)."""
+
+    def poll(self) -> None:
+        """Take the persister's newest results (persist times, hashes, errors) in."""
+
+    def take_errors(self) -> list[JobError]:
+        """Failures since the last call, each reported once."""
+
+    def system_signals(self) -> tuple[int | None, float | None]:
+        """(GPU errors, probe write latency in ms) the persister measured, if any."""
+
+    def close(self, timeout: float | None) -> None:
+        """Finish the queued work and stop."""
+
+
+def make_persister(
+    engine: Engine,
+    capture: StateCapture,
+    group: RankGroup | None,
+    approximate_threshold: float | None,
+) -> Persister:
+    """Shared memory with ``config.shm_dir`` on a writing rank, else the in-process threads."""
+    if engine.config.shm_dir and engine.ranks.writes:
+        return ShmPersister(engine, capture, group)
+    return ThreadPersister(engine, capture, group, approximate_threshold=approximate_threshold)

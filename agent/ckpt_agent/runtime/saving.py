@@ -1,0 +1,106 @@
+"""The save path of the training thread: back-pressure, hand-off, errors reported once.
+
+A snapshot is never taken while the previous persist still owns the buffers:
+:meth:`SavePath.save` *defers* a scheduled save to the next step (the scheduler
+is told, the decision log says so); emergency saves, forced saves and
+``backpressure="wait"`` wait for the persister instead. Failures of the
+background work come back through :meth:`SavePath.collect_errors`: each is
+logged, counted in ``ckpt_persist_errors_total``, and its tier is due again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal
+
+from ckpt_agent.decide.scheduler import Decision, SaveOutcome
+from ckpt_agent.errors import PersistError
+from ckpt_agent.runtime.capture import StateCapture
+from ckpt_agent.runtime.context import Engine
+from ckpt_agent.runtime.persister import Persister
+
+__all__ = ["SavePath"]
+
+log = logging.getLogger(__name__)
+
+
+class SavePath:
+    """Hands due saves to the :class:`~ckpt_agent.runtime.persister.Persister` (module doc)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        capture: StateCapture,
+        persister: Persister,
+        backpressure: Literal["defer", "wait"],
+        on_persist_error: Literal["raise", "warn"],
+    ) -> None:
+        self.engine = engine
+        self.capture = capture
+        self.persister = persister
+        self.backpressure = backpressure
+        self.on_persist_error = on_persist_error
+
+    def save(
+        self, decision: Decision, *, force: bool = False, busy: bool | None = None
+    ) -> str | None:
+        """Snapshot now (``busy``: agreed by all ranks; None = this rank's persister)."""
+        assert decision.tier is not None
+        e = self.engine
+        if busy is None:
+            busy = self.persister.busy
+        if busy and not (self.backpressure == "wait" or force or decision.emergency):
+            e.scheduler.settle(SaveOutcome.deferred(decision))
+            e.stats.deferred += 1
+            self._backpressure(
+                decision,
+                "deferred",
+                reason="previous persist still running; the save is due again next step",
+            )
+            return None
+        if busy:
+            t0 = time.perf_counter()
+            self.persister.wait_free()
+            e.stats.waited += 1
+            self._backpressure(decision, "waited", seconds=round(time.perf_counter() - t0, 6))
+            self.raise_errors()
+        return self.persister.save(decision, self.capture.files(decision.tier))
+
+    def _backpressure(self, decision: Decision, action: str, **fields: object) -> None:
+        self.engine.metrics.backpressure.labels(action=action).inc()
+        self.engine.event(
+            "backpressure", step=decision.step, tier=decision.tier, action=action, **fields
+        )
+
+    def drain(self) -> None:
+        """The persister's results in; their persist times to the scheduler."""
+        self.persister.poll()
+        self.engine.drain_feedback()
+
+    def collect_errors(self) -> PersistError | None:
+        """One error for every background failure since the last call (None: none)."""
+        errs = self.persister.take_errors()
+        if not errs:
+            return None
+        e = self.engine
+        e.metrics.persist_errors.inc(len(errs))
+        for err in errs:
+            e.event("error", what=err.what, error=f"{type(err.error).__name__}: {err.error}")
+            if err.tier is not None:  # a save failed: that tier is due again
+                e.scheduler.settle(SaveOutcome.failed(err.tier))
+        first = errs[0]
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        out = PersistError(f"background checkpointing failed: {first.what}: {first.error}{more}")
+        out.__cause__ = first.error
+        return out
+
+    def raise_errors(self) -> None:
+        """Raise (or, with ``on_persist_error="warn"``, log) what :meth:`collect_errors` finds."""
+        err = self.collect_errors()
+        if err is None:
+            return
+        if self.on_persist_error == "warn":
+            log.warning("%s", err)
+            return
+        raise err

@@ -1,0 +1,272 @@
+"""Flash checkpoints: snapshots into shared memory, a persister process does the rest.
+
+:class:`ShmPersister` is the :class:`~ckpt_agent.runtime.persister.Persister`
+used with ``config.shm_dir`` (``CKPT_SHM_DIR``): the training thread copies
+the state into a shared-memory slot (:class:`~ckpt_agent.runtime.flash.FlashTarget`);
+the pod's sidecar — or a local subprocess — writes, validates and records it.
+Its results (persist times, commit hashes, errors) come back through
+:meth:`ShmPersister.poll`. An in-place restart may resume straight from a
+verified shared-memory snapshot (:meth:`ShmPersister.resume_point`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from ckpt_agent.decide.retention import classify
+from ckpt_agent.decide.scheduler import Decision, SaveOutcome
+from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, TensorEntry
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.runtime.capture import StateCapture
+from ckpt_agent.runtime.context import Engine
+from ckpt_agent.runtime.coordination import RankGroup
+from ckpt_agent.runtime.flash import FlashTarget, ShmRestore
+from ckpt_agent.runtime.restorer import Candidate, Restorer, ResumePoint
+from ckpt_agent.runtime.serialization import LoadedState, library_versions
+from ckpt_agent.runtime.snapshot import JobError
+
+__all__ = ["ShmPersister"]
+
+log = logging.getLogger(__name__)
+
+#: How long :meth:`ShmPersister.close` waits for a local persister by default.
+CLOSE_TIMEOUT_S = 300.0
+
+
+class ShmPersister:
+    """The shared-memory :class:`~ckpt_agent.runtime.persister.Persister` (see the module doc)."""
+
+    def __init__(self, engine: Engine, capture: StateCapture, group: RankGroup | None) -> None:
+        self.engine = engine
+        self.capture = capture
+        self.group = group
+        self.flash = FlashTarget(
+            engine.config,
+            engine.ranks.rank,
+            engine.ranks.live_world_size,
+            work_dir=engine.work_dir,
+        )
+        self._errors: list[JobError] = []
+        self._pending: dict[int, Tier] = {}
+        self._resume_step = -1
+
+    @property
+    def _live(self) -> bool:
+        """The area is ours (after :meth:`start`, before :meth:`close`)."""
+        return self.flash.writer is not None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def flush_previous(self) -> None:
+        self.flash.flush_previous()  # a dead trainer's last snapshot goes first
+
+    def start(self, resume: ResumePoint) -> None:
+        if resume.checkpoint_step is not None:
+            self._resume_step = resume.checkpoint_step
+        self.flash.start()  # the persister (sidecar / subprocess) validates and records
+
+    def prepare(self, step: int) -> None:
+        sections = self.capture.sections(lightweight=False, step=step)
+        self.flash.prepare(sections, len(self.capture.train_config_bytes or b""))
+
+    def close(self, timeout: float | None) -> None:
+        self._settle()
+        if not self.flash.close(timeout if timeout is not None else CLOSE_TIMEOUT_S):
+            self._errors.append(
+                JobError(
+                    "persisting (local persister)",
+                    RuntimeError("the local persister did not finish in time"),
+                    Tier.PULSE,
+                )
+            )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def busy(self) -> bool:
+        return self._live and self.flash.busy
+
+    def wait_free(self) -> None:
+        if self._live:
+            self.flash.wait_free()
+            self._settle()
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        if not self._live:
+            return True
+        ok = self.flash.wait(timeout=timeout) is not None
+        self._settle()
+        return ok
+
+    def wait_validated(self, timeout: float | None = None) -> bool:
+        del timeout
+        return True  # the persister process validates
+
+    def take_errors(self) -> list[JobError]:
+        errs, self._errors = self._errors, []
+        return errs
+
+    def system_signals(self) -> tuple[int | None, float | None]:
+        return self.flash.system_signals() if self._live else (None, None)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, decision: Decision, files: dict[str, bytes]) -> str | None:
+        """Copy the snapshot into shared memory; the persister process does the rest."""
+        e = self.engine
+        assert decision.tier is not None
+        tier, step = decision.tier, decision.step
+        sections = self.capture.sections(lightweight=decision.lightweight, step=step)
+        token = f"{step}-{tier.value}-{time.time_ns()}"
+        if self.group is not None:  # one token for all ranks: parts of the same save
+            token = str(self.group.broadcast(token))
+        progress = sections.get("progress")
+        if isinstance(progress, dict):
+            progress["token"] = token
+        meta = {
+            "score": decision.score,
+            "components": dict(decision.components),
+            "retention_class": classify(decision.score, e.config.retention).value,
+            "reason": decision.reason,
+            "anomaly": decision.anomaly,
+            "lightweight": decision.lightweight,
+            "approximate": False,
+            "emergency": decision.emergency,
+            "prev_hash": e.prev_hash,
+            "resume_step": self._resume_step,
+            "versions": library_versions(),
+            "token": token,
+        }
+        desc = self.flash.write(step, tier, sections, files=files, meta=meta)
+        if desc is None:  # the slots were taken between the check and now: wait once
+            self.flash.wait_free()
+            desc = self.flash.write(step, tier, sections, files=files, meta=meta)
+        if desc is None:
+            e.scheduler.settle(SaveOutcome.deferred(decision))
+            e.event(
+                "backpressure",
+                step=step,
+                tier=tier,
+                action="deferred",
+                reason="no free shared-memory slot",
+            )
+            return None
+        self._pending[desc.seq] = tier
+        e.book_snapshot(
+            decision,
+            desc.stall_s,
+            bytes=desc.data_size,
+            approximate=False,
+            shm_seq=desc.seq,
+            shm_slot=desc.slot,
+        )
+        return checkpoint_id(tier, step)
+
+    def poll(self) -> None:
+        """The persister's newest result: persist time, commit hash, or the error."""
+        if not self._live:
+            return
+        mark = self.flash.poll()
+        if mark is None:
+            return
+        e = self.engine
+        tier = Tier.PULSE
+        for seq in [s for s in self._pending if s <= mark.seq]:
+            tier = self._pending.pop(seq)
+        if not mark.ok:
+            what = f"persisting {tier.value} of step {mark.step} (shared memory)"
+            self._errors.append(JobError(what, RuntimeError(mark.error), tier))
+            return
+        e.stats.committed += 1 if mark.committed else 0
+        e.stats.bytes_written += mark.size_bytes
+        e.feedback.put(SaveOutcome.persisted(tier, mark.persist_s))
+        if mark.manifest_hash:
+            e.prev_hash = mark.manifest_hash
+        e.metrics.save_latency.labels(tier=tier.value).observe(mark.persist_s)
+        e.event(
+            "persisted",
+            checkpoint=mark.checkpoint_id,
+            step=mark.step,
+            committed=mark.committed,
+            manifest_hash=mark.manifest_hash,
+            persist_s=round(mark.persist_s, 6),
+            by="shared-memory persister",
+        )
+
+    def _settle(self) -> None:
+        """Results in, and their persist times to the scheduler right away."""
+        self.poll()
+        self.engine.drain_feedback()
+
+    # ------------------------------------------------------------------ in-place restart
+
+    def resume_point(self, restorer: Restorer) -> ResumePoint | None:
+        """In-place restart: restore the newest verified shared-memory snapshot when it is at
+        least as new as anything in storage (None: resume from storage as usual)."""
+        e = self.engine
+        if e.config.resume_from:
+            return None
+        records = e.catalog.rebuild_from_storage(e.storage, e.run_id)
+        bad = (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED)
+        newest = max((r.step for r in records if r.has_weights and r.status not in bad), default=-1)
+        if restorer.recover_request() is not None:
+            return None  # a person asked for a specific checkpoint
+        found = self.flash.restore_candidate(min_step=max(newest, 0))
+        if found is None:
+            return None
+        desc = found.desc
+        mark = self.flash.reader.persisted()
+        committed_hash = (
+            mark.manifest_hash
+            if mark is not None and mark.seq == desc.seq and mark.committed
+            else None
+        )
+        prev = desc.meta.get("prev_hash")
+        manifest = self._manifest(found, str(prev) if prev else None)
+        problems = restorer.compat(manifest)
+        if problems:
+            log.warning("shared-memory snapshot does not fit the live model: %s", problems[:3])
+            return None
+        rec = CheckpointRecord(
+            id=desc.checkpoint_id,
+            step=desc.step,
+            tier=desc.tier,
+            status=CheckpointStatus.VALID,
+            manifest_hash=committed_hash or "",
+            lightweight=bool(desc.meta.get("lightweight")),
+            reason="shared-memory snapshot",
+        )
+        loaded = LoadedState(manifest=manifest, arrays=found.arrays, files=found.files)
+        cand = Candidate(record=rec, loaded=loaded, manifest_hash=committed_hash or "")
+        point = restorer.restore(cand, action="resume_shm", weights=None, rejected={})
+        if not committed_hash:
+            e.prev_hash = str(prev) if prev else None
+        return replace(
+            point,
+            reason=f"in-place restart: {desc.checkpoint_id} from shared memory "
+            f"(verified against the persister's hashes; storage newest step {newest})",
+        )
+
+    def _manifest(self, found: ShmRestore, prev_hash: str | None) -> RankManifest:
+        """A rank manifest describing a shared-memory snapshot (no blobs: the bytes are here)."""
+        desc = found.desc
+        meta = CheckpointMeta(
+            run_id=self.engine.run_id,
+            step=desc.step,
+            tier=desc.tier,
+            lightweight=bool(desc.meta.get("lightweight")),
+            sections=tuple(desc.tree),
+            prev_hash=prev_hash,
+        )
+        return RankManifest(
+            meta=meta,
+            rank=self.engine.ranks.rank,
+            state=desc.tree,
+            tensors={
+                n: TensorEntry(dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
+                for n, t in desc.tensors.items()
+            },
+            blobs={},
+        )

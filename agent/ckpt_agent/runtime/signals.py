@@ -1,0 +1,146 @@
+"""Requests from outside the training loop, and the L0 heartbeat.
+
+:class:`SignalWatch` notices the operator's save-now signal file (a change of
+its content is one request) and, when asked, installs a SIGTERM handler that
+only sets a flag — the training thread acts on it at the next step.
+:class:`Heartbeats` writes the heartbeat ring (step, data position, RNG) in
+the background (:class:`~ckpt_agent.runtime.snapshot.HeartbeatWriter`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ckpt_agent.errors import CheckpointFormatError, StorageError
+from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
+from ckpt_agent.runtime.capture import StateCapture
+from ckpt_agent.runtime.context import Engine
+from ckpt_agent.runtime.inline import encode_inline
+from ckpt_agent.runtime.serialization import capture_rng
+from ckpt_agent.runtime.snapshot import HeartbeatWriter
+
+__all__ = ["Heartbeats", "SignalWatch"]
+
+log = logging.getLogger(__name__)
+
+#: Characters of a save-now request quoted in the log and the reason.
+_REQUEST_CHARS = 200
+
+
+class SignalWatch:
+    """The save-now signal file and the SIGTERM flag."""
+
+    def __init__(self, signal_file: str | None) -> None:
+        self.path = signal_file or None
+        self.sigterm = False
+        """A SIGTERM arrived (set by the handler, cleared once handled)."""
+        self._seen: tuple[int, int] | None = None
+        self._content: bytes | None = None
+        self._old_handler: Any = None
+
+    @property
+    def installed(self) -> bool:
+        """Our SIGTERM handler is in place (the previous one is kept to put back)."""
+        return self._old_handler is not None
+
+    def arm(self) -> None:
+        """Remember the signal file as it is now: only a later change is a request."""
+        if not self.path:
+            return
+        try:
+            st = os.stat(self.path)
+            self._seen = (st.st_mtime_ns, st.st_size)
+            self._content = Path(self.path).read_bytes()
+        except OSError:
+            self._seen = None
+            self._content = None
+
+    def poll(self) -> str | None:
+        """The new request in the signal file (None: no change, or an empty file)."""
+        if not self.path:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen == self._seen:
+            return None
+        self._seen = seen
+        try:
+            content = Path(self.path).read_bytes()
+        except OSError:
+            return None
+        if content == self._content:
+            return None
+        self._content = content
+        if not content.strip():
+            return None
+        return content.decode(errors="replace").strip()[:_REQUEST_CHARS]
+
+    def poll_request(self, engine: Engine, *, agreed: bool) -> bool:
+        """Act on a new save-now request: the scheduler's emergency, or (``agreed``: several
+        ranks) True — the caller hands it to the agreement so every rank's scheduler gets it."""
+        request = self.poll()
+        if request is None:
+            return False
+        if not agreed:
+            engine.scheduler.request_emergency(f"save-now signal {request!r}")
+        engine.event("signal", file=self.path, request=request)
+        return agreed
+
+    def install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("handle_sigterm needs the main thread; SIGTERM handler not installed")
+            return
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            del signum, frame
+            self.sigterm = True
+
+        self._old_handler = signal.signal(signal.SIGTERM, handler)
+
+    def restore_sigterm(self) -> None:
+        if self._old_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_handler)
+            self._old_handler = None
+
+
+class Heartbeats:
+    """This rank's heartbeat ring: step, data position and RNG at every due heartbeat."""
+
+    def __init__(self, engine: Engine, capture: StateCapture, *, resume_step: int) -> None:
+        """Continue the stored ring; entries past ``resume_step - 1`` (an abandoned branch) go."""
+        self.capture = capture
+        self.writer = HeartbeatWriter(engine.storage, engine.run_id, engine.ranks.rank)
+        try:
+            ring = read_heartbeat(engine.storage, engine.run_id, engine.ranks.rank)
+        except (CheckpointFormatError, StorageError):
+            ring = []
+        self.writer.seed(ring, resume_step - 1)
+
+    def put(self, step: int) -> None:
+        data = self.capture.data_state()
+        epoch = data.get("epoch") if isinstance(data, dict) else None
+        self.writer.put(
+            Heartbeat(
+                step=step,
+                time=time.time(),
+                epoch=epoch if isinstance(epoch, int) else None,
+                data=encode_inline(data),
+                rng=encode_inline(capture_rng()),
+            )
+        )
+
+    def flush(self, timeout: float | None) -> None:
+        self.writer.flush(timeout)
+
+    def close(self, timeout: float | None) -> None:
+        self.writer.close(timeout)

@@ -1,0 +1,88 @@
+"""CheckpointPolicies: validate, publish the agent ConfigMap, write ``Ready`` (guarded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckpt_operator.behaviours.deps import Deps, Obj, set_job_status
+from ckpt_operator.injection import build_config_map
+from ckpt_operator.jobs import job_facts
+from ckpt_operator.kube import ConflictError
+from ckpt_operator.status import policy_ready_status
+from ckpt_operator.validation import parse_policy_spec
+
+__all__ = ["STATUS_WRITE_ATTEMPTS", "reconcile_policy", "write_policy_status"]
+
+#: Attempts of an optimistic (resourceVersion-guarded) policy status write.
+STATUS_WRITE_ATTEMPTS = 3
+
+
+async def write_policy_status(
+    deps: Deps,
+    namespace: str,
+    name: str,
+    build: Callable[[Mapping[str, Any]], Obj],
+) -> Obj | None:
+    """Read-modify-write of a policy's status, guarded by its ``resourceVersion``.
+
+    ``build(current policy) -> status patch``. Two writers share the status (the policy
+    handler's ``Ready``, the retention loop's ``Reconciled`` and counts) and a merge
+    patch replaces the whole ``conditions`` list, so each builds on the *current* status
+    and a concurrent write makes it retry (409) instead of erasing the other's condition
+    (found on the real control plane: a policy that never became Ready). Returns the
+    status written, None if the policy is gone; raises :class:`ConflictError` if it kept
+    changing (the caller is retried: kopf's handler, the retention loop's next pass).
+    """
+    for _ in range(STATUS_WRITE_ATTEMPTS):
+        current = await deps.api.get_policy(namespace, name)
+        if current is None:
+            return None
+        status = build(current)
+        try:
+            await deps.api.patch_policy_status(
+                namespace,
+                name,
+                status,
+                resource_version=(current.get("metadata") or {}).get("resourceVersion"),
+            )
+            return status
+        except ConflictError:
+            continue
+    raise ConflictError(409, f"policy {namespace}/{name}: status kept changing; not written")
+
+
+async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
+    """Validate, publish the agent ConfigMap, wake jobs waiting for it, write ``Ready``.
+
+    Returns the status written (or, when the policy is gone, the one computed from
+    ``policy``).
+    """
+    meta = policy.get("metadata") or {}
+    name, namespace = str(meta.get("name")), str(meta.get("namespace"))
+    spec, errors = parse_policy_spec(policy.get("spec"))
+    now = deps.clock()
+
+    async def write_ready() -> Obj:
+        def build(current: Mapping[str, Any]) -> Obj:
+            return policy_ready_status(
+                current.get("status"), generation=meta.get("generation"), errors=errors, now=now
+            )
+
+        written = await write_policy_status(deps, namespace, name, build)
+        return written if written is not None else build(policy)
+
+    if spec is None:
+        deps.events.emit(policy, "Warning", "InvalidSpec", "; ".join(errors))
+        return await write_ready()
+    await deps.api.apply_config_map(build_config_map(name, namespace, spec, meta.get("uid")))
+    for job in await deps.api.list_jobs(namespace):
+        facts = job_facts(job)
+        if (
+            facts.policy == name
+            and facts.status is not None
+            and facts.status.state == "PolicyMissing"
+        ):
+            await set_job_status(deps, job, "Watching", "PolicyFound", f"using policy {name}")
+            deps.events.emit(job, "Normal", "PolicyFound", f"CheckpointPolicy {name} now exists")
+    return await write_ready()

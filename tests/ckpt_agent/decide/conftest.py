@@ -1,0 +1,10 @@
+"""Puts this folder on ``sys.path`` so the tests import their shared ``decide_builders``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)

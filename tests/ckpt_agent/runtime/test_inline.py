@@ -1,0 +1,40 @@
+"""Heartbeat payloads: tensors, arrays and numpy scalars inline in tagged JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_agent.format import jsontree
+from ckpt_agent.runtime.inline import decode_inline, encode_inline
+
+
+def test_round_trip_of_a_data_position_and_rng_like_state() -> None:
+    value: dict[str, Any] = {
+        "epoch": 3,
+        "ids": torch.arange(5, dtype=torch.int64),
+        "empty": torch.empty(0, dtype=torch.float32),
+        "bf16": torch.ones(2, 2, dtype=torch.bfloat16),
+        "arr": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "scalar": np.float64(0.25),
+        "nested": [1, "x", None],
+    }
+    tree = encode_inline(value)
+    back = decode_inline(json.loads(json.dumps(tree, allow_nan=False)))
+    assert isinstance(back, dict)
+    assert back["epoch"] == 3 and back["nested"] == [1, "x", None]
+    assert torch.equal(back["ids"], value["ids"]) and back["empty"].numel() == 0
+    assert back["bf16"].dtype == torch.bfloat16 and torch.equal(back["bf16"], value["bf16"])
+    assert np.array_equal(back["arr"], value["arr"]) and back["arr"].dtype == np.uint32
+    assert back["scalar"] == np.float64(0.25) and isinstance(back["scalar"], np.float64)
+
+
+def test_a_payload_of_the_wrong_size_is_refused() -> None:
+    tree = encode_inline({"t": torch.arange(4, dtype=torch.int32)})
+    tree["t"][jsontree.TENSOR]["shape"] = [5]
+    with pytest.raises(jsontree.JsonTreeError, match="wrong size"):
+        decode_inline(tree)
