@@ -5,6 +5,11 @@
 #   docker build --target operator -t ckpt-operator .   # the kopf operator: no torch, no numpy
 #   docker build --target agent    -t ckpt-agent    .   # the in-pod agent / sidecar (torch)
 #
+# (`buildah bud` takes the same arguments.) Build arguments: PYTHON_IMAGE (the base: any
+# image with python>=3.11 and pip on PATH), VERSION, PIP_INDEX_URL, TORCH_INDEX_URL (agent).
+# scripts/build-images.sh builds the operator image without a Docker engine or registry
+# access (buildah, on a Debian base made with mmdebstrap); see docs/testing.md.
+#
 # Wheels are built in throw-away stages; the final stages install them from a bind mount
 # without network access, so the runtime layers hold no build tools, caches or wheels.
 
@@ -17,6 +22,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp
+# The runtime user has a passwd entry: kopf names its peering identity after
+# getpass.getuser(), which fails for a uid that /etc/passwd does not know.
+RUN groupadd --gid 65532 ckpt \
+    && useradd --uid 65532 --gid 65532 --home-dir /tmp --no-create-home \
+       --shell /usr/sbin/nologin ckpt
 WORKDIR /app
 
 # --------------------------------------------------------------------------- sources
@@ -28,10 +38,13 @@ COPY operator ./operator
 
 # --------------------------------------------------------------------------- operator wheels
 FROM source AS operator-wheels
+# A package index other than PyPI, if any: --build-arg PIP_INDEX_URL=https://pypi.example/simple
+ARG PIP_INDEX_URL
 RUN pip wheel --wheel-dir /wheels ".[operator]"
 
 # --------------------------------------------------------------------------- agent wheels
 FROM source AS agent-wheels
+ARG PIP_INDEX_URL
 # CPU wheels by default; pass e.g. https://download.pytorch.org/whl/cu124 for CUDA.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip wheel --wheel-dir /wheels --extra-index-url "${TORCH_INDEX_URL}" ".[agent]"
@@ -40,6 +53,7 @@ RUN pip wheel --wheel-dir /wheels --extra-index-url "${TORCH_INDEX_URL}" ".[agen
 FROM base AS operator
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="ckpt-operator" \
+      org.opencontainers.image.source="https://github.com/ckpt-operator/ckpt-operator" \
       org.opencontainers.image.description="Kubernetes operator: agent injection, auto-resume, retention" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -55,6 +69,7 @@ ENTRYPOINT ["ckpt-operator"]
 FROM base AS agent
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="ckpt-agent" \
+      org.opencontainers.image.source="https://github.com/ckpt-operator/ckpt-operator" \
       org.opencontainers.image.description="ckpt-operator in-pod checkpoint agent and sidecar" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"

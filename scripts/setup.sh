@@ -2,7 +2,9 @@
 # Install everything this project needs on a fresh machine (idempotent, cached).
 #
 #   scripts/setup.sh            Python venv (.venv) with the project and its dev tools
-#   scripts/setup.sh --tools    ... and the Go-built control plane / S3 server binaries
+#   scripts/setup.sh --tools    ... and the Go-built control plane / S3 server / promtool
+#                               binaries, and headless Chromium (apt) for the report test
+#   scripts/setup.sh --images   ... and the operator image (scripts/build-images.sh: buildah)
 #
 # Needs: python3.11+ and Go >= 1.24 (both on this project's machines). Everything
 # else comes from PyPI and the Go module proxy. Re-running is cheap: the venv is
@@ -15,10 +17,12 @@ log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 want_tools=0
+want_images=0
 for a in "$@"; do
   case "$a" in
     --tools) want_tools=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --images) want_images=1 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) die "unknown option $a (try --help)" ;;
   esac
 done
@@ -51,7 +55,24 @@ fi
 
 if [ "$want_tools" = 1 ]; then
   command -v go >/dev/null || die "Go >= 1.24 is needed to build the test control plane (apt's golang is too old; this project's machines ship Go)"
-  log "building/reusing Go tools (kube-apiserver, etcd, kwok, helm, training-operator, minio, toxiproxy)"
+  if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    # headless Chromium renders `ckpt report` pages in the tests (tests/ckpt_agent/report)
+    log "installing chromium (apt) for the report's browser test"
+    sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
+    if ! { $sudo_ apt-get install -y -q chromium >/dev/null 2>&1 ||
+           { $sudo_ apt-get update -q >/dev/null 2>&1 && $sudo_ apt-get install -y -q chromium >/dev/null 2>&1; }; }; then
+      log "warning: could not install chromium (apt-get install chromium); the browser test will skip"
+    fi
+  fi
+  log "building/reusing Go tools (kube-apiserver, etcd, kwok, helm, training-operator, minio, toxiproxy, promtool)"
   log "a cold build takes a long time on 2 cores; later runs reuse ~/.cache/ckpt-operator/tools"
   e2e/build-tools.sh
+fi
+
+if [ "$want_images" = 1 ]; then
+  # tests/test_image.py and the e2e's operator run from it; cached by a hash of its sources
+  log "building/reusing the operator image (cold: ~1.5-3 min on 2 cores, mostly the base)"
+  t_img=$(date +%s)
+  scripts/build-images.sh >/dev/null
+  log "operator image ready in $(( $(date +%s) - t_img ))s"
 fi

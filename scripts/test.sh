@@ -6,14 +6,18 @@
 #   scripts/test.sh -m "not e2e"    extra arguments go to pytest
 #
 # Environment: CKPT_TOOLS_CACHE (Go binaries cache, default ~/.cache/ckpt-operator/tools).
+# The operator image is built (scripts/build-images.sh: buildah, needs root) and the e2e
+# runs the operator from it (CKPT_E2E_OPERATOR=process: from the venv; docs/testing.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 stage() { printf '\n\033[1;34m==> %s\033[0m\n' "$*"; }
 t0=$(date +%s)
 
-stage "setup (venv + Go tools)"
-scripts/setup.sh --tools
+stage "setup (venv + Go tools + operator image)"
+scripts/setup.sh --tools --images
+# the image tests and the e2e's operator-from-the-image must run here, never skip
+export CKPT_REQUIRE_IMAGE=1
 export PATH="$PWD/.venv/bin:$PATH"
 
 stage "ruff (lint + format)"

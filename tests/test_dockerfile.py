@@ -105,3 +105,18 @@ def test_operator_image_install_steps_give_a_torch_free_operator(tmp_path: Path)
     assert probe.stdout.strip() == "[]", probe.stdout
     helped = run([str(venv / "bin" / "ckpt-operator"), "--help"])
     assert "usage" in helped.stdout.lower()
+
+
+def test_images_carry_oci_labels_a_named_user_and_a_base_argument() -> None:
+    text = DOCKERFILE.read_text()
+    stages = _stages(text)
+    # the base is a build argument (scripts/build-images.sh passes a locally made one)
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\} AS base$", text, re.M)
+    for target in ("operator", "agent"):
+        for label in ("source", "version", "licenses"):
+            assert f"org.opencontainers.image.{label}=" in stages[target], (target, label)
+    # USER 65532 has a passwd entry (kopf's getpass.getuser() fails without one)
+    assert re.search(r"useradd --uid 65532 --gid 65532 .*ckpt", stages["base"].replace("\\\n", ""))
+    # pip in the wheel stages honours a private index given as a build argument
+    for stage in ("operator-wheels", "agent-wheels"):
+        assert re.search(r"^ARG PIP_INDEX_URL$", stages[stage], re.M), stage

@@ -20,3 +20,20 @@ def test_there_are_examples() -> None:
 def test_example_policy_is_valid(path: Path) -> None:
     obj = CheckpointPolicy.model_validate(yaml.safe_load(path.read_text()))
     assert obj.metadata.name
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_storage_outlives_the_pod(path: Path) -> None:
+    """The quickstart never writes checkpoints into the container's own filesystem."""
+    storage = CheckpointPolicy.model_validate(yaml.safe_load(path.read_text())).spec.storage
+    assert storage.type == "s3" or storage.local.pvc_name, (
+        f"{path.name}: local storage without a PVC"
+    )
+
+
+def test_the_quickstart_claim_is_the_one_the_policy_names() -> None:
+    root = Path(__file__).resolve().parents[1] / "examples"
+    claim = yaml.safe_load((root / "checkpoints-pvc.yaml").read_text())
+    policy = CheckpointPolicy.model_validate(yaml.safe_load((root / "policy.yaml").read_text()))
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert policy.spec.storage.local.pvc_name == claim["metadata"]["name"]

@@ -9,7 +9,7 @@ the message:
   missing bucket, no space); the message says what to fix.
 
 Code decides on the *type* (and on typed fields such as
-:attr:`CandidateRejected.kind`), never on the words of a message. The concrete
+:attr:`CandidateRejectedError.kind`), never on the words of a message. The concrete
 classes keep the builtin bases their callers historically caught
 (``ValueError``, ``LookupError``, ``FileNotFoundError``, ``RuntimeError``).
 """
@@ -20,6 +20,7 @@ import enum
 from typing import ClassVar
 
 __all__ = [
+    "CandidateRejectedError",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
@@ -38,9 +39,12 @@ __all__ = [
     "ResumeError",
     "RetryableError",
     "RetryableStorageError",
+    "RunOwnershipError",
     "ShmError",
     "StorageError",
+    "TerminationReportError",
     "UnsafePathError",
+    "one_line",
 ]
 
 
@@ -97,6 +101,16 @@ class CheckpointFormatError(PermanentError, ValueError):
     """A manifest or COMMIT is malformed (not JSON, wrong schema, unknown version)."""
 
 
+class TerminationReportError(CheckpointFormatError):
+    """A container's termination message is not a readable checkpoint report (wrong format,
+    version or schema); the reader ignores it and uses what else it knows."""
+
+
+class RunOwnershipError(PermanentError):
+    """The run belongs to another Kubernetes namespace (its ``OWNER.json``): a job may only
+    continue runs of its own namespace; the message says which run id to change."""
+
+
 class CheckpointNotFoundError(PermanentError, LookupError):
     """No committed checkpoint with that id (or no such run)."""
 
@@ -129,6 +143,17 @@ class RejectionKind(enum.StrEnum):
     INCOMPATIBLE = "incompatible"  # shapes/dtypes/keys do not fit the live model
     MARKED = "marked"  # already marked corrupted/superseded in the catalog
     STORAGE = "storage"  # the storage failed while reading it
+    TOO_LARGE = "too_large"  # more than this machine's memory holds (not marked corrupted)
+
+    @property
+    def corrupted(self) -> bool:
+        """Whether this rejection marks the checkpoint corrupted (its own bytes are bad)."""
+        return self in (
+            RejectionKind.MISSING,
+            RejectionKind.INTEGRITY,
+            RejectionKind.FORMAT,
+            RejectionKind.STORAGE,
+        )
 
 
 # --------------------------------------------------------------------------- runtime
@@ -146,6 +171,21 @@ class ResumeError(CheckpointError, PermanentError):
     """The requested/required checkpoint cannot be restored (never a silent fresh start)."""
 
 
+class CandidateRejectedError(ResumeError):
+    """One candidate checkpoint cannot be restored; the recovery ladder tries the next one.
+
+    :attr:`kind` says why (:attr:`RejectionKind.corrupted` kinds are marked
+    corrupted); raised before anything of the candidate is applied, or after a
+    failed apply (then every later candidate overwrites what it touched).
+    """
+
+    def __init__(self, checkpoint_id: str, kind: RejectionKind, reason: str) -> None:
+        super().__init__(f"{checkpoint_id}: {reason}")
+        self.checkpoint_id = checkpoint_id
+        self.kind = kind
+        self.reason = reason
+
+
 class DistributedError(CkptError, RuntimeError):
     """Ranks disagree, or a collective failed (a rank died or hung)."""
 
@@ -156,3 +196,10 @@ class CommitAbortedError(DistributedError):
 
 class ShmError(CkptError, RuntimeError):
     """The shared-memory area is unusable (wrong owner, torn snapshot, bad descriptor)."""
+
+
+def one_line(e: BaseException) -> str:
+    """``e`` for a person, on one line: our errors say what is wrong; any other is named by
+    its type too (a reader met something the format does not allow)."""
+    text = str(e) if isinstance(e, CkptError) else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())

@@ -20,6 +20,10 @@ scalars live in :mod:`ckpt_agent.runtime.tensorboard` (they need torch).
 ``ckpt_backpressure_total{action}``          saves deferred or waited for (persist busy)
 ``ckpt_recovery_attempts_total``             checkpoints tried by the ladder
 ``ckpt_recovery_successes_total``            successful restores
+``ckpt_recoveries_total{outcome}``           starts by outcome: resume, fresh, ..., failed
+``ckpt_recovery_seconds``                    histogram: time ``start()`` took to restore
+``ckpt_io_time_ratio``                       share of wall time the training thread stalled
+                                             for checkpoints (since the checkpointer started)
 ``ckpt_score`` / ``ckpt_interval_steps``     the scheduler's current score and interval
 =========================================== ==========================================
 """
@@ -30,6 +34,7 @@ import http.server
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -124,9 +129,44 @@ class Metrics:
         self.recovery_successes = Counter(
             "ckpt_recovery_successes", "Successful restores", registry=r
         )
+        self.recoveries = Counter(
+            "ckpt_recoveries",
+            "Checkpointer starts by outcome (resume, fresh, ... or failed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.recovery_time = Histogram(
+            "ckpt_recovery_seconds",
+            "Seconds start() took to find, verify and restore a checkpoint",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self._started = time.monotonic()
+        self._stalled_s = 0.0
+        self.io_ratio = Gauge(
+            "ckpt_io_time_ratio",
+            "Share of wall time the training thread stalled for checkpoints",
+            registry=r,
+        )
+        self.io_ratio.set_function(self._io_ratio)
         self.score = Gauge("ckpt_score", "Scheduler score", registry=r)
         self.interval = Gauge("ckpt_interval_steps", "Dynamic pulse interval (steps)", registry=r)
         self._server: MetricsServer | None = None
+
+    def add_stall(self, tier: str, seconds: float) -> None:
+        """One save's training-thread stall: the histogram and the IO share of wall time."""
+        self.stall.labels(tier=tier).observe(seconds)
+        self._stalled_s += max(0.0, seconds)
+
+    def _io_ratio(self) -> float:
+        elapsed = time.monotonic() - self._started
+        return min(1.0, self._stalled_s / elapsed) if elapsed > 0 else 0.0
+
+    def recovered(self, outcome: str, seconds: float | None = None) -> None:
+        """A start's outcome (``failed`` when it raised) and, when it restored, its duration."""
+        self.recoveries.labels(outcome=outcome).inc()
+        if seconds is not None:
+            self.recovery_time.observe(seconds)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample (0 when absent); for tests and reports."""

@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointRecord",
     "CheckpointStatus",
     "Json",
+    "Lineage",
     "RetentionClass",
     "Tier",
     "checkpoint_id",
@@ -67,6 +68,31 @@ def rank_name(rank: int) -> str:
 
 
 @dataclass(frozen=True)
+class Lineage:
+    """Which resume lineage a checkpoint belongs to (see :mod:`ckpt_agent.decide.lineage`).
+
+    Applying a resume pin (``CKPT_RESUME_FROM``, a ``RECOVER.json`` request)
+    opens a new lineage: ``epoch`` one above every epoch in storage, ``pins``
+    the keys of the pins it honours (the one applied first). A resume that
+    follows the ladder continues the resumed checkpoint's lineage. The
+    default is the run's original lineage (and what manifests written before
+    lineages existed say).
+    """
+
+    epoch: int = 0
+    """Pins applied on the way to this checkpoint (0: never pinned)."""
+    pins: tuple[str, ...] = ()
+    """Keys of the pins this lineage honours: ``CKPT_RESUME_FROM:<id>``,
+    ``RECOVER.json:<request hash>``."""
+    parent: str | None = None
+    """The checkpoint the writing process resumed from (None: a fresh start)."""
+
+    def same_lineage(self, other: Lineage) -> bool:
+        """Same epoch and pins (the parent may differ: later restarts of the same lineage)."""
+        return (self.epoch, self.pins) == (other.epoch, other.pins)
+
+
+@dataclass(frozen=True)
 class CheckpointRecord:
     """One checkpoint (all ranks of one step of one tier)."""
 
@@ -104,6 +130,8 @@ class CheckpointRecord:
     """Ranks that contributed parts."""
     reason: str = ""
     """Why the scheduler saved it."""
+    lineage: Lineage = field(default_factory=Lineage)
+    """The resume lineage it belongs to."""
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Free-form annotations (never interpreted by the decision logic)."""
 

@@ -38,6 +38,9 @@ from typing import Any, TextIO
 
 import yaml
 
+from ckpt_agent.report import LOG_GLOB, available, load_run, plot_all, run_page, run_summary
+from ckpt_agent.storage.fs import LocalStorage
+
 from .api import free_port
 from .cluster import LocalCluster
 from .errors import ClusterError
@@ -104,6 +107,8 @@ class DemoResult:
     output_dir: str = ""
     logs_dir: str = ""
     pods_dir: str = ""
+    checkpointing_report: str = ""
+    """``ckpt report`` of the run (HTML)."""
 
     @property
     def exact(self) -> bool:
@@ -283,6 +288,8 @@ def _run(
         logs_dir=str(cluster.log_dir),
         pods_dir=str(cluster.pods_dir / ns),
     )
+    pods = cluster.pods_dir / ns
+    result.checkpointing_report = str(_checkpointing_report(scenario.store, run_id, pods, output))
     _write_report(result, output, stack)
     return result
 
@@ -335,9 +342,20 @@ Summary
     heartbeat  newest step {max(result.heartbeat_ring, default="-")} (L0: step, data position, RNG)
   final loss          {result.final_loss:.6g}, {verdict}
   report              {result.output_dir}/report.md (and report.json, events.txt, policy.yaml)
+  checkpointing       {result.checkpointing_report or "-"} (`ckpt report`: open in a browser)
   logs                {result.logs_dir} (ckpt-operator.log, kube-apiserver.log, ...)
                       {result.pods_dir} (each training pod's output)
 """.rstrip()
+
+
+def _checkpointing_report(store: Path, run_id: str, pods: Path, output: Path) -> Path:
+    """``ckpt report`` of the demo's run: storage plus every training pod's decision log."""
+    logs = sorted({p.parent for p in pods.rglob(LOG_GLOB)})
+    data = load_run(LocalStorage(store), run_id, logs)
+    summary = run_summary(run_id, data.records, data.events, data.audit)
+    path = output / "checkpointing.html"
+    path.write_text(run_page(summary, plot_all(summary) if available() else {}))
+    return path
 
 
 def _write_report(result: DemoResult, output: Path, stack: Stack) -> None:

@@ -77,7 +77,11 @@ removed, and kwok completes the deletion.
 
 **Exit report.** Through the ``pods/status`` subresource, like a kubelet: the container's
 ``state.terminated`` (``exitCode``, ``reason`` Completed/Error, ``startedAt``,
-``finishedAt``); a process killed by signal N reports ``128+N`` (SIGKILL → 137). Other
+``finishedAt``, and ``message``: the first 4096 bytes of the container's
+``terminationMessagePath`` file — a fresh local ``<pod dir>/<container>.termination-log``
+that the path translation maps that path to — or, with ``FallbackToLogsOnError`` and an
+empty file after a failure, the log's tail); a process killed by signal N reports
+``128+N`` (SIGKILL → 137). Other
 containers are reported terminated with exit 0. ``restartPolicy: Never`` (the
 training-operator's choice for PyTorchJob pods): phase Succeeded for exit 0, else
 Failed. ``OnFailure`` with exit 0 → Succeeded; ``OnFailure`` with a failure, or
@@ -114,6 +118,10 @@ from .procs import ManagedProcess, clean_env, container_pids, wait_until
 from .volumes import PodVolumes, claim_folder
 
 __all__ = ["LocalPod", "pvc_path", "run_pod_locally"]
+
+#: The Kubernetes default ``terminationMessagePath``; the kubelet keeps 4096 bytes of it.
+TERMINATION_LOG = "/dev/termination-log"
+MESSAGE_BYTES = 4096
 
 
 def pvc_path(cluster: LocalCluster, namespace: str, claim: str) -> Path:
@@ -332,15 +340,23 @@ class LocalPod:
         pod = self.cluster.request("GET", path)
         return pod if (pod.get("status") or {}).get("phase") == "Running" else None
 
+    @property
+    def termination_log(self) -> Path:
+        """Local file standing in for the container's ``terminationMessagePath``."""
+        return self.workdir / f"{self.container.get('name', 'container')}.termination-log"
+
     def _prepare(self) -> None:
         """Volumes (folders and files), then the environment, then argv and workingDir."""
+        # the kubelet's per-container termination-message file: fresh for each start
+        self.termination_log.write_bytes(b"")
+        message_path = self.container.get("terminationMessagePath") or TERMINATION_LOG
         self.volumes = volumes = PodVolumes(
             self.cluster,
             self.pod,
             self.container,
             self.workdir / "volumes",
             self.cluster.pvc_dir,
-            overrides=self.path_overrides,
+            overrides={message_path: self.termination_log, **self.path_overrides},
             rewrite_files=self.rewrite_files,
         )
         base = clean_env()
@@ -409,6 +425,19 @@ class LocalPod:
         finally:
             self._done.set()
 
+    def _termination_message(self) -> str | None:
+        """What the kubelet reports as ``terminated.message``: the file's first 4096 bytes;
+        with ``FallbackToLogsOnError`` and an empty file after a failure, the log's tail."""
+        try:
+            with self.termination_log.open("rb") as f:
+                text = f.read(MESSAGE_BYTES).decode(errors="replace")
+        except OSError:
+            text = ""
+        fallback = self.container.get("terminationMessagePolicy") == "FallbackToLogsOnError"
+        if not text and fallback and self.exit_code:
+            text = "\n".join(self.log_text().splitlines()[-80:])[-2048:]
+        return text or None
+
     def _report(self, started_at: str) -> None:
         """Report the exit and drop the local-process annotation (unless the pod is gone)."""
         assert self.exit_code is not None
@@ -419,6 +448,7 @@ class LocalPod:
                 self.name,
                 self.exit_code,
                 container=self.container["name"],
+                message=self._termination_message(),
                 started_at=started_at,
             )
         except Exception as e:

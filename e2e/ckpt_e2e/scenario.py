@@ -1,10 +1,14 @@
 """One namespace set up the way a user would: storage, a CheckpointPolicy, training jobs.
 
 :class:`Scenario` bundles what the end-to-end scenarios and the demo do over and over:
-a PersistentVolumeClaim for checkpoints (bound to a hostPath PV on a local folder that
-the "pods" and the operator share, mounted at *the same path* so the policy's
-``storage.local.path`` means the same folder to every process, as it would with an
-NFS volume mounted on every node), a policy applied with ``kubectl`` and reconciled by
+a PersistentVolumeClaim for checkpoints (bound to a hostPath PV on a local folder), used
+either as a shared volume (:meth:`Scenario.local_storage`: mounted at *the same path* so
+the policy's ``storage.local.path`` means the same folder to every process, the operator
+included, as with an NFS volume mounted on every node and in the operator) or as a
+pod-only volume (:meth:`Scenario.pvc_storage`: mounted at a container path that exists
+only in the pods' mount translation, so the operator, which runs as a host process with
+only what the chart's Deployment gives it, cannot read it, as with a PVC in a real
+cluster), a policy applied with ``kubectl`` and reconciled by
 the operator, PyTorchJobs whose pods a :class:`~ckpt_e2e.kubelet.PodRunner` runs, and
 the waits that follow the operator's restart protocol.
 """
@@ -29,11 +33,14 @@ from .training import (
     get_job,
     last_logged_step,
     local_storage,
+    operator_status,
     policy_manifest,
     pytorchjob_manifest,
 )
 
 RUN_ID = "ckpt.dev/run-id"
+#: Root of the container paths :meth:`Scenario.pvc_storage` mounts the claim at.
+POD_ONLY_ROOT = "/ckpt-e2e-pod-only"
 RESTARTED_AS = "ckpt.dev/restarted-as"
 
 
@@ -57,7 +64,20 @@ class Scenario:
 
     # ------------------------------------------------------------------ setup
     def local_storage(self) -> dict[str, Any]:
+        """The PVC mounted at its own folder's path: a shared (NFS-like) volume that the
+        operator reads too."""
         return local_storage(self.store, self.claim)
+
+    @property
+    def pod_only_path(self) -> str:
+        """A container path that exists only in the pods' mount translation (never on
+        this machine): the operator, a host process, cannot open it."""
+        return f"{POD_ONLY_ROOT}/{self.namespace}"
+
+    def pvc_storage(self) -> dict[str, Any]:
+        """The PVC mounted in the pods only, as in a real cluster: the operator cannot read
+        it and learns about checkpoints from the pods' termination messages."""
+        return local_storage(self.pod_only_path, self.claim)
 
     def view(self, url: str | None = None, **kw: Any) -> StorageView:
         v = StorageView(url or f"file://{self.store}", **kw)
@@ -147,6 +167,21 @@ class Scenario:
         )
         assert isinstance(job, dict)
         return job
+
+    def wait_operator_state(
+        self, job_name: str, state: str, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """Wait until the operator's ``ckpt.dev/status`` of the job has ``state``; returns it."""
+
+        def reached() -> dict[str, Any] | None:
+            status = operator_status(self.job(job_name))
+            return status if status.get("state") == state else None
+
+        status = self.cluster.wait_for(
+            reached, timeout=timeout, what=f"{state} on PyTorchJob {job_name}"
+        )
+        assert isinstance(status, dict)
+        return status
 
     def wait_finished(self, job_name: str, timeout: float = 180.0) -> dict[str, Any]:
         """Wait until the job Succeeded or Failed; returns it."""

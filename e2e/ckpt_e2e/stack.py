@@ -21,12 +21,21 @@ process *in the Deployment's place*:
   (``kubectl create token``), in a kubeconfig: every call it makes is authorized by the
   chart's ClusterRole, nothing more.
 
+With the operator image built (``scripts/build-images.sh``; ``CKPT_E2E_OPERATOR``, see
+``ckpt_e2e.image``), the operator runs *from the image* instead of this repository's
+virtualenv: ``buildah run --isolation chroot`` starts the image's entry point with the
+Deployment's ``args`` (listen addresses changed as above), its ``env``, the pod's
+``runAsUser``/``runAsGroup``, its secret and emptyDir volumes at their ``mountPath`` (files
+group-owned by ``fsGroup``), and a ServiceAccount token, ``ca.crt`` and ``namespace`` at
+``/var/run/secrets/kubernetes.io/serviceaccount`` with ``KUBERNETES_SERVICE_HOST``/``PORT``:
+the in-cluster configuration a kubelet gives the pod. The host network is shared (the
+webhook and probes listen on 127.0.0.1) and so is the PVC root (``pvc_dir``, same path).
+
 It can be killed (SIGKILL) and restarted; its log is ``<cluster workdir>/logs/ckpt-operator.log``.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import re
 import signal
@@ -44,6 +53,8 @@ import yaml
 from .api import free_port, no_proxy_opener, write_kubeconfig
 from .cluster import LocalCluster
 from .errors import ClusterError
+from .image import Container, operator_image
+from .podrun import container_run, materialize_secret, service_account_token
 from .procs import ManagedProcess, clean_env, wait_until
 from .tools import REPO_ROOT
 
@@ -95,10 +106,12 @@ class Stack:
     def up(cls, cluster: LocalCluster, values: Mapping[str, Any] | None = None) -> Stack:
         """``helm install`` the chart and start the operator (see the module docstring)."""
         install = install_chart(cluster, values=values)
-        return cls(cluster, install, OperatorProcess(cluster, install).start())
+        operator = OperatorProcess(cluster, install, image=operator_image())
+        return cls(cluster, install, operator.start())
 
     def down(self, uninstall: bool = False) -> None:
         self.operator.stop()
+        self.operator.remove_container()
         if uninstall:
             self.cluster.helm(
                 "uninstall", self.install.release, "-n", self.install.namespace, check=False
@@ -140,7 +153,14 @@ def install_chart(
 ) -> ChartInstall:
     """``helm upgrade --install`` the chart and wait until the Deployment is available."""
     port = webhook_port or free_port()
-    vals = e2e_values(port, values)
+    # Every namespace's PVC folder lives under pvc_dir, the one storage root the "pods" and
+    # the operator share; runs are kept apart by their owner records. Local MinIO servers
+    # listen on 127.0.0.1.
+    tenancy = {
+        "localPaths": [{"namespace": "*", "path": str(cluster.pvc_dir)}],
+        "allowedS3Endpoints": ["http://127.0.0.1:*"],
+    }
+    vals = e2e_values(port, _merge({"tenancy": tenancy}, values or {}))
     if cluster.kubectl("get", "namespace", namespace, check=False).returncode != 0:
         cluster.create_namespace(namespace)
     values_file = cluster.workdir / f"values-{release}.yaml"
@@ -199,23 +219,10 @@ def service_account_kubeconfig(
     duration: str = "24h",
 ) -> Path:
     """A kubeconfig authenticating as ``namespace/service_account`` (TokenRequest API)."""
-    token = cluster.kubectl(
-        "create", "token", service_account, "-n", namespace, f"--duration={duration}"
-    ).stdout.strip()
+    token = service_account_token(cluster, namespace, service_account, duration)
     assert cluster.ca is not None
     user = f"system:serviceaccount:{namespace}:{service_account}"
     return write_kubeconfig(path, cluster.server, cluster.ca.cert_path, user, {"token": token})
-
-
-def materialize_secret(cluster: LocalCluster, namespace: str, name: str, directory: Path) -> Path:
-    """Write a Secret's keys as files (what the kubelet does for a secret volume)."""
-    secret = cluster.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
-    directory.mkdir(parents=True, exist_ok=True)
-    for key, value in (secret.get("data") or {}).items():
-        p = directory / key
-        p.write_bytes(base64.b64decode(value))
-        p.chmod(0o440)
-    return directory
 
 
 def _replace_flag(args: list[str], flag: str, value: str | None) -> list[str]:
@@ -236,12 +243,17 @@ class OperatorProcess:
         *,
         extra_args: Sequence[str] = (),
         startup_timeout: float = 90.0,
+        image: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.install = install
         self.extra_args = list(extra_args)
         self.startup_timeout = startup_timeout
         self.dir = cluster.workdir / "operator"
+        self.tls_dir = self.dir / "tls"
+        self.token_path: Path | None = None  # the mounted ServiceAccount token (image mode)
+        #: the working container it runs in (None: a local process from this virtualenv)
+        self.container = Container(image) if image else None
         self.log_path = cluster.log_dir / "ckpt-operator.log"
         self.process: ManagedProcess | None = None
         self.argv: list[str] = []
@@ -250,20 +262,32 @@ class OperatorProcess:
         self.starts = 0
 
     # ------------------------------------------------------------------ lifecycle
-    def deployment_args(self) -> list[str]:
-        """The operator container's args as the API server stored them."""
+    def pod_spec(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The Deployment's pod spec and its operator container, as the API server stored them."""
         dep = self.cluster.request(
             "GET",
             f"/apis/apps/v1/namespaces/{self.install.namespace}/deployments/{self.install.fullname}",
         )
-        (container,) = [
-            c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"
-        ]
-        return [str(a) for a in container.get("args") or []]
+        pod: dict[str, Any] = dep["spec"]["template"]["spec"]
+        (container,) = [c for c in pod["containers"] if c["name"] == "operator"]
+        return pod, container
+
+    def deployment_args(self) -> list[str]:
+        """The operator container's args as the API server stored them."""
+        return [str(a) for a in self.pod_spec()[1].get("args") or []]
+
+    def _local_args(self, args: list[str]) -> list[str]:
+        """Probes and metrics on free 127.0.0.1 ports, the webhook on 127.0.0.1."""
+        self.health_port, self.metrics_port = free_port(), free_port()
+        args = _replace_flag(args, "--liveness", f"http://127.0.0.1:{self.health_port}/healthz")
+        args = _replace_flag(args, "--metrics-port", str(self.metrics_port))
+        return _replace_flag(args, "--webhook-listen", "127.0.0.1")
 
     def _build(self) -> tuple[list[str], dict[str, str]]:
+        if self.container is not None:
+            return self._build_in_container(self.container), clean_env()
         cert_dir = materialize_secret(
-            self.cluster, self.install.namespace, self.install.tls_secret, self.dir / "tls"
+            self.cluster, self.install.namespace, self.install.tls_secret, self.tls_dir
         )
         kubeconfig = service_account_kubeconfig(
             self.cluster,
@@ -271,16 +295,30 @@ class OperatorProcess:
             self.install.service_account,
             self.dir / "kubeconfig",
         )
-        self.health_port, self.metrics_port = free_port(), free_port()
-        args = self.deployment_args()
-        args = _replace_flag(args, "--liveness", f"http://127.0.0.1:{self.health_port}/healthz")
-        args = _replace_flag(args, "--metrics-port", str(self.metrics_port))
+        args = self._local_args(self.deployment_args())
         args = _replace_flag(args, "--webhook-cert-dir", str(cert_dir))
-        args = _replace_flag(args, "--webhook-listen", "127.0.0.1")
         exe = Path(sys.executable).with_name("ckpt-operator")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt_operator.main"]
         env = clean_env({"KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": self.install.namespace})
         return [*cmd, *args, *self.extra_args], env
+
+    def _build_in_container(self, container: Container) -> list[str]:
+        """``buildah run`` as a kubelet would start the Deployment's pod (module docstring)."""
+        pod, spec = self.pod_spec()
+        spec = {**spec, "args": self._local_args([str(a) for a in spec.get("args") or []])}
+        run = container_run(
+            self.cluster,
+            container,
+            pod,
+            spec,
+            namespace=self.install.namespace,
+            service_account=self.install.service_account,
+            volumes_dir=self.dir / "volumes",
+            extra_args=self.extra_args,
+        )
+        self.tls_dir = run.secret_dirs.get(self.install.tls_secret, self.tls_dir)
+        self.token_path = run.token_path
+        return run.argv
 
     def start(self) -> Self:
         """Start it and wait until kopf is healthy and the webhook serves TLS."""
@@ -332,7 +370,7 @@ class OperatorProcess:
             return False
 
     def _webhook_serves(self) -> bool:
-        ctx = ssl.create_default_context(cafile=str(self.dir / "tls" / "ca.crt"))
+        ctx = ssl.create_default_context(cafile=str(self.tls_dir / "ca.crt"))
         try:
             with (
                 socket.create_connection(("127.0.0.1", self.install.webhook_port), timeout=2) as s,
@@ -374,6 +412,26 @@ class OperatorProcess:
         if self.process is not None:
             self.process.release()
             self.process = None
+
+    def token_user(self) -> str:
+        """Whom the mounted ServiceAccount token authenticates (a TokenReview; image mode)."""
+        assert self.token_path is not None, "no mounted token: the operator runs as a process"
+        review = self.cluster.request(
+            "POST",
+            "/apis/authentication.k8s.io/v1/tokenreviews",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenReview",
+                "spec": {"token": self.token_path.read_text()},
+            },
+        )
+        assert review["status"].get("authenticated"), review["status"]
+        return str(review["status"]["user"]["username"])
+
+    def remove_container(self) -> None:
+        """Remove the working container it ran in (stop it first)."""
+        if self.container is not None:
+            self.container.remove()
 
     def restart(self) -> Self:
         self.stop()

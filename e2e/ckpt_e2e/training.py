@@ -54,6 +54,8 @@ class Training:
     batch_size: int = 32
     hidden: int = 64
     samples: int = 1024
+    checkpoint: bool = True
+    """False: the script runs without the agent (``--no-checkpoint``; the agent-missing case)."""
 
     def numeric_args(self) -> list[str]:
         return [
@@ -79,7 +81,7 @@ class Training:
             f"{RESULTS_MOUNT}/$(POD_NAME).$(POD_UID).json",
             "--loss-log",
             f"{RESULTS_MOUNT}/$(POD_NAME).$(POD_UID).losses.jsonl",
-        ]
+        ] + ([] if self.checkpoint else ["--no-checkpoint"])
 
 
 _references: dict[tuple[str, ...], dict[str, Any]] = {}

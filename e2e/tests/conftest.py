@@ -4,8 +4,10 @@
   scheduler, kwok, training-operator) for the whole session.
 * ``namespace`` (function): a fresh namespace per test, deleted afterwards.
 * ``stack`` (session): the chart installed with the real ``helm`` (namespace
-  ``ckpt-system``) and the operator running as a local process in its Deployment's
-  place, as the chart's ServiceAccount (see ``ckpt_e2e.stack``).
+  ``ckpt-system``) and the operator running in its Deployment's place, as the chart's
+  ServiceAccount: from the operator image (``buildah run``) when it is built, else as a
+  local process (``CKPT_E2E_OPERATOR=image|process``; see ``ckpt_e2e.stack`` and
+  ``ckpt_e2e.image``).
 * ``operator`` (function): that operator, (re)started if a previous test killed it; after
   the test, its log must hold no RBAC refusal (403) from the API server.
 * ``scenario`` (function): a namespace with a checkpoint PVC, helpers to apply policies
@@ -106,6 +108,12 @@ def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator
 @pytest.fixture(scope="session")
 def stack(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Stack]:
     st = Stack.up(cluster)
+    container = st.operator.container
+    request.config.stash.setdefault(_notes_key, []).append(
+        f"operator ran from the image {container.image}"
+        if container is not None
+        else "operator ran as a local process (no image: see CKPT_E2E_OPERATOR)"
+    )
     yield st
     if _keep(request.config):  # stays up with the cluster; ``ckpt_e2e down`` stops it too
         st.operator.release()

@@ -59,5 +59,7 @@ def test_demo_trains_crashes_resumes_and_reports(
     data = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert data["resume_from"] == result.resume_from
     assert (tmp_path / "demo" / "events.txt").read_text().count("Restarted") == 1
+    page = Path(result.checkpointing_report).read_text()  # `ckpt report` of the run
+    assert result.resume_from in page and 'id="plot-loss"><svg' in page
     text = summary_text(result)
     assert "identical to the uninterrupted run" in text

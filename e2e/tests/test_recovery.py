@@ -246,15 +246,7 @@ def test_crash_loop_poisons_checkpoints_then_gives_up_after_max_restarts(
         assert crash and poisoned in crash[0]["message"], crash
 
     # after maxRestarts: stays failed, says why, and nothing else is created
-    status = scenario.cluster.wait_for(
-        lambda: (
-            operator_status(scenario.job("train-r3")).get("state") == "GaveUp"
-            and operator_status(scenario.job("train-r3"))
-        ),
-        timeout=60,
-        what="GaveUp on train-r3",
-    )
-    assert isinstance(status, dict)
+    status = scenario.wait_operator_state("train-r3", "GaveUp")
     assert status["reason"] == "MaxRestartsExceeded"
     assert "recovery.maxRestarts is 3" in status["message"]
     gave_up = events(scenario.cluster, scenario.namespace, name="train-r3", reason="GaveUp")

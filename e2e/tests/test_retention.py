@@ -215,7 +215,12 @@ def test_storage_holds_exactly_what_the_retention_classes_keep(
     assert status["lastValid"][run_id]["checkpointId"] == newest["checkpoint_id"]
     reconciled = {c["type"]: c for c in status["conditions"]}["Reconciled"]
     assert reconciled["status"] == "True"
-    assert {c["type"] for c in status["conditions"]} == {"Ready", "Reconciled"}
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert {"Ready", "Reconciled"} <= set(conditions), conditions
+    # the tenancy and agent checks add their own conditions: both must be healthy
+    assert conditions.get("StorageAccess", "True") == "True", conditions
+    assert conditions.get("AgentReporting", "True") == "True", conditions
+    assert set(conditions) <= {"Ready", "Reconciled", "StorageAccess", "AgentReporting"}
 
 
 def _keeps(keep: dict[str, int]) -> dict[str, int]:

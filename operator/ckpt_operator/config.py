@@ -7,6 +7,7 @@ underscores) so the chart can set everything through ``env``; flags win.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,13 +16,20 @@ from pathlib import Path
 from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = [
+    "IdentityGrant",
     "InjectionConfig",
+    "LocalPathGrant",
     "OperatorConfig",
     "RecoveryConfig",
     "RetentionConfig",
+    "TenancyConfig",
     "WebhookConfig",
     "parse_config",
+    "parse_tenancy",
 ]
+
+#: A grant whose namespace is this applies to every namespace.
+ANY_NAMESPACE = "*"
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,12 @@ class WebhookConfig:
     managed: str | None = None
     """Let kopf create/patch Mutating/ValidatingWebhookConfigurations of this name
     (local runs; the chart ships static configurations instead)."""
+    workers: int = 4
+    """Threads for the webhook's own blocking work (API reads on a cache miss, Events);
+    separate from reconciliation's, so admission never queues behind it."""
+    budget_s: float = 3.0
+    """Longest an admission request may take (below the configurations' ``timeoutSeconds``):
+    past it an opted-in pod is refused with a message, and the training-operator retries."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,37 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
+class IdentityGrant:
+    """The operator may use its own cloud identity for policies of ``namespace`` whose
+    bucket is ``bucket`` and whose prefix is ``prefix`` or below it (``""``: the bucket)."""
+
+    namespace: str
+    bucket: str
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class LocalPathGrant:
+    """Policies of ``namespace`` may have the operator read/delete under ``path``."""
+
+    namespace: str
+    path: str
+
+
+@dataclass(frozen=True)
+class TenancyConfig:
+    """What an administrator allows policies to make the operator touch (default: nothing
+    but S3 through the policy's own credentials Secret, on AWS's own endpoints)."""
+
+    operator_identity: tuple[IdentityGrant, ...] = ()
+    """Where a policy without a credentials Secret may use the operator's identity."""
+    local_paths: tuple[LocalPathGrant, ...] = ()
+    """Local/shared filesystem paths (mounted into the operator) per namespace."""
+    allowed_s3_endpoints: tuple[str, ...] = ()
+    """Custom S3 endpoints (``scheme://host[:port]``; ``:*`` any port) a policy may name."""
+
+
+@dataclass(frozen=True)
 class OperatorConfig:
     """Everything ``ckpt-operator`` can be told."""
 
@@ -98,6 +143,15 @@ class OperatorConfig:
     verbose: bool = False
     read_storage_secrets: bool = True
     """Read a policy's S3 credentials Secret to list/verify/delete checkpoints."""
+    storage_timeout_s: float = 30.0
+    """Longest wait for one storage call (opening, listing, claiming, deleting, GC)."""
+    verify_timeout_s: float = 3600.0
+    """Longest wait for planning a restart (it re-reads every byte of the candidates)."""
+    workers: int = 16
+    """Threads for reconciliation's blocking work (API calls, storage listing, planning)."""
+    api_timeout_s: float = 30.0
+    """Longest wait for one Kubernetes API call of the operator's own client."""
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
     injection: InjectionConfig = field(default_factory=InjectionConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -107,6 +161,52 @@ class OperatorConfig:
 def _env(environ: Mapping[str, str], flag: str) -> str | None:
     value = environ.get("CKPT_OPERATOR_" + flag.upper().replace("-", "_"))
     return value if value not in (None, "") else None
+
+
+def _entries(doc: dict[str, object], key: str) -> list[dict[str, object]]:
+    items = doc.get(key) or []
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ValueError(f"{key} must be a list of objects")
+    return items
+
+
+def _text(item: dict[str, object], key: str, where: str, default: str | None = None) -> str:
+    value = item.get(key, default)
+    if not isinstance(value, str) or (not value and default is None):
+        raise ValueError(f"{where}: {key} must be a non-empty string")
+    return value
+
+
+def parse_tenancy(text: str) -> TenancyConfig:
+    """``{"operatorIdentity": [{namespace, bucket, prefix}], "localPaths": [{namespace,
+    path}], "allowedS3Endpoints": [url]}`` (the chart's ``tenancy`` value as JSON)."""
+    try:
+        doc = json.loads(text) if text.strip() else {}
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        identity = tuple(
+            IdentityGrant(
+                _text(i, "namespace", "operatorIdentity"),
+                _text(i, "bucket", "operatorIdentity"),
+                _text(i, "prefix", "operatorIdentity", "").strip("/"),
+            )
+            for i in _entries(doc, "operatorIdentity")
+        )
+        paths = tuple(
+            LocalPathGrant(_text(i, "namespace", "localPaths"), _text(i, "path", "localPaths"))
+            for i in _entries(doc, "localPaths")
+        )
+        endpoints = doc.get("allowedS3Endpoints") or []
+        if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
+            raise ValueError("allowedS3Endpoints must be a list of URLs")
+    except ValueError as e:
+        raise SystemExit(f"ckpt-operator: bad --tenancy: {e}") from None
+    for grant in paths:
+        if not grant.path.startswith("/"):
+            raise SystemExit(
+                f"ckpt-operator: bad --tenancy: localPaths {grant.path!r}: not absolute"
+            )
+    return TenancyConfig(identity, paths, tuple(endpoints))
 
 
 def _bool(text: str) -> bool:
@@ -165,6 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
     a("--retention", type=_bool, help="apply retention to storage (default true)")
     a("--retention-tick", type=float, help="retention loop granularity, seconds")
     a("--gc-grace", type=float, help="blob GC grace period, seconds (default 3600)")
+    a("--storage-timeout", type=float, help="longest wait per storage call, seconds (default 30)")
+    a("--verify-timeout", type=float, help="longest restart planning, seconds (default 3600)")
+    a("--workers", type=int, help="threads for reconciliation's blocking work (default 16)")
+    a("--api-timeout", type=float, help="longest wait per Kubernetes API call (default 30)")
+    a("--webhook-workers", type=int, help="threads for the webhook's blocking work (default 4)")
+    a(
+        "--webhook-budget",
+        type=float,
+        help="longest admission answer, seconds, below the webhooks' timeoutSeconds (default 3)",
+    )
+    a(
+        "--tenancy",
+        help="JSON: what policies may make the operator touch (operatorIdentity, localPaths, "
+        "allowedS3Endpoints; default: nothing but S3 through a policy's own Secret)",
+    )
     return p
 
 
@@ -211,6 +326,8 @@ def parse_config(
         host=pick("webhook_host", "webhook-host"),
         extra_sans=sans,
         managed=pick("webhook_managed", "webhook-managed"),
+        workers=int(pick("webhook_workers", "webhook-workers") or WebhookConfig.workers),
+        budget_s=float(pick("webhook_budget", "webhook-budget") or WebhookConfig.budget_s),
     )
     command = pick("sidecar_command", "sidecar-command")
     injection = InjectionConfig(
@@ -224,6 +341,23 @@ def parse_config(
         tick_s=float(pick("retention_tick", "retention-tick") or RetentionConfig.tick_s),
         gc_grace_s=float(pick("gc_grace", "gc-grace") or RetentionConfig.gc_grace_s),
     )
+    storage_timeout = float(pick("storage_timeout", "storage-timeout") or d.storage_timeout_s)
+    verify_timeout = float(pick("verify_timeout", "verify-timeout") or d.verify_timeout_s)
+    if not (storage_timeout > 0 and verify_timeout > 0):
+        raise SystemExit("ckpt-operator: --storage-timeout and --verify-timeout must be > 0")
+    if peering and namespaces:
+        raise SystemExit(
+            "ckpt-operator: --peering uses the cluster-wide ClusterKopfPeering; "
+            "it cannot be combined with --namespace (run one replica instead)"
+        )
+    workers = int(pick("workers", "workers") or d.workers)
+    api_timeout = float(pick("api_timeout", "api-timeout") or d.api_timeout_s)
+    if workers < 1 or webhook.workers < 1 or api_timeout <= 0 or webhook.budget_s <= 0:
+        raise SystemExit(
+            "ckpt-operator: --workers and --webhook-workers must be >= 1, "
+            "--api-timeout and --webhook-budget > 0"
+        )
+    tenancy = parse_tenancy(pick("tenancy", "tenancy") or "")
     if webhook.enabled and webhook.cert_dir is None and not webhook.generate_certs:
         raise SystemExit(
             "ckpt-operator: the webhook needs a certificate: --webhook-cert-dir DIR "
@@ -237,6 +371,11 @@ def parse_config(
         log_format=log_format,
         verbose=verbose,
         read_storage_secrets=secrets,
+        storage_timeout_s=storage_timeout,
+        verify_timeout_s=verify_timeout,
+        workers=workers,
+        api_timeout_s=api_timeout,
+        tenancy=tenancy,
         webhook=webhook,
         injection=injection,
         retention=retention,

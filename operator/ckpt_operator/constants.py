@@ -27,6 +27,15 @@ ANN_RUN_ID: Final = f"{PREFIX}/run-id"
 ANN_RESTART_COUNT: Final = f"{PREFIX}/restart-count"
 #: Checkpoint id the job resumes from (set on restarts).
 ANN_RESUME_FROM: Final = f"{PREFIX}/resume-from"
+#: When ``resume-from`` is a heartbeat: the checkpoint supplying the weights (a rebuild).
+ANN_RESUME_WEIGHTS: Final = f"{PREFIX}/resume-weights"
+#: A manual restart's own pin identity (the agent's ``CKPT_RESUME_PIN``): a new pin, a new
+#: lineage epoch, even when the checkpoint was pinned before.
+ANN_RESUME_PIN: Final = f"{PREFIX}/resume-pin"
+#: Unix time (seconds) the run's first job was created; carried along the restart chain.
+ANN_RUN_STARTED_AT: Final = f"{PREFIX}/run-started-at"
+#: The operator's MTBF estimate (seconds) for the run: its failures blended with the policy's.
+ANN_MTBF_SECONDS: Final = f"{PREFIX}/mtbf-seconds"
 #: Step of ``resume-from`` (for crash-loop detection and humans).
 ANN_RESUME_STEP: Final = f"{PREFIX}/resume-step"
 #: Comma-separated checkpoint ids that made a resumed run fail before it advanced.
@@ -41,6 +50,26 @@ ANN_RESTART_OF: Final = f"{PREFIX}/restart-of"
 #: The operator's view of the job, as JSON ``{"state", "reason", "message", "time"}``.
 ANN_STATUS: Final = f"{PREFIX}/status"
 
+# --------------------------------------------------------------------------- manual recovery
+#: On a failed job (set by a person, ``ckpt recover --job``): restart from this step, even
+#: after ``GaveUp``.
+ANN_RECOVER_STEP: Final = f"{PREFIX}/recover-step"
+#: ``"true"``: the step's checkpoint may be used although corrupted/poisoned/pending.
+ANN_RECOVER_FORCE: Final = f"{PREFIX}/recover-force"
+#: ``"true"``: only report the plan (an Event and ``recover-plan``), change nothing.
+ANN_RECOVER_DRY_RUN: Final = f"{PREFIX}/recover-dry-run"
+#: Who asked and why (required with ``recover-step``); copied onto the new job as the audit.
+ANN_RECOVER_BY: Final = f"{PREFIX}/recover-by"
+ANN_RECOVER_REASON: Final = f"{PREFIX}/recover-reason"
+#: On the failed job: the last manual request handled (its JSON), so it is applied once.
+ANN_RECOVER_HANDLED: Final = f"{PREFIX}/recover-handled"
+#: On the failed job: the plan a dry run found (JSON).
+ANN_RECOVER_PLAN: Final = f"{PREFIX}/recover-plan"
+#: The request annotations (a person's): never copied onto a restart.
+RECOVER_REQUEST_ANNOTATIONS: Final = frozenset(
+    {ANN_RECOVER_STEP, ANN_RECOVER_FORCE, ANN_RECOVER_DRY_RUN, ANN_RECOVER_BY, ANN_RECOVER_REASON}
+)
+
 # --------------------------------------------------------------------------- pods
 #: Pod annotation: a request id; a change means "take an emergency checkpoint now".
 #: Exposed to the agent as the file ``$CKPT_SIGNAL_FILE`` through a downward-API volume.
@@ -53,20 +82,45 @@ ANN_SAVE_NOW_REASON: Final = f"{PREFIX}/save-now-reason"
 LABEL_INJECTED: Final = f"{PREFIX}/injected"
 ANN_INJECTED: Final = f"{PREFIX}/injected"
 INJECTION_VERSION: Final = "v1"
+#: Label on the pod templates of opted-in PyTorchJobs (set by the ``label-job`` webhook,
+#: by the job watcher and on every restart), so every pod the training-operator creates
+#: for them carries it: the pod webhook selects exactly these pods (``objectSelector``)
+#: and fails closed for them; other pods never call it.
+LABEL_INJECT: Final = f"{PREFIX}/inject"
+
+#: The run's verified checkpoints as the pods reported them in their termination
+#: messages (:mod:`ckpt_agent.format.termination`), merged by the operator; copied onto a
+#: restart, so the chain keeps what earlier jobs reported.
+ANN_CHECKPOINTS: Final = f"{PREFIX}/checkpoints"
+#: JSON ``{checkpointId, step, tier, time, source}``: the newest verified weights checkpoint.
+ANN_LAST_VERIFIED: Final = f"{PREFIX}/last-verified-checkpoint"
+
+#: On a job: the pod found running without the agent reporting in (Event posted once).
+ANN_AGENT_MISSING: Final = f"{PREFIX}/agent-missing"
 
 #: Annotations on user objects that the operator owns (never copied onto a restart).
 OPERATOR_JOB_ANNOTATIONS: Final = frozenset(
     {
+        ANN_LAST_VERIFIED,
         ANN_RESTARTED_AS,
         ANN_RESTART_DECISION,
         ANN_STATUS,
         ANN_RESTART_COUNT,
         ANN_RESUME_FROM,
         ANN_RESUME_STEP,
+        ANN_RESUME_WEIGHTS,
+        ANN_RESUME_PIN,
+        ANN_RUN_STARTED_AT,
+        ANN_MTBF_SECONDS,
         ANN_POISONED,
         ANN_RESTART_OF,
+        ANN_RECOVER_HANDLED,
+        ANN_RECOVER_PLAN,
+        ANN_AGENT_MISSING,
     }
 )
+#: kopf's peering object (``ClusterKopfPeering``/``KopfPeering``) replicas elect a leader in.
+PEERING_NAME: Final = "ckpt-operator"
 #: kopf's own bookkeeping annotations use this prefix (configured in main.py).
 KOPF_PREFIX: Final = f"operator.{PREFIX}"
 
@@ -114,3 +168,7 @@ ENV_S3_KMS_KEY_ID: Final = "CKPT_S3_KMS_KEY_ID"
 #: kopf serves each admission handler at ``/<handler id>``; the chart points there.
 WEBHOOK_INJECT_ID: Final = "inject-pods"
 WEBHOOK_VALIDATE_ID: Final = "validate-policy"
+#: Validates the ``ckpt.dev`` annotations of PyTorchJobs (run id, resume point).
+WEBHOOK_VALIDATE_JOB_ID: Final = "validate-job"
+#: Adds :data:`LABEL_INJECT` to the pod templates of opted-in PyTorchJobs at creation.
+WEBHOOK_LABEL_JOB_ID: Final = "label-job"

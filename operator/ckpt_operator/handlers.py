@@ -9,17 +9,26 @@ CheckpointPolicy            create/update/resume → validate, ``Ready`` + ``obs
                             publish the agent ConfigMap; every watch event feeds the retention
                             loop (each policy at its own interval); validating webhook
                             ``validate-policy`` (field-level messages)
+PyTorchJob (webhook)        ``validate-job``: rejects bad ``ckpt.dev`` annotations (run id,
+                            resume point), naming the annotation
 PyTorchJob (opted in)       every watch event → bookkeeping (run id, missing policy) and, when
                             Failed, the recovery scheduler (plan → Events → recreate)
-Pod (mutating webhook)      ``inject-pods``: CREATE of training-operator pods → JSON Patch
+PyTorchJob (mutating)       ``label-job``: CREATE of an opted-in job → ``ckpt.dev/inject`` on its
+                            pod templates, so every pod of it carries the label
+Pod (mutating webhook)      ``inject-pods``: CREATE of labelled pods → JSON Patch (from the watch
+                            caches, within ``--webhook-budget``; fails closed)
+Pod (training, events)      pod index for recovery; reports opted-in pods running uninjected
 Pod (injected, events)      DisruptionTarget / deletion → ``ckpt.dev/save-now``
-Node (events)               cordon / going-away taint → ``ckpt.dev/save-now`` on its pods
+Node (events)               cordon / going-away taint / NotReady / pressure → a node warning in
+                            ``ckpt.dev/save-now`` on its pods; calm again → its clearing
 probe                       liveness details (loops, tracked policies, active recoveries)
 ==========================  ==================================================================
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import functools
 import logging
 from dataclasses import dataclass
@@ -28,7 +37,14 @@ from typing import Any, cast
 import kopf
 
 from ckpt_operator import constants as c
-from ckpt_operator.behaviours.admission import inject_pod, validate_policy
+from ckpt_operator.behaviours.admission import (
+    inject_pod,
+    label_job,
+    report_unprotected,
+    validate_job,
+    validate_policy,
+)
+from ckpt_operator.behaviours.agentcheck import check_agents
 from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.behaviours.disruption import signal_node, signal_pod
 from ckpt_operator.behaviours.policies import reconcile_policy
@@ -60,7 +76,9 @@ def make_runtime(deps: Deps) -> Runtime:
         return await recover_job(deps, job)
 
     async def reconcile(policy: dict[str, Any]) -> object:
-        return await reconcile_retention(deps, policy)
+        status = await reconcile_retention(deps, policy)
+        await check_agents(deps, policy)
+        return status
 
     return Runtime(
         deps=deps,
@@ -120,14 +138,22 @@ async def on_policy_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **
     meta = body.get("metadata") or {}
     if type == "DELETED":
         rt.retention.remove(str(meta.get("namespace")), str(meta.get("name")))
+        rt.deps.policies.remove(str(meta.get("namespace")), str(meta.get("name")))
     else:
         rt.retention.upsert(_raw(body))
+        rt.deps.policies.upsert(_raw(body))
 
 
 def on_validate_policy(spec: kopf.Spec, **_: Any) -> None:
     errors = validate_policy(dict(spec))
     if errors:
         raise kopf.AdmissionError("invalid CheckpointPolicy: " + "; ".join(errors), code=422)
+
+
+def on_validate_job(body: kopf.Body, old: kopf.Body | None = None, **_: Any) -> None:
+    errors = validate_job(_raw(body), _raw(old) if old is not None else None)
+    if errors:
+        raise kopf.AdmissionError("invalid PyTorchJob: " + "; ".join(errors), code=422)
 
 
 # --------------------------------------------------------------------------- pods: injection
@@ -148,18 +174,35 @@ async def on_mutate_pod(
     pod = _raw(body)
     namespace = str((pod.get("metadata") or {}).get("namespace") or "")
     deps = _rt(memo).deps
+    budget = deps.config.webhook.budget_s
     try:
-        outcome = await inject_pod(deps, pod, namespace, dryrun=dryrun)
+        outcome = await asyncio.wait_for(inject_pod(deps, pod, namespace, dryrun=dryrun), budget)
     except Exception as e:
-        # An answer of "not allowed" would block the pod whatever the failurePolicy says:
-        # a failure here admits the pod unchanged, like an unreachable webhook would.
-        log.exception("injection into a pod in %s failed; admitting it unchanged", namespace)
+        # Fail closed: this pod belongs to an opted-in job (ckpt.dev/inject label); admitted
+        # unchanged it would train without checkpoints and resume from step 0. Refused, the
+        # training-operator retries its creation.
+        log.exception("injection into a pod in %s failed; refusing it", namespace)
         deps.metrics.injections.labels("error").inc()
-        warnings.append(f"ckpt-operator: checkpoint agent not injected: {e}")
-        return
+        why = f"no answer within {budget:g}s" if isinstance(e, TimeoutError) else str(e)
+        raise kopf.AdmissionError(
+            "ckpt-operator could not inject the checkpoint agent into this pod of an opted-in "
+            f"PyTorchJob ({why}); it is refused rather than run without checkpoints: the "
+            "training-operator retries it. Check the ckpt-operator's logs.",
+            code=503,
+        ) from None
     warnings.extend(outcome.warnings)
     if outcome.ops:
         patch.fns.append(functools.partial(_apply, outcome.ops))
+
+
+def _label_templates(body: Any) -> None:
+    label_job(cast(dict[str, Any], body))
+
+
+def on_label_job(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """``label-job``: opted-in jobs' pod templates get ``ckpt.dev/inject`` (see handlers doc)."""
+    if label_job(copy.deepcopy(_raw(body))):
+        patch.fns.append(_label_templates)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -172,7 +215,9 @@ async def on_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
     ns, name = str(meta.get("namespace")), str(meta.get("name"))
     if type == "DELETED":
         rt.recovery.cancel(ns, name)
+        rt.deps.jobs.remove(ns, name)
         return
+    rt.deps.jobs.upsert(job)
     if await observe_job(rt.deps, job):
         rt.recovery.schedule(ns, name)
 
@@ -184,6 +229,21 @@ async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
     if type == "DELETED":
         return
     await signal_pod(_rt(memo).deps, _raw(body))
+
+
+async def on_training_pod_event(
+    type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    """Every training-operator pod: the pod index (recovery reads it instead of listing),
+    and a report of opted-in pods that run without the agent."""
+    deps = _rt(memo).deps
+    pod = _raw(body)
+    if type == "DELETED":
+        deps.pods.remove(pod)
+        deps.reported_pods.discard(str((pod.get("metadata") or {}).get("uid") or ""))
+        return
+    deps.pods.upsert(pod)
+    await report_unprotected(deps, pod)
 
 
 async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -216,6 +276,9 @@ def register(registry: kopf.OperatorRegistry, *, webhooks: bool = True) -> kopf.
     kopf.on.event(
         "v1", "pods", labels={c.LABEL_INJECTED: "true"}, registry=registry, id="disruption"
     )(on_pod_event)
+    kopf.on.event(
+        "v1", "pods", labels={c.LABEL_TO_JOB_NAME: kopf.PRESENT}, registry=registry, id="pods"
+    )(on_training_pod_event)
     kopf.on.event("v1", "nodes", registry=registry, id="drain")(on_node_event)
 
     if webhooks:
@@ -225,14 +288,27 @@ def register(registry: kopf.OperatorRegistry, *, webhooks: bool = True) -> kopf.
             id=c.WEBHOOK_INJECT_ID,
             operations=["CREATE"],
             side_effects=True,
-            ignore_failures=True,
-            labels={c.LABEL_TO_JOB_NAME: kopf.PRESENT},
+            ignore_failures=False,
+            labels={c.LABEL_INJECT: "true"},
             registry=registry,
         )(on_mutate_pod)
+        kopf.on.mutate(
+            *PYTORCHJOB,
+            id=c.WEBHOOK_LABEL_JOB_ID,
+            operations=["CREATE"],
+            annotations={c.ANN_POLICY: kopf.PRESENT},
+            registry=registry,
+        )(on_label_job)
         kopf.on.validate(
             *POLICY,
             id=c.WEBHOOK_VALIDATE_ID,
             operations=["CREATE", "UPDATE"],
             registry=registry,
         )(on_validate_policy)
+        kopf.on.validate(
+            *PYTORCHJOB,
+            id=c.WEBHOOK_VALIDATE_JOB_ID,
+            operations=["CREATE", "UPDATE"],
+            registry=registry,
+        )(on_validate_job)
     return registry

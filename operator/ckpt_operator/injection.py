@@ -8,8 +8,15 @@ What the training container (``spec.agent.containerName``, default
 ``pytorch``) receives:
 
 * env: ``CKPT_CONFIG``, ``CKPT_RUN_ID``, ``CKPT_STORAGE_URL``,
-  ``CKPT_RESUME_FROM`` (restarts only), ``CKPT_SHM_DIR``,
-  ``CKPT_SIGNAL_FILE``, ``CKPT_METRICS_PORT``, ``CKPT_WORK_DIR``; for S3 the
+  ``CKPT_RESUME_FROM`` (restarts only; ``CKPT_RESUME_WEIGHTS`` for a heartbeat
+  rebuild, ``CKPT_RESUME_PIN`` for a manual one), ``CKPT_RUN_STARTED_AT``,
+  ``CKPT_MTBF_SECONDS`` (:mod:`ckpt_operator.runfacts`), ``CKPT_SHM_DIR``,
+  ``CKPT_SIGNAL_FILE``, ``CKPT_METRICS_PORT``, ``CKPT_WORK_DIR``,
+  ``CKPT_NAMESPACE`` (downward API), ``CKPT_JOB_NAME``, ``CKPT_JOB_UID`` (the owner
+  the agent claims the run for, :mod:`ckpt_agent.format.owner`),
+  ``CKPT_TERMINATION_LOG`` (the container's ``terminationMessagePath``, set to the
+  Kubernetes default with policy ``File`` when absent: the agent keeps its checkpoint
+  report there, :mod:`ckpt_agent.format.termination`, for the operator); for S3 the
   connection settings (``CKPT_S3_ENDPOINT_URL`` …) and the credentials as
   ``secretKeyRef`` (never values);
 * volumes: the policy's ConfigMap (the agent config JSON, read-only), a
@@ -32,13 +39,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckpt_agent.format.termination import DEFAULT_PATH as TERMINATION_LOG_PATH
+from ckpt_agent.format.termination import ENV_PATH as ENV_TERMINATION_LOG
 from ckpt_agent.policy import AgentConfig, CheckpointPolicySpec, StorageType
 from ckpt_agent.policy.agent_config import (
     ENV_CONFIG,
+    ENV_JOB_NAME,
+    ENV_JOB_UID,
     ENV_METRICS_PORT,
+    ENV_NAMESPACE,
     ENV_RESUME_FROM,
     ENV_RUN_ID,
     ENV_SHM_DIR,
@@ -57,6 +69,7 @@ __all__ = [
     "build_pod_patch",
     "config_map_name",
     "is_injected",
+    "is_unprotected",
 ]
 
 _MAX_NAME = 253
@@ -134,6 +147,12 @@ class InjectionContext:
         }
     )
     """Sidecar container resources."""
+    job_name: str = ""
+    """The PyTorchJob's name (the run's owner record)."""
+    job_uid: str = ""
+    """The PyTorchJob's uid (the run's owner record)."""
+    run_env: Mapping[str, str] = field(default_factory=dict)
+    """The run's facts from the job (:func:`ckpt_operator.runfacts.agent_run_env`)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,12 @@ def is_injected(pod: Mapping[str, Any]) -> bool:
     return any(v.get("name") == c.VOL_CONFIG for v in spec.get("volumes") or ())
 
 
+def is_unprotected(pod: Mapping[str, Any]) -> bool:
+    """An opted-in pod (``ckpt.dev/inject`` label) without the agent."""
+    meta = pod.get("metadata") or {}
+    return (meta.get("labels") or {}).get(c.LABEL_INJECT) == "true" and not is_injected(pod)
+
+
 def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
@@ -177,11 +202,18 @@ def _agent_env(
     ]
     if ctx.resume_from:
         env.append({"name": ENV_RESUME_FROM, "value": ctx.resume_from})
+    env += [{"name": k, "value": v} for k, v in ctx.run_env.items()]
     env += [
         {"name": ENV_SHM_DIR, "value": c.SHM_DIR},
         {"name": ENV_SIGNAL_FILE, "value": c.SIGNAL_FILE},
         {"name": ENV_METRICS_PORT, "value": str(metrics_port)},
         {"name": ENV_WORK_DIR, "value": c.WORK_DIR},
+        {"name": ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    env += [
+        {"name": name, "value": value}
+        for name, value in ((ENV_JOB_NAME, ctx.job_name), (ENV_JOB_UID, ctx.job_uid))
+        if value
     ]
     if spec.storage.type == StorageType.S3 and spec.storage.s3 is not None:
         s3 = spec.storage.s3
@@ -301,14 +333,7 @@ def build_pod_patch(
         )
     run_id = job_annotations.get(c.ANN_RUN_ID) or ctx.run_id
     resume_from = job_annotations.get(c.ANN_RESUME_FROM) or ctx.resume_from
-    ctx = InjectionContext(
-        policy_name=ctx.policy_name,
-        run_id=run_id,
-        resume_from=resume_from,
-        agent_image=ctx.agent_image,
-        sidecar_command=ctx.sidecar_command,
-        sidecar_resources=ctx.sidecar_resources,
-    )
+    ctx = replace(ctx, run_id=run_id, resume_from=resume_from)
 
     # Refuse pods whose names or paths we would clobber.
     existing_volumes = {v.get("name") for v in spec_obj.get("volumes") or ()}
@@ -381,6 +406,12 @@ def build_pod_patch(
     kept = [e["name"] for e in env if e["name"] in user_env]
     if kept:
         notes.append(f"kept the container's own value of {', '.join(kept)}")
+    termination_log = container.get("terminationMessagePath") or TERMINATION_LOG_PATH
+    if not container.get("terminationMessagePath"):
+        ops.append(add(base + "/terminationMessagePath", TERMINATION_LOG_PATH))
+    if not container.get("terminationMessagePolicy"):
+        ops.append(add(base + "/terminationMessagePolicy", "File"))
+    env.append({"name": ENV_TERMINATION_LOG, "value": termination_log})
     _append_list(
         ops, base + "/env", container.get("env"), [e for e in env if e["name"] not in user_env]
     )
@@ -403,11 +434,12 @@ def build_pod_patch(
 
     if want_sidecar:
         sc_port = _sidecar_metrics_port(metrics_port)
+        own = {
+            ENV_METRICS_PORT: str(sc_port),
+            ENV_TERMINATION_LOG: TERMINATION_LOG_PATH,  # its own container, its own file
+        }
         sc_env = [
-            e
-            if e["name"] != ENV_METRICS_PORT
-            else {"name": ENV_METRICS_PORT, "value": str(sc_port)}
-            for e in env
+            e if e["name"] not in own else {"name": e["name"], "value": own[e["name"]]} for e in env
         ]
         sidecar = {
             "name": c.SIDECAR_NAME,
@@ -420,6 +452,8 @@ def build_pod_patch(
                 {"name": c.SIDECAR_METRICS_PORT_NAME, "containerPort": sc_port, "protocol": "TCP"}
             ],
             "resources": dict(ctx.sidecar_resources),
+            "terminationMessagePath": TERMINATION_LOG_PATH,
+            "terminationMessagePolicy": "File",
             "securityContext": {
                 "allowPrivilegeEscalation": False,
                 "readOnlyRootFilesystem": True,

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from ckpt_operator import constants as c
 
@@ -19,11 +19,17 @@ __all__ = [
     "JobFacts",
     "JobStatusAnnotation",
     "condition",
+    "inject_label_patch",
     "job_facts",
+    "label_templates_in_place",
     "owner_job_name",
     "parse_time",
     "run_id_of",
+    "unlabelled_replicas",
 ]
+
+#: Where a PyTorchJob keeps its replica types (each with a pod ``template``).
+REPLICA_SPECS: Final = "pytorchReplicaSpecs"
 
 
 def parse_time(value: object) -> float | None:
@@ -36,9 +42,13 @@ def parse_time(value: object) -> float | None:
         return None
 
 
-def format_time(ts: float) -> str:
-    """Unix seconds → RFC 3339 UTC with a ``Z`` (what Kubernetes writes)."""
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def format_time(ts: float, *, precise: bool = False) -> str:
+    """Unix seconds → RFC 3339 UTC with a ``Z`` (what Kubernetes writes); ``precise``:
+    with milliseconds (the operator's own annotations: backoffs are sub-second)."""
+    when = datetime.fromtimestamp(ts, tz=UTC)
+    if precise:
+        return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def condition(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
@@ -228,3 +238,53 @@ def job_facts(job: Mapping[str, Any]) -> JobFacts:
         failure_message=str((failed_cond or {}).get("message") or ""),
         annotations=ann,
     )
+
+
+# --------------------------------------------------------------------------- pod template label
+
+
+def _replica_specs(job: Mapping[str, Any]) -> Mapping[str, Any]:
+    specs = (job.get("spec") or {}).get(REPLICA_SPECS) or {}
+    return specs if isinstance(specs, Mapping) else {}
+
+
+def unlabelled_replicas(job: Mapping[str, Any]) -> list[str]:
+    """Replica types whose pod template lacks ``ckpt.dev/inject: "true"`` (sorted)."""
+    missing = []
+    for rtype, rspec in _replica_specs(job).items():
+        if not isinstance(rspec, Mapping):
+            continue
+        template = rspec.get("template") or {}
+        labels = (template.get("metadata") or {}).get("labels") or {}
+        if labels.get(c.LABEL_INJECT) != "true":
+            missing.append(str(rtype))
+    return sorted(missing)
+
+
+def inject_label_patch(job: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A JSON merge patch adding the inject label to every unlabelled pod template (None:
+    all carry it)."""
+    missing = unlabelled_replicas(job)
+    if not missing:
+        return None
+    label = {"template": {"metadata": {"labels": {c.LABEL_INJECT: "true"}}}}
+    return {"spec": {REPLICA_SPECS: {rtype: label for rtype in missing}}}
+
+
+def label_templates_in_place(job: dict[str, Any]) -> bool:
+    """Add the inject label to every pod template of ``job`` (in place); True when changed."""
+    changed = False
+    for rspec in _replica_specs(job).values():
+        if not isinstance(rspec, dict):
+            continue
+        template = rspec.setdefault("template", {})
+        meta = template.setdefault("metadata", {}) if isinstance(template, dict) else None
+        if not isinstance(meta, dict):
+            continue
+        labels = meta.get("labels")
+        if not isinstance(labels, dict):
+            labels = meta["labels"] = {}
+        if labels.get(c.LABEL_INJECT) != "true":
+            labels[c.LABEL_INJECT] = "true"
+            changed = True
+    return changed

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from typing import Any, Protocol, cast
 
 from ckpt_operator import constants as c
@@ -63,6 +65,10 @@ class KubeApi(Protocol):
         self, namespace: str, name: str, annotations: Mapping[str, str | None]
     ) -> None: ...
 
+    async def patch_job(self, namespace: str, name: str, patch: Obj) -> None:
+        """JSON merge patch of a PyTorchJob."""
+        ...
+
     async def get_policy(self, namespace: str, name: str) -> Obj | None: ...
 
     async def patch_policy_status(
@@ -75,7 +81,11 @@ class KubeApi(Protocol):
         """Create, or replace the data of, a ConfigMap."""
         ...
 
-    async def list_pods(self, *, node_name: str | None, label_selector: str) -> list[Obj]: ...
+    async def list_pods(
+        self, *, node_name: str | None, label_selector: str, namespace: str | None = None
+    ) -> list[Obj]:
+        """Pods matching ``label_selector`` (in ``namespace``; None: all namespaces)."""
+        ...
 
     async def patch_pod(self, namespace: str, name: str, patch: Obj) -> None: ...
 
@@ -101,17 +111,28 @@ def _error(exc: Exception) -> ApiError:
 
 
 class KubernetesApi:
-    """:class:`KubeApi` over the official client (blocking calls in threads)."""
+    """:class:`KubeApi` over the official client (blocking calls in threads).
 
-    def __init__(self, api_client: Any) -> None:
+    ``executor`` runs the blocking calls (None: the loop's default executor); the
+    operator gives the webhook and reconciliation separate pools (see ``main.py``).
+    Every call gives up after ``timeout_s`` (the client's ``_request_timeout``).
+    """
+
+    def __init__(
+        self, api_client: Any, *, executor: Executor | None = None, timeout_s: float = 30.0
+    ) -> None:
         from kubernetes import client
 
         self._client = api_client
         self._custom = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
+        self._executor = executor
+        self._timeout_s = timeout_s
 
     @classmethod
-    def from_environment(cls) -> KubernetesApi:
+    def from_environment(
+        cls, *, executor: Executor | None = None, timeout_s: float = 30.0
+    ) -> KubernetesApi:
         """In-cluster service account, else ``$KUBECONFIG`` / ``~/.kube/config``."""
         from kubernetes import client, config
 
@@ -119,13 +140,23 @@ class KubernetesApi:
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
             config.load_kube_config()  # type: ignore[no-untyped-call]
-        return cls(client.ApiClient())
+        return cls(client.ApiClient(), executor=executor, timeout_s=timeout_s)
+
+    def with_executor(self, executor: Executor, *, timeout_s: float | None = None) -> KubernetesApi:
+        """The same client (connection pool, credentials) on another executor."""
+        return KubernetesApi(
+            self._client,
+            executor=executor,
+            timeout_s=self._timeout_s if timeout_s is None else timeout_s,
+        )
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         from kubernetes.client.exceptions import ApiException
 
+        kwargs.setdefault("_request_timeout", self._timeout_s)
+        call = functools.partial(fn, *args, **kwargs)
         try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except ApiException as e:
             raise _error(e) from None
 
@@ -189,6 +220,9 @@ class KubernetesApi:
     async def patch_job_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None]
     ) -> None:
+        await self.patch_job(namespace, name, {"metadata": {"annotations": dict(annotations)}})
+
+    async def patch_job(self, namespace: str, name: str, patch: Obj) -> None:
         await self._call(
             self._custom.patch_namespaced_custom_object,
             c.PYTORCHJOB_GROUP,
@@ -196,7 +230,7 @@ class KubernetesApi:
             namespace,
             c.PYTORCHJOB_PLURAL,
             name,
-            {"metadata": {"annotations": dict(annotations)}},
+            patch,
         )
 
     # ------------------------------------------------------------------ policies
@@ -245,7 +279,9 @@ class KubernetesApi:
                 {"metadata": {"labels": meta.get("labels", {})}, "data": body["data"]},
             )
 
-    async def list_pods(self, *, node_name: str | None, label_selector: str) -> list[Obj]:
+    async def list_pods(
+        self, *, node_name: str | None, label_selector: str, namespace: str | None = None
+    ) -> list[Obj]:
         items: list[Obj] = []
         token: str | None = None
         while True:
@@ -254,7 +290,10 @@ class KubernetesApi:
                 kwargs["field_selector"] = f"spec.nodeName={node_name}"
             if token:
                 kwargs["_continue"] = token
-            page = await self._raw(self._core.list_pod_for_all_namespaces, **kwargs)
+            if namespace:
+                page = await self._raw(self._core.list_namespaced_pod, namespace, **kwargs)
+            else:
+                page = await self._raw(self._core.list_pod_for_all_namespaces, **kwargs)
             for item in page.get("items") or []:
                 # list items carry no kind/apiVersion; Events about them need both
                 item.setdefault("apiVersion", "v1")
@@ -267,10 +306,30 @@ class KubernetesApi:
     async def patch_pod(self, namespace: str, name: str, patch: Obj) -> None:
         await self._call(self._core.patch_namespaced_pod, name, namespace, patch)
 
+    async def ensure_peering(self, name: str) -> None:
+        """Create kopf's ``ClusterKopfPeering`` ``name`` unless it exists (leader election)."""
+        body = {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": name},
+        }
+        try:
+            await self._call(
+                self._custom.create_cluster_custom_object,
+                "kopf.dev",
+                "v1",
+                "clusterkopfpeerings",
+                body,
+            )
+        except ConflictError:
+            pass
+
     def post_event(self, body: Obj) -> None:
         """Create a core/v1 Event (blocking; see :class:`ckpt_operator.events.KopfEvents`)."""
         namespace = str((body.get("metadata") or {}).get("namespace") or "default")
-        self._core.create_namespaced_event(namespace, cast(Any, body))
+        self._core.create_namespaced_event(
+            namespace, cast(Any, body), _request_timeout=self._timeout_s
+        )
 
     async def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -61,8 +62,15 @@ class RecoveryScheduler:
         task = self._tasks.get(key)
         if task is not None and not task.done():
             return False
-        self._tasks[key] = asyncio.create_task(self._run(key), name=f"recover {namespace}/{name}")
+        task = asyncio.create_task(self._run(key), name=f"recover {namespace}/{name}")
+        self._tasks[key] = task
+        task.add_done_callback(functools.partial(self._forget, key))
         return True
+
+    def _forget(self, key: Key, task: asyncio.Task[None]) -> None:
+        """A finished task leaves no trace (memory follows the jobs being recovered)."""
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
 
     def cancel(self, namespace: str, name: str) -> None:
         task = self._tasks.pop((namespace, name), None)

@@ -5,10 +5,14 @@ See ``ckpt-operator --help`` and ``docs/operator.md``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import kopf
 
@@ -23,7 +27,7 @@ from ckpt_operator.metrics import Metrics
 from ckpt_operator.sources import StorageSourceFactory
 from ckpt_operator.webhook import InstrumentedWebhookServer
 
-__all__ = ["build_settings", "main", "webhook_server"]
+__all__ = ["build_settings", "executors", "main", "webhook_server"]
 
 log = logging.getLogger("ckpt_operator")
 
@@ -64,10 +68,33 @@ def build_settings(cfg: OperatorConfig, metrics: Metrics) -> kopf.OperatorSettin
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 600
     settings.watching.client_timeout = 660
+    if not cfg.standalone:
+        # kopf pauses every operator when peers share a priority: a random one per replica
+        # makes exactly one of them active (the highest), the others stand by.
+        settings.peering.name = c.PEERING_NAME
+        settings.peering.priority = random.randint(1, 2**31 - 1)
+        settings.peering.clusterwide = True  # the ClusterKopfPeering (never with --namespace)
+        settings.peering.mandatory = True  # never two active operators for lack of a CRD
     if cfg.webhook.enabled:
         settings.admission.server = webhook_server(cfg, metrics)
         settings.admission.managed = cfg.webhook.managed
     return settings
+
+
+def executors(cfg: OperatorConfig) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    """Reconciliation's pool (``--workers``: API calls, storage, planning; also the loop's
+    default executor) and the webhook's own (``--webhook-workers``)."""
+    return (
+        ThreadPoolExecutor(cfg.workers, thread_name_prefix="ckpt-reconcile"),
+        ThreadPoolExecutor(cfg.webhook.workers, thread_name_prefix="ckpt-webhook"),
+    )
+
+
+def _use_default_executor(pool: ThreadPoolExecutor) -> Any:
+    async def on_startup(**_: Any) -> None:
+        asyncio.get_running_loop().set_default_executor(pool)
+
+    return on_startup
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         verbose=cfg.verbose,
         log_format=kopf.LogFormat.JSON if cfg.log_format == "json" else kopf.LogFormat.PLAIN,
     )
-    api = KubernetesApi.from_environment()
+    reconcile_pool, webhook_pool = executors(cfg)
+    api = KubernetesApi.from_environment(executor=reconcile_pool, timeout_s=cfg.api_timeout_s)
+    # the webhook's fallback reads must answer within its budget
+    admission_api = api.with_executor(webhook_pool, timeout_s=cfg.webhook.budget_s)
     metrics = Metrics()
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
@@ -84,10 +114,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         api.get_secret_data,
         read_secrets=cfg.read_storage_secrets,
         gc_grace_s=cfg.retention.gc_grace_s,
+        tenancy=cfg.tenancy,
+        timeout_s=cfg.storage_timeout_s,
     )
     events = KopfEvents(post=api.post_event)
-    deps = Deps(api=api, events=events, metrics=metrics, sources=sources, config=cfg)
+    deps = Deps(
+        api=api,
+        events=events,
+        metrics=metrics,
+        sources=sources,
+        config=cfg,
+        admission_api=admission_api,
+    )
     registry = register(kopf.OperatorRegistry(), webhooks=cfg.webhook.enabled)
+    # storage calls and Events use asyncio's default executor: make it the sized pool
+    kopf.on.startup(registry=registry, id="executor")(_use_default_executor(reconcile_pool))
+    if not cfg.standalone:
+
+        async def peering_object(**_: Any) -> None:
+            await api.ensure_peering(c.PEERING_NAME)
+
+        kopf.on.startup(registry=registry, id="peering")(peering_object)
     # An explicit registry has no login handlers (only kopf's implicit default registry
     # adds them): without this kopf never authenticates ("Ran out of valid credentials").
     # The official client's login: in-cluster service account, else $KUBECONFIG.
@@ -104,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     finally:
         sources.close()
+        reconcile_pool.shutdown(wait=False, cancel_futures=True)
+        webhook_pool.shutdown(wait=False, cancel_futures=True)
     return 0
 
 

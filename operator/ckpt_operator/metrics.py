@@ -4,6 +4,8 @@
 * ``ckpt_operator_recoveries_total{result,reason}``: recovery attempts, ``success``
   (restart created) or ``failure`` (gave up, crash loop, create error); the
   success-rate alert divides these;
+* ``ckpt_operator_recovery_success_ratio``: successful recoveries over all recovery
+  attempts since this operator started (1 before any);
 * ``ckpt_operator_poisoned_checkpoints_total``: checkpoints poisoned by crash loops;
 * ``ckpt_operator_failure_to_restart_seconds``: the job's Failed condition →
   restart created, backoff included (histogram);
@@ -14,7 +16,9 @@
   (allowed / denied / error);
 * ``ckpt_operator_webhook_duration_seconds{webhook}``: admission latency (histogram);
 * ``ckpt_operator_injections_total{result}``: pods injected / skipped / already injected / error;
-* ``ckpt_operator_save_now_signals_total{reason}``: emergency-checkpoint signals sent.
+* ``ckpt_operator_save_now_signals_total{reason}``: emergency-checkpoint signals sent;
+* ``ckpt_operator_unprotected_pods_total``: opted-in pods found running without the agent
+  (admitted while the webhook was bypassed).
 
 Label values come from small fixed sets (CamelCase reasons, webhook ids),
 never from object names, to keep cardinality bounded.
@@ -22,7 +26,7 @@ never from object names, to keep cardinality bounded.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = ["Metrics"]
 
@@ -52,6 +56,13 @@ class Metrics:
             "result",
             "reason",
         )
+        self.recovery_success = Gauge(
+            "ckpt_operator_recovery_success_ratio",
+            "Successful recoveries over all recovery attempts since the operator started "
+            "(1 before any)",
+            registry=self.registry,
+        )
+        self.recovery_success.set_function(self._recovery_success_ratio)
         self.poisoned = counter("poisoned_checkpoints", "Checkpoints poisoned by crash loops")
         self.failure_to_restart = histogram(
             "failure_to_restart_seconds",
@@ -80,9 +91,22 @@ class Metrics:
             "Pods seen by the injection webhook (injected, skipped, already)",
             "result",
         )
+        self.unprotected_pods = counter(
+            "unprotected_pods",
+            "Opted-in pods found running without the checkpoint agent (webhook bypassed)",
+        )
         self.save_now = counter(
             "save_now_signals", "Emergency-checkpoint signals sent to pods", "reason"
         )
+
+    def _recovery_success_ratio(self) -> float:
+        ok = total = 0.0
+        for family in self.recoveries.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    total += sample.value
+                    ok += sample.value if sample.labels.get("result") == "success" else 0.0
+        return ok / total if total else 1.0
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Expose ``/metrics`` on ``addr:port`` (a daemon thread)."""

@@ -31,7 +31,8 @@ from ckpt_agent.decide.recovery import is_poisoned, plan_recovery, walk
 from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord
 from ckpt_operator import constants as c
-from ckpt_operator.jobs import JobFacts, job_facts, parse_time
+from ckpt_operator.jobs import JobFacts, job_facts, label_templates_in_place, parse_time
+from ckpt_operator.runfacts import estimate_mtbf, run_started_at
 
 __all__ = [
     "GiveUp",
@@ -47,6 +48,7 @@ __all__ = [
     "plan_restart",
     "precheck_restart",
     "restart_name",
+    "run_mtbf",
     "terminating_pods_wait",
 ]
 
@@ -160,6 +162,11 @@ class RestartDecision:
     poisoned: tuple[str, ...] = ()
     weights_from: str | None = None
     reason: str = ""
+    mtbf_seconds: float | None = None
+    """The run's MTBF estimate handed to the new job's pods (None: the policy's)."""
+    requested_by: str | None = None
+    """A manual restart (``ckpt.dev/recover-step``): who asked, and why."""
+    request_reason: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -172,6 +179,9 @@ class RestartDecision:
                 "poisoned": list(self.poisoned),
                 "weightsFrom": self.weights_from,
                 "reason": self.reason,
+                "mtbfSeconds": self.mtbf_seconds,
+                "requestedBy": self.requested_by,
+                "requestReason": self.request_reason,
             },
             sort_keys=True,
         )
@@ -188,6 +198,9 @@ class RestartDecision:
             poisoned=tuple(str(p) for p in data.get("poisoned") or ()),
             weights_from=data.get("weightsFrom") or None,
             reason=str(data.get("reason", "")),
+            mtbf_seconds=float(mtbf) if (mtbf := data.get("mtbfSeconds")) else None,
+            requested_by=data.get("requestedBy") or None,
+            request_reason=data.get("requestReason") or None,
         )
 
 
@@ -250,6 +263,7 @@ def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict
         k: v
         for k, v in (meta.get("annotations") or {}).items()
         if k not in c.OPERATOR_JOB_ANNOTATIONS
+        and k not in c.RECOVER_REQUEST_ANNOTATIONS
         and k not in _DROP_ANNOTATIONS
         and not k.startswith(c.KOPF_PREFIX + "/")
     }
@@ -266,6 +280,17 @@ def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict
         annotations[c.ANN_RESUME_STEP] = str(decision.resume_step)
     if decision.poisoned:
         annotations[c.ANN_POISONED] = ",".join(decision.poisoned)
+    if decision.weights_from:
+        annotations[c.ANN_RESUME_WEIGHTS] = decision.weights_from
+    started = run_started_at(facts)
+    if started is not None:
+        annotations[c.ANN_RUN_STARTED_AT] = f"{started:.0f}"
+    if decision.mtbf_seconds is not None:
+        annotations[c.ANN_MTBF_SECONDS] = f"{decision.mtbf_seconds:.6g}"
+    if decision.requested_by is not None:  # a manual restart: its own pin, and the audit
+        annotations[c.ANN_RESUME_PIN] = decision.name
+        annotations[c.ANN_RECOVER_BY] = decision.requested_by
+        annotations[c.ANN_RECOVER_REASON] = decision.request_reason or ""
     new_meta: dict[str, Any] = {
         "name": decision.name,
         "namespace": facts.namespace,
@@ -275,12 +300,25 @@ def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict
         new_meta["labels"] = dict(meta["labels"])
     if meta.get("ownerReferences"):
         new_meta["ownerReferences"] = copy.deepcopy(meta["ownerReferences"])
-    return {
+    body = {
         "apiVersion": job.get("apiVersion") or f"{c.PYTORCHJOB_GROUP}/{c.PYTORCHJOB_VERSION}",
         "kind": job.get("kind") or c.PYTORCHJOB_KIND,
         "metadata": new_meta,
         "spec": copy.deepcopy(job.get("spec") or {}),
     }
+    # its pods must reach the (fail-closed) injection webhook whatever the old job carried
+    label_templates_in_place(body)
+    return body
+
+
+def run_mtbf(facts: JobFacts, prior_s: float | None, now: float) -> float | None:
+    """The MTBF estimate after this job's failure (None: no prior known)."""
+    if prior_s is None:
+        return None
+    started = run_started_at(facts)
+    failed = facts.failed_at if facts.failed_at is not None else now
+    elapsed = failed - started if started is not None else 0.0
+    return estimate_mtbf(prior_s, facts.restart_count + 1, elapsed)
 
 
 def precheck_restart(
@@ -333,8 +371,12 @@ def plan_restart(
     now: float,
     verify: Callable[[str], bool],
     progress: Sequence[tuple[int, float]] = (),
+    mtbf_prior_s: float | None = None,
 ) -> RestartOutcome:
     """Decide what to do about a (possibly) failed job; see the module docstring.
+
+    ``mtbf_prior_s``: the policy's ``mtbfSeconds``; the decision carries it blended
+    with the run's failures (:func:`ckpt_operator.runfacts.estimate_mtbf`).
 
     ``records`` are the run's checkpoints (all of them, as listed from the
     manifests); ``progress`` the run's heartbeats ``(step, time)``;
@@ -351,6 +393,7 @@ def plan_restart(
         poisoned.append(crash)
 
     name = restart_name(facts.name, facts.restart_count)
+    mtbf = run_mtbf(facts, mtbf_prior_s, now)
     if not records:
         if facts.resume_from:
             return GiveUp(
@@ -367,6 +410,7 @@ def plan_restart(
             action="fresh",
             poisoned=tuple(poisoned),
             reason="no checkpoint written yet: restarting from the beginning",
+            mtbf_seconds=mtbf,
         )
         return Restart(decision, build_restart_job(job, decision), crash_loop=crash)
 
@@ -395,6 +439,7 @@ def plan_restart(
         poisoned=tuple(poisoned),
         weights_from=chosen.weights_from,
         reason=chosen.reason,
+        mtbf_seconds=mtbf,
     )
     return Restart(
         decision,

@@ -15,8 +15,9 @@ are shared between checkpoints (content addressed), so they are removed by
 than a grace period, so a checkpoint being written right now never loses a
 blob it is about to reference (the writer also re-checks its blobs before it
 commits). Uncommitted folders older than the grace period (crash leftovers)
-are removed by the same pass. While any rank manifest of the run is
-unreadable (it might reference anything) nothing is collected.
+are removed by the same pass. While any other rank manifest of the run is
+unreadable (it might reference anything) no blob is collected
+(:func:`~ckpt_agent.persist.housekeeping.gc_blobs` itself refuses).
 """
 
 from __future__ import annotations
@@ -29,24 +30,38 @@ from typing import Protocol
 
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.heartbeat import read_heartbeat
+from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.owner import RunOwner, claim_owner
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import (
     GcResult,
     ManifestCache,
     delete_checkpoint,
     gc_blobs,
-    referenced_blobs,
 )
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
-from ckpt_agent.records import CheckpointRecord
-from ckpt_agent.storage import Storage, StorageError, StorageOptions, open_storage
+from ckpt_agent.records import CheckpointRecord, Tier
+from ckpt_agent.storage import (
+    PermanentStorageError,
+    RetryableStorageError,
+    Storage,
+    StorageError,
+    StorageOptions,
+    open_storage,
+)
+from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.tuning import GC_GRACE_S
+from ckpt_operator.config import TenancyConfig
+from ckpt_operator.tenancy import storage_refusal
 
 __all__ = [
     "CheckpointSource",
+    "ReportedCheckpointSource",
     "SourceFactory",
+    "StorageAccessDeniedError",
     "StorageCheckpointSource",
+    "StorageTimeoutError",
     "VerificationFailedError",
     "storage_options_for",
 ]
@@ -56,6 +71,15 @@ log = logging.getLogger(__name__)
 
 class VerificationFailedError(Exception):
     """A checkpoint failed re-verification; the message says why."""
+
+
+class StorageAccessDeniedError(PermanentStorageError):
+    """The administrator did not allow the storage a policy names (see
+    :mod:`ckpt_operator.tenancy`); nothing was opened or sent. The message says what to do."""
+
+
+class StorageTimeoutError(RetryableStorageError):
+    """A storage call did not return within the operator's storage timeout."""
 
 
 class CheckpointSource(Protocol):
@@ -87,6 +111,15 @@ class CheckpointSource(Protocol):
     def collect_garbage(self, run_id: str) -> GcResult:
         """Delete blobs no manifest references any more and stale uncommitted folders
         (both older than the grace period)."""
+        ...
+
+    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
+        """The run's owner (``OWNER.json``), claimed for ``owner`` when it has none."""
+        ...
+
+    def reachable(self) -> bool:
+        """Whether this is the storage the pods write (False: a local path that does not
+        exist in the operator's pod, e.g. a PVC mounted in the job's pods only)."""
         ...
 
     def close(self) -> None: ...
@@ -141,6 +174,13 @@ class StorageCheckpointSource:
             return []
 
     def verify(self, run_id: str, checkpoint_id: str) -> bool:
+        tier, step = parse_checkpoint_id(checkpoint_id)
+        if tier == Tier.HEARTBEAT:  # no commit, no hashes: the ring must still hold the step
+            if any(s == step for s, _ in self.progress(run_id)):
+                return True
+            raise VerificationFailedError(
+                f"{checkpoint_id}: the heartbeat ring of run {run_id} no longer holds step {step}"
+            )
         result = verify_hashes(self.storage, run_id, checkpoint_id)
         if not result.ok:
             raise VerificationFailedError(result.reason)
@@ -150,22 +190,75 @@ class StorageCheckpointSource:
         delete_checkpoint(self.storage, run_id, checkpoint_id)
 
     def collect_garbage(self, run_id: str) -> GcResult:
-        # An unreadable manifest might reference anything: collect nothing this time
-        # (gc_blobs itself would ignore it).
-        _, unreadable = referenced_blobs(self.storage, run_id, self._manifests)
-        if unreadable:
-            log.warning("run %s: skipping blob GC, unreadable %s", run_id, "; ".join(unreadable))
-            return GcResult(unreadable_manifests=unreadable)
-        return gc_blobs(
+        gc = gc_blobs(
             self.storage,
             run_id,
             grace_s=self.gc_grace_s,
             now=self.clock(),
             cache=self._manifests,
         )
+        if gc.unreadable_manifests:  # gc_blobs deleted no blob: one might be referenced
+            log.warning(
+                "run %s: blob GC skipped, unreadable %s", run_id, "; ".join(gc.unreadable_manifests)
+            )
+        return gc
+
+    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
+        return claim_owner(self.storage, run_id, owner)
+
+    def reachable(self) -> bool:
+        if isinstance(self.storage, LocalStorage):
+            return self.storage.root.is_dir()
+        return True
 
     def close(self) -> None:
         self.storage.close()
+
+
+class ReportedCheckpointSource:
+    """:class:`CheckpointSource` over what the pods reported, for storage the operator
+    cannot reach (:mod:`ckpt_operator.reports`).
+
+    Nothing can be verified or deleted from here: the restarted pod re-verifies each
+    candidate before it loads one (its own ladder), and retention runs in the pods.
+    """
+
+    def __init__(self, records: list[CheckpointRecord]) -> None:
+        self.records = records
+
+    def list_checkpoints(
+        self, run_id: str, *, include_heartbeat: bool = True
+    ) -> list[CheckpointRecord]:
+        del run_id
+        return [r for r in self.records if include_heartbeat or r.tier != Tier.HEARTBEAT]
+
+    def progress(self, run_id: str) -> list[tuple[int, float]]:
+        del run_id
+        return []  # the newest heartbeat is one of the records
+
+    def verify(self, run_id: str, checkpoint_id: str) -> bool:
+        del run_id, checkpoint_id
+        return True  # the pod verifies before loading
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        raise StorageError(
+            f"cannot delete {run_id}/{checkpoint_id}: the storage is not reachable from the "
+            "operator (retention of PVC storage runs in the pods)"
+        )
+
+    def collect_garbage(self, run_id: str) -> GcResult:
+        del run_id
+        return GcResult()
+
+    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
+        del run_id
+        return owner  # the owner record is in the storage; the pods' agents keep it
+
+    def reachable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 class StorageSourceFactory:
@@ -173,7 +266,11 @@ class StorageSourceFactory:
 
     S3 credentials come from the policy's ``credentialsSecret`` (read through
     ``get_secret`` when ``read_secrets``), else from the operator's own
-    environment (``CKPT_S3_*``, the AWS chain: IRSA, instance profile).
+    environment (``CKPT_S3_*``, the AWS chain: IRSA, instance profile) — the
+    latter only where ``tenancy`` grants it. Nothing is opened for a policy that
+    :func:`ckpt_operator.tenancy.storage_refusal` refuses
+    (:class:`StorageAccessDeniedError`). S3 connect/read timeouts are capped at
+    ``timeout_s``, and so is the wait for opening the storage.
     """
 
     def __init__(
@@ -182,10 +279,14 @@ class StorageSourceFactory:
         *,
         read_secrets: bool = True,
         gc_grace_s: float = GC_GRACE_S,
+        tenancy: TenancyConfig | None = None,
+        timeout_s: float = 30.0,
     ) -> None:
         self._get_secret = get_secret
         self._read_secrets = read_secrets
         self._gc_grace_s = gc_grace_s
+        self._tenancy = tenancy if tenancy is not None else TenancyConfig()
+        self._timeout_s = timeout_s
         self._cache: dict[tuple[str, str], tuple[object, StorageCheckpointSource]] = {}
 
     async def __call__(
@@ -207,12 +308,29 @@ class StorageSourceFactory:
                     f"Secret {namespace}/{ref.name} lacks {ref.access_key_id_key} or "
                     f"{ref.secret_access_key_key}"
                 )
+        own_identity = key_id is None
+        refusal = storage_refusal(namespace, spec, self._tenancy, operator_identity=own_identity)
+        if refusal is not None:
+            raise StorageAccessDeniedError(f"policy {namespace}/{policy}: {refusal}")
         options = storage_options_for(spec, access_key_id=key_id, secret_access_key=secret)
+        options = options.replace(
+            connect_timeout_s=min(options.connect_timeout_s, self._timeout_s),
+            read_timeout_s=min(options.read_timeout_s, self._timeout_s),
+        )
+        if not own_identity:  # the tenant's keys, never mixed with the operator's session
+            options = options.replace(session_token=None, profile=None)
         fingerprint = (spec.storage.url(), options)
         cached = self._cache.get((namespace, policy))
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
-        storage = await asyncio.to_thread(open_storage, spec.storage.url(), options)
+        try:
+            storage = await asyncio.wait_for(
+                asyncio.to_thread(open_storage, spec.storage.url(), options), self._timeout_s
+            )
+        except TimeoutError:
+            raise StorageTimeoutError(
+                f"opening {spec.storage.url()} took over {self._timeout_s:.0f}s"
+            ) from None
         source = StorageCheckpointSource(storage, gc_grace_s=self._gc_grace_s)
         if cached is not None:
             cached[1].close()

@@ -48,6 +48,12 @@ def make_config(tmp_path: Path, **overrides: Any) -> AgentConfig:
     return AgentConfig.model_validate(data)
 
 
+@pytest.fixture(scope="session")
+def ck_make_config() -> Callable[..., AgentConfig]:
+    """``make_config(root, **overrides)``, for session-scoped fixtures with their own root."""
+    return make_config
+
+
 @pytest.fixture
 def ck_config(tmp_path: Path) -> Callable[..., AgentConfig]:
     def factory(**overrides: Any) -> AgentConfig:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_agent.format.owner import RunOwner
 from ckpt_agent.persist.housekeeping import GcResult
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
@@ -75,6 +76,17 @@ def record(
 @pytest.fixture
 def rec() -> Callable[..., CheckpointRecord]:
     return record
+
+
+def _merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
+    """RFC 7386 JSON merge patch, in place."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, Mapping) and isinstance(target.get(k), dict):
+            _merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
 
 
 class FakeApi:
@@ -142,6 +154,13 @@ class FakeApi:
             else:
                 ann[k] = v
 
+    async def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.calls.append(("patch_job", (name, copy.deepcopy(patch))))
+        job = self.jobs.get((namespace, name))
+        if job is None:
+            raise NotFoundError(404, f"pytorchjobs {name} not found")
+        _merge(job, patch)
+
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get_policy", name))
         p = self.policies.get((namespace, name))
@@ -171,12 +190,14 @@ class FakeApi:
         self.config_maps[(m["namespace"], m["name"])] = copy.deepcopy(body)
 
     async def list_pods(
-        self, *, node_name: str | None, label_selector: str
+        self, *, node_name: str | None, label_selector: str, namespace: str | None = None
     ) -> list[dict[str, Any]]:
         self.calls.append(("list_pods", (node_name, label_selector)))
         key, _, value = label_selector.partition("=")
         out = []
-        for pod in self.pods.values():
+        for (ns, _name), pod in self.pods.items():
+            if namespace and ns != namespace:
+                continue
             if node_name and pod.get("spec", {}).get("nodeName") != node_name:
                 continue
             if pod["metadata"].get("labels", {}).get(key) != value:
@@ -209,6 +230,13 @@ class FakeSource:
     deleted: list[tuple[str, str]] = field(default_factory=list)
     gc_runs: list[str] = field(default_factory=list)
     listed: list[tuple[str, bool]] = field(default_factory=list)
+    unreachable: bool = False
+    """Plays storage the operator cannot reach (a PVC mounted in the pods only)."""
+    owners: dict[str, RunOwner] = field(default_factory=dict)
+    """run id → owner record (``OWNER.json``)."""
+
+    def reachable(self) -> bool:
+        return not self.unreachable
 
     def list_checkpoints(
         self, run_id: str, *, include_heartbeat: bool = True
@@ -236,6 +264,9 @@ class FakeSource:
     def collect_garbage(self, run_id: str) -> GcResult:
         self.gc_runs.append(run_id)
         return GcResult(deleted=["a" * 64, "b" * 64], freed_bytes=4096)
+
+    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
+        return self.owners.setdefault(run_id, owner)
 
     def close(self) -> None:
         pass

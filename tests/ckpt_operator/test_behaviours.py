@@ -144,7 +144,8 @@ def test_policy_ready_is_written_without_erasing_the_retention_condition(
     stored["status"] = {"conditions": [{"type": "Reconciled", "status": "True"}], "jobs": 2}
     run(reconcile_policy(world.deps, stale))
     conditions = {cond["type"]: cond["status"] for cond in stored["status"]["conditions"]}
-    assert conditions == {"Reconciled": "True", "Ready": "True"}
+    # StorageAccess: the recorded policy's MinIO endpoint is not in tenancy.allowedS3Endpoints
+    assert conditions == {"Reconciled": "True", "Ready": "True", "StorageAccess": "False"}
     assert stored["status"]["jobs"] == 2 and stored["status"]["observedGeneration"] == 1
 
 

@@ -93,7 +93,10 @@ def test_registered_handlers() -> None:
     registry = register(kopf.OperatorRegistry())
     hooks = {h.id: h for h in registry._webhooks.get_all_handlers()}
     inject = hooks[c.WEBHOOK_INJECT_ID]
-    assert inject.ignore_failures and inject.side_effects and inject.operations == ["CREATE"]
+    # fails closed (issue #19): an opted-in pod is refused rather than run without the agent
+    assert not inject.ignore_failures and inject.side_effects and inject.operations == ["CREATE"]
+    label = hooks[c.WEBHOOK_LABEL_JOB_ID]
+    assert label.operations == ["CREATE"] and str(label.reason) == "mutating"
     validate = hooks[c.WEBHOOK_VALIDATE_ID]
     assert not validate.ignore_failures and set(validate.operations or ()) == {"CREATE", "UPDATE"}
     # nothing that would put a finalizer on users' objects

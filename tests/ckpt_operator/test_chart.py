@@ -22,6 +22,7 @@ import yaml
 from cryptography import x509
 
 from ckpt_operator import constants as c
+from ckpt_operator.config import IdentityGrant, LocalPathGrant, TenancyConfig, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ckpt-operator"
@@ -220,8 +221,10 @@ def test_rbac_options() -> None:
 
 def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> None:
     mutating = only(default, "MutatingWebhookConfiguration")
-    (hook,) = mutating["webhooks"]
-    assert hook["failurePolicy"] == "Ignore"
+    hook, lhook = mutating["webhooks"]
+    # fails closed for opted-in pods, and only they call it (issue #19)
+    assert hook["name"] == "inject.pods.ckpt.dev"
+    assert hook["failurePolicy"] == "Fail"
     assert hook["sideEffects"] == "NoneOnDryRun"
     assert hook["admissionReviewVersions"] == ["v1"]
     assert hook["timeoutSeconds"] == 5
@@ -234,9 +237,16 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
             "scope": "Namespaced",
         }
     ]
-    assert hook["objectSelector"] == {
-        "matchExpressions": [{"key": c.LABEL_TO_JOB_NAME, "operator": "Exists"}]
-    }
+    assert hook["objectSelector"] == {"matchLabels": {c.LABEL_INJECT: "true"}}
+    # the job webhook puts that label on opted-in jobs' pod templates; other jobs never call it
+    assert lhook["name"] == "label.pytorchjobs.ckpt.dev"
+    assert lhook["failurePolicy"] == "Fail" and lhook["sideEffects"] == "None"
+    assert lhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_LABEL_JOB_ID}"
+    assert lhook["rules"][0]["resources"] == ["pytorchjobs"]
+    assert lhook["rules"][0]["operations"] == ["CREATE"]
+    (cond,) = lhook["matchConditions"]
+    assert f"'{c.ANN_POLICY}' in object.metadata.annotations" in cond["expression"]
+    assert lhook["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
     (expr,) = hook["namespaceSelector"]["matchExpressions"]
     assert expr["operator"] == "NotIn" and "kube-system" in expr["values"]
     svc = hook["clientConfig"]["service"]
@@ -248,7 +258,13 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
     }
 
     validating = only(default, "ValidatingWebhookConfiguration")
-    (vhook,) = validating["webhooks"]
+    vhook, jhook = validating["webhooks"]
+    assert vhook["name"] == "validate.checkpointpolicies.ckpt.dev"
+    assert jhook["name"] == "validate.pytorchjobs.ckpt.dev"
+    assert jhook["failurePolicy"] == "Ignore" and jhook["sideEffects"] == "None"
+    assert jhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_VALIDATE_JOB_ID}"
+    assert jhook["rules"][0]["resources"] == ["pytorchjobs"]
+    assert jhook["clientConfig"]["caBundle"] == vhook["clientConfig"]["caBundle"]
     assert vhook["failurePolicy"] == "Fail" and vhook["sideEffects"] == "None"
     assert vhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_VALIDATE_ID}"
     assert vhook["rules"][0]["resources"] == ["checkpointpolicies"]
@@ -287,9 +303,11 @@ def test_webhook_url_mode_for_an_operator_outside_the_cluster(
 ) -> None:
     objs = render(f"webhook.url={url}")
     base = url.rstrip("/")
-    (hook,) = only(objs, "MutatingWebhookConfiguration")["webhooks"]
-    (vhook,) = only(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    hook, lhook = only(objs, "MutatingWebhookConfiguration")["webhooks"]
+    vhook, jhook = only(objs, "ValidatingWebhookConfiguration")["webhooks"]
     assert "service" not in hook["clientConfig"] and "service" not in vhook["clientConfig"]
+    assert lhook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_LABEL_JOB_ID}"
+    assert jhook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_VALIDATE_JOB_ID}"
     assert hook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_INJECT_ID}"
     assert vhook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_VALIDATE_ID}"
     secret = only(objs, "Secret")
@@ -414,6 +432,9 @@ def test_maps_render_as_lists() -> None:
         "webhook.certificate.source=vault",
         "webhook.url=http://127.0.0.1:9443",
         "unknownTopLevel=1",
+        "tenancy.localPaths[0].path=relative",
+        "tenancy.allowedS3Endpoints[0]=http://evil.example/path",
+        "tenancy.operatorIdentity[0].namespace=team-a",
     ],
 )
 def test_schema_rejects_bad_values(bad: str) -> None:
@@ -443,3 +464,67 @@ def test_every_value_is_documented() -> None:
         if not any(".".join(parts[:n]) in documented for n in range(1, len(parts) + 1)):
             missing.append(leaf)
     assert missing == [], f"values.yaml: undocumented values {missing}"
+
+
+def test_tenancy_values_reach_the_operator_config() -> None:
+    """The chart's tenancy grants and storage timeouts become flags the operator parses."""
+    objs = render(
+        "tenancy.operatorIdentity[0].namespace=team-a",
+        "tenancy.operatorIdentity[0].bucket=ckpt-team-a",
+        "tenancy.operatorIdentity[0].prefix=runs",
+        "tenancy.localPaths[0].namespace=*",
+        "tenancy.localPaths[0].path=/mnt/ckpt",
+        "tenancy.allowedS3Endpoints[0]=http://minio.storage.svc:9000",
+        "operator.storageTimeoutSeconds=12",
+    )
+    args = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--storage-timeout=12" in args and "--verify-timeout=3600" in args
+    cfg = parse_config([*args, "--webhook=false"], environ={})
+    assert cfg.storage_timeout_s == 12.0
+    assert cfg.tenancy == TenancyConfig(
+        operator_identity=(IdentityGrant("team-a", "ckpt-team-a", "runs"),),
+        local_paths=(LocalPathGrant("*", "/mnt/ckpt"),),
+        allowed_s3_endpoints=("http://minio.storage.svc:9000",),
+    )
+    default_args = only(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert parse_config([*default_args["args"], "--webhook=false"], environ={}).tenancy == (
+        TenancyConfig()
+    )
+
+
+def test_inject_failure_policy_can_be_relaxed() -> None:
+    hook, lhook = only(
+        render("webhook.inject.failurePolicy=Ignore", "webhook.labelJobs.failurePolicy=Ignore"),
+        "MutatingWebhookConfiguration",
+    )["webhooks"]
+    assert hook["failurePolicy"] == lhook["failurePolicy"] == "Ignore"
+    assert hook["objectSelector"] == {"matchLabels": {c.LABEL_INJECT: "true"}}
+
+
+def test_worker_pools_and_budget_reach_the_operator_config() -> None:
+    objs = render("operator.workers=32", "webhook.workers=2", "webhook.budgetSeconds=2")
+    args = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    cfg = parse_config(
+        [*(a for a in args if not a.startswith("--webhook-cert-dir")), "--webhook-generate-certs"],
+        environ={},
+    )
+    assert cfg.workers == 32 and cfg.api_timeout_s == 30.0
+    assert cfg.webhook.workers == 2 and cfg.webhook.budget_s == 2.0
+    assert cfg.standalone
+
+
+def test_peering_allows_more_replicas() -> None:
+    objs = render("operator.peering=true", "replicaCount=2")
+    deployment = only(objs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert "--peering" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    crd = objs[("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev")]
+    assert crd["spec"]["scope"] == "Cluster"
+    rules = only(objs, "ClusterRole")["rules"]
+    assert any("clusterkopfpeerings" in r["resources"] and "patch" in r["verbs"] for r in rules)
+    # without peering: one replica, no peering objects or permissions
+    assert ("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev") not in render()
+    assert (
+        "--peering"
+        not in only(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    )

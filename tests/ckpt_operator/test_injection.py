@@ -308,3 +308,29 @@ def test_does_not_mutate_its_input(fixture: Any) -> None:
     before = copy.deepcopy(pod)
     build_pod_patch(pod, policy_spec(fixture), {}, ctx())
     assert pod == before
+
+
+def test_agent_is_told_where_its_termination_message_goes(fixture: Any) -> None:
+    pod = admitted_pod(fixture)
+    container(pod).pop("terminationMessagePath", None)
+    container(pod).pop("terminationMessagePolicy", None)
+    spec = policy_spec(fixture, agent__sidecar=True, agent__image="ghcr.io/x/agent:0.1.0")
+    out = apply_patch(pod, build_pod_patch(pod, spec, {}, ctx()).ops)
+    ctr = container(out)
+    assert ctr["terminationMessagePath"] == "/dev/termination-log"
+    assert ctr["terminationMessagePolicy"] == "File"
+    assert env_of(ctr)["CKPT_TERMINATION_LOG"] == "/dev/termination-log"
+    sc = out["spec"]["initContainers"][-1]  # its own container, its own file
+    assert sc["terminationMessagePath"] == "/dev/termination-log"
+    assert env_of(sc)["CKPT_TERMINATION_LOG"] == "/dev/termination-log"
+
+
+def test_a_custom_termination_message_path_is_kept(fixture: Any) -> None:
+    pod = admitted_pod(fixture)
+    container(pod)["terminationMessagePath"] = "/tmp/why"
+    container(pod)["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    out = apply_patch(pod, build_pod_patch(pod, policy_spec(fixture), {}, ctx()).ops)
+    ctr = container(out)
+    assert ctr["terminationMessagePath"] == "/tmp/why"
+    assert ctr["terminationMessagePolicy"] == "FallbackToLogsOnError"  # a report wins anyway
+    assert env_of(ctr)["CKPT_TERMINATION_LOG"] == "/tmp/why"

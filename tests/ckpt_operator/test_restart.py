@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator import constants as c
-from ckpt_operator.jobs import job_facts, parse_time
+from ckpt_operator.jobs import job_facts, label_templates_in_place, parse_time, unlabelled_replicas
 from ckpt_operator.restart import (
     GiveUp,
     Restart,
@@ -101,8 +102,12 @@ def test_first_failure_restarts_from_the_newest_verified_checkpoint(
     # the operator's bookkeeping and kubectl's copy of the old object are not carried over
     assert c.ANN_STATUS not in ann
     assert "kubectl.kubernetes.io/last-applied-configuration" not in ann
-    # same spec; a fresh object (no status, uid, resourceVersion, managedFields)
-    assert new["spec"] == job["spec"]
+    # same spec, every pod template labelled for the (fail-closed) injection webhook;
+    # a fresh object (no status, uid, resourceVersion, managedFields)
+    expected = copy.deepcopy(job)
+    assert label_templates_in_place(expected)
+    assert new["spec"] == expected["spec"]
+    assert unlabelled_replicas(new) == []
     assert set(new) == {"apiVersion", "kind", "metadata", "spec"}
     assert set(new["metadata"]) == {"name", "namespace", "annotations"}
 

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
-from ckpt_agent.format.layout import heartbeat_key, validation_key
+from ckpt_agent.format.layout import commit_key, heartbeat_key, validation_key
 from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointStatus, Tier
 from ckpt_agent.storage import StorageError
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_operator.config import LocalPathGrant, TenancyConfig
 from ckpt_operator.sources import (
     StorageCheckpointSource,
     StorageSourceFactory,
@@ -202,7 +203,8 @@ def test_factory_caches_local_sources(tmp_path: Path) -> None:
     async def never(ns: str, name: str) -> dict[str, str] | None:
         raise AssertionError("local storage needs no secret")
 
-    factory = StorageSourceFactory(never)
+    grant = TenancyConfig(local_paths=(LocalPathGrant("ns", str(tmp_path)),))
+    factory = StorageSourceFactory(never, tenancy=grant)
 
     async def twice() -> tuple[object, object]:
         return await factory("ns", "p", spec), await factory("ns", "p", spec)
@@ -210,3 +212,21 @@ def test_factory_caches_local_sources(tmp_path: Path) -> None:
     a, b = asyncio.run(twice())
     assert a is b and isinstance(a, StorageCheckpointSource)
     factory.close()
+
+
+def test_a_hostile_commit_is_listed_as_corrupted_and_the_rest_kept(store: LocalStorage) -> None:
+    """Issue #17: one forged COMMIT (a 5,000-digit number, 24 MiB of padding) or heartbeat
+    ring never makes the operator's listing, verification or progress raise."""
+    src = StorageCheckpointSource(store)
+    key = commit_key(RUN, "pulse_step_000000000200")
+    store.commit(key, store.read(key).replace(b'"score":', b'"score":' + b"9" * 5000 + b',"x":'))
+    key = commit_key(RUN, "pulse_step_000000000300")
+    store.commit(key, store.read(key) + b" " * (24 << 20))
+    status = {r.id: r.status for r in src.list_checkpoints(RUN)}
+    assert status["full_step_000000000100"] == CheckpointStatus.VALID
+    assert status["pulse_step_000000000200"] == CheckpointStatus.CORRUPTED
+    assert status["pulse_step_000000000300"] == CheckpointStatus.CORRUPTED
+    with pytest.raises(VerificationFailedError, match="limit"):
+        src.verify(RUN, "pulse_step_000000000300")
+    store.commit(heartbeat_key(RUN, 0), b'{"format":"ckpt-operator.heartbeat","x":' + b"9" * 5000)
+    assert src.progress(RUN) == []

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import dataclasses
 import functools
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -30,29 +32,36 @@ from kopf._core.reactor import inventory
 from ckpt_operator import constants as c
 from ckpt_operator.certs import write_webhook_certs
 from ckpt_operator.handlers import MEMO_KEY, make_runtime, register
+from ckpt_operator.jobs import unlabelled_replicas
 from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.kube import ApiError
 from ckpt_operator.webhook import InstrumentedWebhookServer
 
-PODS = references.Resource(
-    group="",
-    version="v1",
-    plural="pods",
-    kind="Pod",
-    singular="pod",
-    namespaced=True,
-    verbs=frozenset({"create", "get", "list", "watch", "patch"}),
-)
-POLICIES = references.Resource(
-    group="ckpt.dev",
-    version="v1alpha1",
-    plural="checkpointpolicies",
-    kind="CheckpointPolicy",
-    singular="checkpointpolicy",
-    namespaced=True,
+_VERBS = frozenset({"create", "get", "list", "watch", "patch"})
+
+
+def _resource(group: str, version: str, plural: str, kind: str, **kw: Any) -> Any:
+    return references.Resource(
+        group=group,
+        version=version,
+        plural=plural,
+        kind=kind,
+        singular=kind.lower(),
+        namespaced=True,
+        verbs=_VERBS,
+        **kw,
+    )
+
+
+PODS = _resource("", "v1", "pods", "Pod")
+POLICIES = _resource(
+    "ckpt.dev",
+    "v1alpha1",
+    "checkpointpolicies",
+    "CheckpointPolicy",
     subresources=frozenset({"status"}),
-    verbs=frozenset({"create", "get", "list", "watch", "patch"}),
 )
+JOBS = _resource("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob")
 
 Post = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 
@@ -61,7 +70,7 @@ async def _serve(world: Any, tmp_path: Path, body: Callable[[Post, str], Awaitab
     paths = write_webhook_certs(tmp_path / "certs", ["localhost", "127.0.0.1"])
     registry = register(kopf.OperatorRegistry())
     insights = references.Insights()
-    insights.webhook_resources.update({PODS, POLICIES})
+    insights.webhook_resources.update({PODS, POLICIES, JOBS})
     fn = functools.partial(
         admission.serve_admission_request,
         settings=kopf.OperatorSettings(),
@@ -186,20 +195,102 @@ def test_pod_with_missing_policy_is_admitted_unchanged_with_a_warning(
     assert world.events.reasons() == ["PolicyNotFound"]
 
 
-def test_an_operator_error_admits_the_pod_unchanged(
+def test_an_operator_error_refuses_the_opted_in_pod(
     world: Any, fixture: Any, tmp_path: Path
 ) -> None:
+    # Fail closed (issue #19): admitted unchanged, the pod would train without checkpoints
+    # and its restart would start from step 0; refused, the training-operator retries it.
     world.api.fail_get_job = ApiError(503, "the server is currently unable to handle the request")
     review = fixture("admission_review_pod.json")
 
     async def body(post: Post, url: str) -> None:
         status, answer = await post(c.WEBHOOK_INJECT_ID, review)
         response = answer["response"]
-        assert status == 200 and response["allowed"] is True and "patch" not in response
-        assert any("unable to handle the request" in w for w in response["warnings"])
+        assert status == 200 and response["allowed"] is False and "patch" not in response
+        assert response["status"]["code"] == 503
+        message = response["status"]["message"]
+        assert "could not inject the checkpoint agent" in message
+        assert "unable to handle the request" in message
+        assert "training-operator retries it" in message
 
     serve(world, tmp_path, body)
     assert world.counter("ckpt_operator_injections_total", result="error") == 1
+
+
+def test_a_slow_answer_refuses_the_pod_within_the_budget(
+    world: Any, fixture: Any, tmp_path: Path
+) -> None:
+    world.deps.config = dataclasses.replace(
+        world.deps.config, webhook=dataclasses.replace(world.deps.config.webhook, budget_s=0.2)
+    )
+    get_job = world.api.get_job
+
+    async def slow_get_job(namespace: str, name: str) -> Any:
+        await asyncio.sleep(5)
+        return await get_job(namespace, name)
+
+    world.api.get_job = slow_get_job
+    review = fixture("admission_review_pod.json")
+
+    async def body(post: Post, url: str) -> None:
+        t0 = time.monotonic()
+        _, answer = await post(c.WEBHOOK_INJECT_ID, review)
+        assert time.monotonic() - t0 < 2.0
+        response = answer["response"]
+        assert response["allowed"] is False
+        assert "no answer within 0.2s" in response["status"]["message"]
+
+    serve(world, tmp_path, body)
+
+
+def test_admission_answers_from_the_caches_without_api_reads(
+    world: Any, fixture: Any, tmp_path: Path
+) -> None:
+    job = fixture("pytorchjob_running.json")
+    world.deps.jobs.upsert(job)
+    policy = world.api.policies[("ml-team", "llm-finetune")]
+    world.deps.policies.upsert(policy)
+    review = fixture("admission_review_pod.json")
+
+    async def body(post: Post, url: str) -> None:
+        _, answer = await post(c.WEBHOOK_INJECT_ID, review)
+        assert answer["response"]["allowed"] is True and "patch" in answer["response"]
+
+    serve(world, tmp_path, body)
+    assert world.api.calls == []
+
+
+def test_a_job_admission_labels_an_opted_in_jobs_pod_templates(
+    world: Any, fixture: Any, tmp_path: Path
+) -> None:
+    job: dict[str, Any] = fixture("pytorchjob_running.json")
+    review: dict[str, Any] = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "b7c9",
+            "kind": {"group": "kubeflow.org", "version": "v1", "kind": "PyTorchJob"},
+            "resource": {"group": "kubeflow.org", "version": "v1", "resource": "pytorchjobs"},
+            "namespace": "ml-team",
+            "operation": "CREATE",
+            "userInfo": {"username": "alice"},
+            "object": job,
+            "dryRun": False,
+        },
+    }
+    plain = copy.deepcopy(review)
+    del plain["request"]["object"]["metadata"]["annotations"][c.ANN_POLICY]
+
+    async def body(post: Post, url: str) -> None:
+        _, answer = await post(c.WEBHOOK_LABEL_JOB_ID, review)
+        assert answer["response"]["allowed"] is True
+        labelled = apply_patch(job, decode_patch(answer["response"]))
+        assert unlabelled_replicas(job) and unlabelled_replicas(labelled) == []
+        # a job that is not opted in is left alone
+        _, answer = await post(c.WEBHOOK_LABEL_JOB_ID, plain)
+        assert answer["response"]["allowed"] is True and "patch" not in answer["response"]
+
+    serve(world, tmp_path, body)
 
 
 def test_pod_of_another_workload_is_not_touched(world: Any, fixture: Any, tmp_path: Path) -> None:

@@ -1,1 +1,1 @@
-"""cli"""
+"""The ``ckpt`` command line (typer): ls, verify, recover, gc, sidecar."""

@@ -9,19 +9,23 @@ imports torch or unpickles anything, so it is safe to point at any storage.
     ckpt verify  --storage s3://bucket/ckpt --run-id llama-7b --all
     ckpt recover --manual --step 1200 --dry-run     # show what would be loaded
     ckpt recover --manual --step 1200 --force       # make the next start load it
+    ckpt recover --job train --step 1200 --reason "loss spike"  # the operator restarts it
     ckpt gc      --dry-run
     ckpt sidecar                                    # the pod's persisting sidecar
 
 ``--storage`` and ``--run-id`` default to ``CKPT_STORAGE_URL`` and
 ``CKPT_RUN_ID``; retention and recovery settings come from the policy
-config in ``CKPT_CONFIG`` (``--config``), else the defaults. Exit codes: 0
-fine, 1 a problem was found (corrupted data, nothing to recover), 2 bad usage
-(missing directory, unknown run or step).
+config in ``CKPT_CONFIG`` (``--config``), else the defaults. Exit codes:
+:class:`~ckpt_agent.cli.common.ExitCode` (0 fine, 1 a problem was found, 2 bad
+usage, 3 storage failed, 4 unsafe storage, 5 malformed data, 70 a bug). Every
+command is :func:`~ckpt_agent.cli.common.guarded` and shows stored strings only
+through :func:`~ckpt_agent.cli.common.safe`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -31,23 +35,31 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ckpt_agent.cli.common import (
+    EXIT_CODES_HELP,
     STATUS_STYLE,
     ConfigOpt,
+    ExitCode,
     RunOpt,
     StorageOpt,
     console,
     err,
     fail,
     flags_of,
+    guarded,
     human_size,
     load_policy,
+    non_negative,
     open_store,
+    plain,
     records_of,
+    safe,
     say,
     when,
 )
 from ckpt_agent.cli.recover import recover
+from ckpt_agent.cli.report import report
 from ckpt_agent.cli.sidecar import sidecar
+from ckpt_agent.cli.simulate import simulate
 from ckpt_agent.decide.retention import effective_class, plan_retention
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import (
@@ -60,10 +72,11 @@ from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = ["app", "main", "recover_app", "recover_main"]
 
-HELP = """Look at, verify, recover and clean up a training run's checkpoints.
+HELP = f"""Look at, verify, recover and clean up a training run's checkpoints.
 
 Reads storage directly (the manifests are the truth); never imports torch or
-unpickles anything.
+unpickles anything, and shows what it read as plain text (markup and terminal
+escape sequences in stored strings are escaped).
 
 [b]--storage[/] and [b]--run-id[/] default to [b]CKPT_STORAGE_URL[/] and [b]CKPT_RUN_ID[/];
 retention and recovery settings come from [b]CKPT_CONFIG[/] ([b]--config[/]).
@@ -78,10 +91,11 @@ Examples:
 
   ckpt recover --manual --step 1200 --force --reason "loss spike at 1250"
 
+  ckpt recover --job train -n ml --step 1200 --reason "loss spike at 1250"
+
   ckpt gc --dry-run
 
-Exit codes: 0 fine, 1 a problem was found (corrupted data, nothing to
-recover), 2 bad usage (missing directory, unknown run or step).
+{EXIT_CODES_HELP}
 """
 
 app = typer.Typer(
@@ -97,45 +111,55 @@ app = typer.Typer(
 # --------------------------------------------------------------------------- ls
 
 
-@app.command("ls")
+def _finite(x: float) -> float | None:
+    """A stored number for JSON: ``nan``/``inf`` (not JSON) become null."""
+    return x if isinstance(x, int) or math.isfinite(x) else None
+
+
+def _reason(r: CheckpointRecord) -> str:
+    return str(r.extra.get("status_reason") or r.extra.get("error") or "")
+
+
+@app.command("ls", epilog=EXIT_CODES_HELP)
+@guarded
 def ls(
     storage: StorageOpt = "",
     run_id: RunOpt = "",
     config: ConfigOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON (stored strings verbatim) for scripts.")
+    ] = False,
 ) -> None:
     """List a run's committed checkpoints: tier, status, retention class, size, flags.
 
     Only checkpoints whose COMMIT is published are listed; the newest L0
     heartbeat is shown too. Status comes from the validator's verdict
-    (pending = not validated yet, never offered for resume).
+    (pending = not validated yet, never offered for resume); a corrupted
+    checkpoint's reason is printed under the table.
     """
     cfg = load_policy(config)
     store = open_store(storage)
     records = records_of(store, run_id)
     if as_json:
-        console.print_json(
-            json.dumps(
-                [
-                    {
-                        "id": r.id,
-                        "step": r.step,
-                        "tier": r.tier.value,
-                        "status": r.status.value,
-                        "class": effective_class(r, cfg.retention).value,
-                        "score": r.score,
-                        "size_bytes": r.size_bytes,
-                        "created_at": r.created_at,
-                        "flags": flags_of(r),
-                        "manifest_hash": r.manifest_hash,
-                        "reason": r.extra.get("status_reason") or r.extra.get("error", ""),
-                    }
-                    for r in records
-                ]
-            )
-        )
+        rows = [
+            {
+                "id": r.id,
+                "step": r.step,
+                "tier": r.tier.value,
+                "status": r.status.value,
+                "class": effective_class(r, cfg.retention).value,
+                "score": _finite(r.score),
+                "size_bytes": r.size_bytes,
+                "created_at": _finite(r.created_at),
+                "flags": flags_of(r),
+                "manifest_hash": r.manifest_hash,
+                "reason": _reason(r),
+            }
+            for r in records
+        ]
+        typer.echo(json.dumps(rows, indent=2, allow_nan=False))
         return
-    table = Table(title=f"{run_id} @ {store.url}")
+    table = Table(title=safe(f"{run_id} @ {store.url}"))
     for col in (
         "checkpoint",
         "step",
@@ -153,29 +177,28 @@ def ls(
             no_wrap=col in ("checkpoint", "status"),
         )
     for r in records:
-        status = f"[{STATUS_STYLE[r.status]}]{r.status.value}[/]"
         table.add_row(
-            r.id,
+            safe(r.id),
             str(r.step),
             r.tier.value,
-            status,
+            f"[{STATUS_STYLE[r.status]}]{r.status.value}[/]",
             effective_class(r, cfg.retention).value,
             f"{r.score:.2f}",
             human_size(r.size_bytes) if r.tier != Tier.HEARTBEAT else "-",
             when(r.created_at),
-            flags_of(r),
+            safe(flags_of(r)),
         )
     console.print(table)
-    bad = [r for r in records if r.status == CheckpointStatus.CORRUPTED]
-    for r in bad:
-        why = r.extra.get("status_reason") or r.extra.get("error") or ""
-        say(f"[red]{r.id}[/]: {why}")
+    for r in records:
+        if r.status == CheckpointStatus.CORRUPTED:
+            say(f"[red]{safe(r.id)}[/]: {safe(_reason(r))}")
 
 
 # --------------------------------------------------------------------------- verify
 
 
-@app.command("verify")
+@app.command("verify", epilog=EXIT_CODES_HELP)
+@guarded
 def verify(
     checkpoints: Annotated[
         list[str] | None,
@@ -202,7 +225,7 @@ def verify(
         if unknown:
             raise fail(
                 f"no committed checkpoint {', '.join(unknown)} in run {run_id!r} "
-                f"(committed: {', '.join(by_id) or 'none'})"
+                f"(committed: {', '.join(by_id) or 'none'}; see `ckpt ls`)"
             )
         targets = [by_id[c] for c in checkpoints]
     elif all_:
@@ -220,7 +243,7 @@ def verify(
         transient=True,
     ) as progress:
         for r in targets:
-            task = progress.add_task(f"hashing {r.id}", total=None)
+            task = progress.add_task(f"hashing {safe(r.id)}", total=None)
 
             def cb(done: int, total: int, task: Any = task) -> None:
                 progress.update(task, completed=done, total=total)
@@ -228,7 +251,7 @@ def verify(
             res = verify_hashes(store, run_id, r.id, progress=cb)
             ok, why, nbytes = res.ok, res.reason, res.bytes_checked
             if ok and not hashes_only:
-                progress.update(task, description=f"decoding {r.id}")
+                progress.update(task, description=f"decoding {safe(r.id)}")
                 for rank in range(r.world_size):
                     rep = load_check(store, run_id, r.id, rank)
                     if not rep.ok:
@@ -236,12 +259,12 @@ def verify(
                         break
             results.append((r, ok, why, nbytes))
             progress.remove_task(task)
-    table = Table(title=f"verify {run_id}")
+    table = Table(title=safe(f"verify {run_id}"))
     for col in ("checkpoint", "tier", "stored status", "check", "bytes read"):
         table.add_column(col, no_wrap=True)
     for r, ok, _why, nbytes in results:
         table.add_row(
-            r.id,
+            safe(r.id),
             r.tier.value,
             r.status.value,
             "[green]ok[/]" if ok else "[bold red]CORRUPTED[/]",
@@ -250,18 +273,19 @@ def verify(
     console.print(table)
     for r, ok, why, _ in results:
         if not ok:
-            say(f"[bold red]CORRUPTED[/] {r.id}: {why}")
+            say(f"[bold red]CORRUPTED[/] {safe(r.id)}: {safe(why)}")
     if any(not ok for _, ok, _, _ in results):
-        raise typer.Exit(1)
+        raise typer.Exit(ExitCode.PROBLEM)
 
 
-app.command("recover")(recover)
+app.command("recover", epilog=EXIT_CODES_HELP)(recover)
 
 
 # --------------------------------------------------------------------------- gc
 
 
-@app.command("gc")
+@app.command("gc", epilog=EXIT_CODES_HELP)
+@guarded
 def gc(
     storage: StorageOpt = "",
     run_id: RunOpt = "",
@@ -271,8 +295,10 @@ def gc(
         float,
         typer.Option(
             "--grace",
-            help="Seconds: unreferenced blobs younger than this are kept (a writer may be "
-            "about to commit them).",
+            callback=non_negative,
+            help="Seconds (finite, >= 0): unreferenced blobs and uncommitted folders younger "
+            "than this are kept (a writer may be about to commit them). 0 only when no "
+            "trainer is writing.",
         ),
     ] = GC_GRACE_S,
 ) -> None:
@@ -280,24 +306,26 @@ def gc(
 
     Retention keeps the newest valid checkpoint of each tier, critical ones,
     last-known-good ones before unresolved anomalies and pending ones; then the
-    newest N of each class. Deleting removes the COMMIT first.
+    newest N of each class. Deleting removes the COMMIT first. Blob collection
+    is skipped (exit code 1) while any rank manifest of the run is unreadable:
+    it might reference any blob.
     """
     cfg = load_policy(config)
     store = open_store(storage)
     records = records_of(store, run_id, include_heartbeat=False)
     plan = plan_retention(records, cfg.retention, (), time.time())
-    table = Table(title=f"retention for {run_id}" + (" (dry run)" if dry_run else ""))
+    table = Table(title=safe(f"retention for {run_id}") + (" (dry run)" if dry_run else ""))
     for col in ("checkpoint", "status", "class", "size", "decision", "why"):
         table.add_column(col)
     for r in sorted(records, key=lambda r: r.step):
         keep = r.id in plan.keep
         table.add_row(
-            r.id,
+            safe(r.id),
             r.status.value,
             effective_class(r, cfg.retention).value,
             human_size(r.size_bytes),
             "[green]keep[/]" if keep else "[red]delete[/]",
-            plan.keep.get(r.id) or plan.delete.get(r.id, ""),
+            safe(plan.keep.get(r.id) or plan.delete.get(r.id, "")),
         )
     console.print(table)
     deleted = apply_retention(store, run_id, plan, dry_run=dry_run)
@@ -309,25 +337,35 @@ def gc(
         f"{res.kept_young} blob(s) younger than {grace:g} s kept"
     )
     for w in plan.warnings:
-        say(f"[yellow]warning:[/] {w}")
+        say(f"[yellow]warning:[/] {safe(w)}")
+    if res.unreadable_manifests:
+        bad = "; ".join(plain(m, 200) for m in res.unreadable_manifests[:3])
+        raise fail(
+            f"blob collection skipped: {len(res.unreadable_manifests)} rank manifest(s) cannot "
+            f"be read and might reference any blob ({bad}). Run `ckpt verify --all`, delete "
+            "or repair those checkpoints, then run `ckpt gc` again.",
+            ExitCode.PROBLEM,
+        )
 
 
 # --------------------------------------------------------------------------- sidecar
 
 
-app.command("sidecar")(sidecar)
+app.command("sidecar", epilog=EXIT_CODES_HELP)(sidecar)
+app.command("simulate")(simulate)
+app.command("report", epilog=EXIT_CODES_HELP)(report)
 
 
 # --------------------------------------------------------------------------- entry points
 
 recover_app = typer.Typer(
     name="ckpt-recover",
-    help="Manual recovery: " + (recover.__doc__ or ""),
+    help=f"Manual recovery: {recover.__doc__ or ''}\n\n{EXIT_CODES_HELP}",
     add_completion=False,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
-recover_app.command()(recover)
+recover_app.command(epilog=EXIT_CODES_HELP)(recover)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

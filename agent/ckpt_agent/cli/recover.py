@@ -12,15 +12,19 @@ from rich.table import Table
 
 from ckpt_agent.cli.common import (
     ConfigOpt,
+    ExitCode,
     RunOpt,
     StorageOpt,
     console,
     fail,
+    guarded,
     load_policy,
     open_store,
     records_of,
+    safe,
     say,
 )
+from ckpt_agent.cli.recover_job import request_recovery
 from ckpt_agent.decide.recovery import PlanStep, RecoveryPlan, plan_recovery, walk
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.layout import recover_request_key
@@ -34,22 +38,22 @@ __all__ = ["recover"]
 
 
 def _print_plan(plan: RecoveryPlan) -> None:
-    table = Table(title=f"recovery plan: {plan.reason}")
+    table = Table(title=f"recovery plan: {safe(plan.reason)}")
     for col in ("#", "rung", "action", "checkpoint", "weights from", "needs force", "why"):
         table.add_column(col, no_wrap=col in ("checkpoint", "weights from", "action"))
     for i, s in enumerate(plan.steps, 1):
         table.add_row(
             str(i),
             str(s.rung),
-            s.action,
-            s.checkpoint_id,
-            s.weights_from or "",
+            safe(s.action),
+            safe(s.checkpoint_id),
+            safe(s.weights_from or ""),
             "yes" if s.requires_force else "",
-            s.reason,
+            safe(s.reason),
         )
     console.print(table)
     for cid, why in plan.skipped.items():
-        say(f"  [dim]skipped {cid}: {why}[/]")
+        say(f"  [dim]skipped {safe(cid)}: {safe(why)}[/]")
 
 
 def _verify_for_recovery(store: Storage, run_id: str, records: dict[str, CheckpointRecord]) -> Any:
@@ -93,28 +97,28 @@ def _recover(
     plan = plan_recovery(records, cfg.recovery, manual_step=step, force=force)
     _print_plan(plan)
     if plan.empty:
-        raise fail(plan.reason, 1)
+        raise fail(plan.reason, ExitCode.PROBLEM)
     by_id = {r.id: r for r in records}
     verify_fn = _verify_for_recovery(store, run_id, by_id)
     if manual and not force:
         say("[yellow]a manual recovery bypasses the automatic ladder: add --force to apply it[/]")
         if not dry_run:
-            raise typer.Exit(1)
+            raise typer.Exit(ExitCode.PROBLEM)
         forced = plan_recovery(records, cfg.recovery, manual_step=step, force=True)
         would, _ = walk(forced, verify_fn)
         if would is None:
-            raise fail(f"even with --force nothing at step {step} verifies", 1)
-        say(f"with --force it would resume from {would.checkpoint_id} (step {would.step})")
+            raise fail(f"even with --force nothing at step {step} verifies", ExitCode.PROBLEM)
+        say(f"with --force it would resume from {safe(would.checkpoint_id)} (step {would.step})")
         return
     chosen, rejected = walk(plan, verify_fn)
     for s_, why in rejected:
         if why != "needs force":
-            say(f"  [red]rejected {s_.checkpoint_id}: {why}[/]")
+            say(f"  [red]rejected {safe(s_.checkpoint_id)}: {safe(why)}[/]")
     if chosen is None:
-        raise fail("no step of the plan verified: nothing to recover from", 1)
+        raise fail("no step of the plan verified: nothing to recover from", ExitCode.PROBLEM)
     say(
-        f"[bold green]would resume from {chosen.checkpoint_id}[/]"
-        + (f" (weights from {chosen.weights_from})" if chosen.weights_from else "")
+        f"[bold green]would resume from {safe(chosen.checkpoint_id)}[/]"
+        + (f" (weights from {safe(chosen.weights_from)})" if chosen.weights_from else "")
         + f": training continues at step {chosen.step + 1}"
     )
     if dry_run:
@@ -152,9 +156,12 @@ def _apply_recovery(
         },
     )
     say(
-        f"recorded in {recover_request_key(run_id)}: the next start of run {run_id!r} resumes from "
-        f"{chosen.checkpoint_id} (or set CKPT_RESUME_FROM={chosen.checkpoint_id}); "
-        "audit log appended"
+        safe(
+            f"recorded in {recover_request_key(run_id)}: the next start of run {run_id!r} "
+            f"resumes from {chosen.checkpoint_id} "
+            f"(or set CKPT_RESUME_FROM={chosen.checkpoint_id}); audit log appended",
+            None,
+        )
     )
 
 
@@ -163,7 +170,10 @@ ManualOpt = Annotated[
     typer.Option("--manual", help="Resume from a step you name instead of the ladder's choice."),
 ]
 StepOpt = Annotated[
-    int | None, typer.Option("--step", help="Global step to resume from (with --manual).")
+    int | None,
+    typer.Option(
+        "--step", min=0, help="Global step to resume from (with --manual; `ckpt ls` lists them)."
+    ),
 ]
 DryOpt = Annotated[
     bool, typer.Option("--dry-run", help="Print the plan and the choice; write nothing.")
@@ -176,8 +186,20 @@ ForceOpt = Annotated[
     ),
 ]
 ReasonOpt = Annotated[str, typer.Option("--reason", help="Why (kept in the audit log).")]
+JobOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--job",
+        help="Ask the operator instead (annotates this failed PyTorchJob via kubectl; "
+        "works after GaveUp; needs --step and --reason).",
+    ),
+]
+NamespaceOpt = Annotated[
+    str | None, typer.Option("--namespace", "-n", help="The job's namespace (with --job).")
+]
 
 
+@guarded
 def recover(
     storage: StorageOpt = "",
     run_id: RunOpt = "",
@@ -187,6 +209,8 @@ def recover(
     dry_run: DryOpt = False,
     force: ForceOpt = False,
     reason: ReasonOpt = "",
+    job: JobOpt = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Plan a recovery, verify the choice, and make the next start resume from it.
 
@@ -195,5 +219,13 @@ def recover(
     that step's checkpoints, which needs --force. The choice is verified (hashes
     and decoding), written to <run>/RECOVER.json (the trainer's next start()
     loads exactly it, once) and appended to <run>/audit.log with who and when.
+    Exit code 1 when nothing verifies (or --manual lacks --force).
+
+    With --job J --step N --reason ...: the operator does it (annotations on the failed
+    PyTorchJob; --dry-run reports the plan as an Event, --force lifts the poisoned and
+    pending exclusions); the storage is not read here.
     """
+    if job:
+        request_recovery(job, namespace, step, reason=reason, force=force, dry_run=dry_run)
+        return
     _recover(storage, run_id, config, manual, step, dry_run, force, reason)

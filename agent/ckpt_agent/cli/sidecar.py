@@ -15,12 +15,40 @@ from typing import Annotated
 
 import typer
 
+from ckpt_agent.cli.common import fail, guarded, is_seconds, non_negative, plain
 from ckpt_agent.flash.sidecar import SidecarOptions, load_config, run_sidecar
-from ckpt_agent.flash.sidecar.options import DEFAULT_COMMIT_TIMEOUT_S, grace_from_env
+from ckpt_agent.flash.sidecar.options import DEFAULT_COMMIT_TIMEOUT_S, ENV_GRACE, grace_from_env
+from ckpt_agent.policy.agent_config import AgentConfig
 
 __all__ = ["sidecar"]
 
 
+def _config(
+    config: str | None, shm_dir: str | None, run_id: str | None, storage: str | None
+) -> AgentConfig:
+    try:
+        return load_config(config, shm_dir=shm_dir, run_id=run_id, storage=storage)
+    except (ValueError, OSError) as e:
+        where = f"--config {config}" if config else "CKPT_CONFIG and the CKPT_* variables"
+        raise fail(f"cannot load the agent config from {where}: {plain(e)}") from None
+
+
+def _grace(grace_s: float | None) -> float:
+    if grace_s is not None:
+        return grace_s
+    try:
+        grace = grace_from_env()
+    except ValueError:
+        grace = float("nan")
+    if not is_seconds(grace):
+        raise fail(
+            f"{ENV_GRACE}={plain(os.environ.get(ENV_GRACE, ''), 40)!r} is not a finite number of "
+            "seconds >= 0 (or pass --grace-s)"
+        )
+    return grace
+
+
+@guarded
 def sidecar(
     config: Annotated[
         str | None,
@@ -30,27 +58,51 @@ def sidecar(
         str | None,
         typer.Option("--shm-dir", help="Shared-memory directory (default: $CKPT_SHM_DIR)."),
     ] = None,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id.")] = None,
-    storage: Annotated[str | None, typer.Option("--storage", help="Storage URL or path.")] = None,
-    poll_s: Annotated[float, typer.Option("--poll-s", help="Seconds between passes.")] = 0.02,
+    run_id: Annotated[
+        str | None, typer.Option("--run-id", help="Run id (default: $CKPT_RUN_ID).")
+    ] = None,
+    storage: Annotated[
+        str | None,
+        typer.Option("--storage", help="Storage URL or path (default: $CKPT_STORAGE_URL)."),
+    ] = None,
+    poll_s: Annotated[
+        float,
+        typer.Option("--poll-s", callback=non_negative, help="Seconds between passes."),
+    ] = 0.02,
     grace_s: Annotated[
         float | None,
-        typer.Option("--grace-s", help="SIGTERM drain deadline (default: $CKPT_GRACE_S or 25)."),
+        typer.Option(
+            "--grace-s",
+            callback=non_negative,
+            help="SIGTERM drain deadline in seconds (default: $CKPT_GRACE_S or 25).",
+        ),
     ] = None,
     probe_every_s: Annotated[
-        float, typer.Option("--probe-every-s", help="Seconds between storage/GPU probes.")
+        float,
+        typer.Option(
+            "--probe-every-s", callback=non_negative, help="Seconds between storage/GPU probes."
+        ),
     ] = 10.0,
     commit_timeout_s: Annotated[
         float,
-        typer.Option("--commit-timeout-s", help="Seconds to wait for the other ranks' parts."),
+        typer.Option(
+            "--commit-timeout-s",
+            callback=non_negative,
+            help="Seconds to wait for the other ranks' parts.",
+        ),
     ] = DEFAULT_COMMIT_TIMEOUT_S,
     metrics_port: Annotated[
         int | None,
-        typer.Option("--metrics-port", help="HTTP port (default: the config's; 0: none)."),
+        typer.Option(
+            "--metrics-port",
+            min=0,
+            max=65535,
+            help="HTTP port for /metrics and probes (default: the config's; 0: none).",
+        ),
     ] = None,
     rank: Annotated[
         list[int] | None,
-        typer.Option("--rank", help="Serve only this rank (repeatable)."),
+        typer.Option("--rank", min=0, help="Serve only this rank (repeatable)."),
     ] = None,
     exit_with_trainer: Annotated[
         bool,
@@ -61,7 +113,11 @@ def sidecar(
     ] = False,
     wait_for_trainer_s: Annotated[
         float,
-        typer.Option("--wait-for-trainer-s", help="Local mode: give up without a trainer."),
+        typer.Option(
+            "--wait-for-trainer-s",
+            callback=non_negative,
+            help="Local mode: seconds to wait for a trainer before giving up.",
+        ),
     ] = 120.0,
 ) -> None:
     """Persist a run's shared-memory snapshots (the pod's sidecar; flash checkpoints).
@@ -69,20 +125,23 @@ def sidecar(
     Reads the same environment as the trainer (CKPT_CONFIG, CKPT_SHM_DIR,
     CKPT_STORAGE_URL, CKPT_RUN_ID, CKPT_METRICS_PORT …), the policy's S3 settings
     included. Serves /metrics, /healthz and /readyz; SIGTERM persists what is
-    pending and exits within the grace period (CKPT_GRACE_S).
+    pending and exits within the grace period (CKPT_GRACE_S). Exit code 2 for a
+    missing or invalid config.
     """
-    logging.basicConfig(
-        level=os.environ.get("CKPT_LOG_LEVEL", "INFO"),
-        format="%(asctime)s ckpt-sidecar %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    cfg = load_config(config, shm_dir=shm_dir, run_id=run_id, storage=storage)
+    try:
+        logging.basicConfig(
+            level=os.environ.get("CKPT_LOG_LEVEL", "INFO").upper(),
+            format="%(asctime)s ckpt-sidecar %(levelname)s %(message)s",
+            stream=sys.stderr,
+        )
+    except ValueError as e:
+        raise fail(f"CKPT_LOG_LEVEL: {plain(e)} (use DEBUG, INFO, WARNING or ERROR)") from None
+    cfg = _config(config, shm_dir, run_id, storage)
     if not cfg.shm_dir:
-        sys.stderr.write("ckpt sidecar: no shared-memory directory (set CKPT_SHM_DIR)\n")
-        raise typer.Exit(2)
+        raise fail("no shared-memory directory: set CKPT_SHM_DIR or pass --shm-dir")
     options = SidecarOptions(
         poll_s=poll_s,
-        grace_s=grace_s if grace_s is not None else grace_from_env(),
+        grace_s=_grace(grace_s),
         probe_every_s=probe_every_s,
         commit_timeout_s=commit_timeout_s,
         exit_with_trainer=exit_with_trainer,

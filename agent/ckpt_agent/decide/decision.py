@@ -60,6 +60,11 @@ class Decision:
     """Human-readable why (``;``-separated when several rules agree)."""
     anomaly: str | None = None
     """Anomaly detected at this step (``nan``, ``loss_spike``, ``grad_anomaly``)."""
+    hazard: float = 1.0
+    """Failure-rate multiplier the interval was sized for (:mod:`ckpt_agent.decide.hazard`):
+    ``1 − warned share`` while calm, ``mtbf / warning_mtbf`` while a warning holds."""
+    warning: str | None = None
+    """The warning that holds (system alarm or node warning); None while calm."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (tier as its string value)."""
@@ -76,6 +81,8 @@ class Decision:
             "interval_rule": self.interval_rule,
             "reason": self.reason,
             "anomaly": self.anomaly,
+            "hazard": self.hazard,
+            "warning": self.warning,
         }
 
     @classmethod
@@ -94,6 +101,8 @@ class Decision:
             "interval_rule",
             "reason",
             "anomaly",
+            "hazard",
+            "warning",
         }
         unknown = set(data) - known
         if unknown:
@@ -112,6 +121,8 @@ class Decision:
             interval_rule=str(data.get("interval_rule", "base")),
             reason=str(data.get("reason", "")),
             anomaly=None if data.get("anomaly") is None else str(data["anomaly"]),
+            hazard=float(data.get("hazard", 1.0)),
+            warning=None if data.get("warning") is None else str(data["warning"]),
         )
 
     def to_json_line(self) -> str:
@@ -123,7 +134,8 @@ def merge_decisions(decisions: Iterable[Decision]) -> Decision:
     """Combine per-rank decisions for the same step into the one all ranks act on.
 
     Order-independent: ``save`` if any rank saves; the highest tier; max score
-    and per-component max; the smallest interval (and its rule); emergency /
+    and per-component max; the smallest interval (and its rule); the highest hazard
+    (and its warning); emergency /
     high-risk if any; lightweight only when every rank that chose the merged
     tier chose a lightweight pulse; the most severe anomaly; reasons joined
     (unique, sorted).
@@ -149,6 +161,7 @@ def merge_decisions(decisions: Iterable[Decision]) -> Decision:
         else None
     )
     reasons = sorted({d.reason for d in ds if d.reason})
+    riskiest = max(ds, key=lambda d: (d.hazard, d.warning or ""))
     return Decision(
         step=ds[0].step,
         save=any(d.save for d in ds),
@@ -162,6 +175,8 @@ def merge_decisions(decisions: Iterable[Decision]) -> Decision:
         interval_rule=smallest.interval_rule,
         reason=" | ".join(reasons),
         anomaly=anomaly,
+        hazard=riskiest.hazard,
+        warning=riskiest.warning,
     )
 
 

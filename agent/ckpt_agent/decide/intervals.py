@@ -4,11 +4,15 @@ Pulse interval (steps), applied in this order; the last rule that changed it
 is :attr:`~ckpt_agent.decide.decision.Decision.interval_rule` (one of
 :data:`INTERVAL_RULES`):
 
-1. ``base · (1 − min(score, max_interval_score))`` (rule ``base`` when the
-   score is 0, else ``score``);
-2. Young/Daly cap: ``τ = √(2·δ·M)`` seconds with δ the measured pulse cost
-   (stall + persist) and M the MTBF, converted to steps with the measured
-   step time; applied when lower (rule ``young_daly``);
+1. the starting interval: the Young/Daly optimum ``τ = √(2·δ·M/h)`` seconds,
+   converted to steps with the measured step time, with δ the measured pulse
+   cost (stall + persist), M the MTBF and h the hazard multiplier
+   (:mod:`ckpt_agent.decide.hazard`: below 1 while calm when some failures
+   are announced, above 1 while a warning holds); rule ``young_daly``, or
+   ``warning`` while a warning holds. Without ``risk.enabled`` or before the
+   step time and δ are measured: ``base_interval`` (rule ``base``);
+2. the score shrinks it: ``start · (1 − min(score, max_interval_score))``
+   (rule ``score`` when the score is above 0);
 3. stall-budget floor: ``⌈stall / (budget · step_time)⌉`` so that pulses
    stall at most ``budget`` of training time; applied when higher (rule
    ``stall_budget``);
@@ -16,7 +20,6 @@ is :attr:`~ckpt_agent.decide.decision.Decision.interval_rule` (one of
    the policy's bounds always win, so a pulse is taken at least every
    ``max_interval`` steps.
 
-Rules 2 and 3 apply only when ``risk.enabled`` and the step time is known.
 :class:`CostModel` keeps the inputs: the MTBF, the step time (an EWMA of wall
 time per step minus save stalls) and per-tier EWMAs of stall and persist seconds.
 """
@@ -31,15 +34,17 @@ from typing import Any
 from ckpt_agent.decide.signals import ewma, finite
 from ckpt_agent.policy.models import PulseTierSpec, SchedulerSpec, Tier
 
-__all__ = ["INTERVAL_RULES", "CostModel", "SaveCost", "pulse_interval"]
+__all__ = ["INTERVAL_RULES", "CostModel", "SaveCost", "bound_interval", "pulse_interval"]
 
-INTERVAL_RULES = ("base", "score", "young_daly", "stall_budget", "min", "max")
+INTERVAL_RULES = ("base", "young_daly", "warning", "score", "stall_budget", "min", "max")
 """Values of :attr:`~ckpt_agent.decide.decision.Decision.interval_rule`."""
 
 _COST_ALPHA = 0.3
 """EWMA factor for measured save costs."""
 _STEP_TIME_ALPHA = 0.2
 """EWMA factor for the measured step time."""
+_PAUSE_FACTOR = 20.0
+"""A step this many times slower than the measured step time is a pause, not a step."""
 
 
 @dataclass
@@ -83,11 +88,19 @@ class CostModel:
                 else ewma(self.step_time, seconds, _STEP_TIME_ALPHA)
             )
 
-    def measure_steps(self, wall_seconds: float, steps: int) -> None:
-        """``steps`` steps took ``wall_seconds``; save stalls since the last call are excluded."""
+    def measure_steps(self, wall_seconds: float, steps: int) -> bool:
+        """``steps`` steps took ``wall_seconds``; save stalls since the last call are excluded.
+
+        False (nothing folded) when that is no step time: a gap over
+        :data:`_PAUSE_FACTOR` times the measured step time is a pause (a restart
+        from a checkpoint, a suspended job), not training."""
         dt = (wall_seconds - self.stall_since_step) / steps
-        if dt > 0 and math.isfinite(dt):
-            self.record_step_time(dt)
+        if not (dt > 0 and math.isfinite(dt)):
+            return False
+        if self.step_time is not None and dt > _PAUSE_FACTOR * self.step_time:
+            return False
+        self.record_step_time(dt)
+        return True
 
     def reset_stall(self) -> None:
         self.stall_since_step = 0.0
@@ -122,26 +135,36 @@ class CostModel:
 
 
 def pulse_interval(
-    score: float, spec: SchedulerSpec, pulse: PulseTierSpec, model: CostModel
+    score: float,
+    spec: SchedulerSpec,
+    pulse: PulseTierSpec,
+    model: CostModel,
+    hazard: float = 1.0,
 ) -> tuple[int, str]:
-    """The dynamic pulse interval for ``score`` and the rule that set it."""
-    capped = min(max(score, 0.0), spec.max_interval_score)
-    interval = max(1, int(pulse.base_interval * (1.0 - capped) + 0.5))
-    rule = "base" if score <= 0 else "score"
-    risk = spec.risk
+    """The dynamic pulse interval for ``score`` at hazard multiplier ``hazard``, and its rule."""
+    interval, rule = pulse.base_interval, "base"
     st = model.step_time
-    cost = model.costs[Tier.PULSE]
-    if risk.enabled and st is not None and st > 0:
-        delta = cost.total
-        if delta is not None and delta > 0:
-            tau = math.sqrt(2.0 * delta * model.mtbf)
-            yd = max(1, math.floor(tau / st))
-            if yd < interval:
-                interval, rule = yd, "young_daly"
-        if cost.stall is not None and cost.stall > 0:
-            floor = math.ceil(cost.stall / (risk.stall_budget * st) - 1e-9)
-            if floor > interval:
-                interval, rule = floor, "stall_budget"
+    delta = model.costs[Tier.PULSE].total
+    if spec.risk.enabled and st is not None and st > 0 and delta is not None and delta > 0:
+        tau = math.sqrt(2.0 * delta * model.mtbf / max(hazard, 1e-12))
+        interval = max(1, math.floor(min(tau / st, 1e12)))
+        rule = "warning" if hazard > 1.0 else "young_daly"
+    if score > 0:
+        capped = min(score, spec.max_interval_score)
+        interval, rule = max(1, int(interval * (1.0 - capped) + 0.5)), "score"
+    return bound_interval(interval, rule, spec, pulse, model)
+
+
+def bound_interval(
+    interval: int, rule: str, spec: SchedulerSpec, pulse: PulseTierSpec, model: CostModel
+) -> tuple[int, str]:
+    """Rules 3 and 4: the stall-budget floor (with ``risk.enabled``), then the policy's bounds."""
+    st = model.step_time
+    stall = model.costs[Tier.PULSE].stall
+    if spec.risk.enabled and st is not None and st > 0 and stall is not None and stall > 0:
+        floor = math.ceil(stall / (spec.risk.stall_budget * st) - 1e-9)
+        if floor > interval:
+            interval, rule = floor, "stall_budget"
     if interval < pulse.min_interval:
         interval, rule = pulse.min_interval, "min"
     elif interval > pulse.max_interval:

@@ -17,8 +17,12 @@ or :class:`~ckpt_agent.policy.models.TiersSpec`):
   A gradient anomaly requests a lightweight pulse now; a system alarm an
   emergency checkpoint (tier ``system.emergency_tier``, default full) flagged
   ``high_risk``, at most once per ``emergency_cooldown_steps``.
+* :mod:`ckpt_agent.decide.hazard`: the failure hazard: lower while calm when
+  warnings announce a share of the failures, higher while a warning (system
+  alarm, node warning) holds. Every decision records it (``hazard``, ``warning``).
 * :mod:`ckpt_agent.decide.intervals`: the dynamic pulse interval from the
-  score, the Young/Daly cap, the stall budget and the policy's bounds.
+  Young/Daly optimum for that hazard, the score, the stall budget and the
+  policy's bounds.
 * :mod:`ckpt_agent.decide.tiers`: the counters that say which tier is due
   (heartbeat, pulse, full, retries, emergencies; full ⊇ pulse ⊇ heartbeat).
 * :mod:`ckpt_agent.decide.decision`: the data exchanged with the engine.
@@ -66,6 +70,7 @@ from ckpt_agent.decide.decision import (
     SaveResult,
     merge_decisions,
 )
+from ckpt_agent.decide.hazard import Hazard, HazardModel
 from ckpt_agent.decide.intervals import INTERVAL_RULES, CostModel, pulse_interval
 from ckpt_agent.decide.signals import (
     GradientLayer,
@@ -120,6 +125,9 @@ class AdaptiveScheduler:
         self._system = SystemLayer(self.spec.system)
         self._counters = TierCounters()
         self._costs = CostModel(self.spec.risk.mtbf_seconds)
+        self._hazard = HazardModel(self.spec.risk)
+        self._requested: str | None = None
+        """A request_emergency reason not yet folded into the hazard."""
 
     # ------------------------------------------------------------------ state
 
@@ -136,6 +144,7 @@ class AdaptiveScheduler:
             **self._system.state_dict(),
             **self._counters.state_dict(),
             **self._costs.state_dict(),
+            **self._hazard.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -151,6 +160,7 @@ class AdaptiveScheduler:
         self._grad.load_state_dict(state)
         self._system.load_state_dict(state)
         self._counters.load_state_dict(state)
+        self._hazard.load_state_dict(state)
 
     # ------------------------------------------------------------------ inputs from the engine
 
@@ -164,10 +174,15 @@ class AdaptiveScheduler:
         return self._costs.mtbf
 
     def set_mtbf(self, seconds: float) -> None:
-        """Update the MTBF estimate (the operator refines it from observed failures)."""
+        """Update the baseline MTBF estimate (from observed failures); the pulse interval
+        follows it as Young/Daly says (``∝ √M``)."""
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"mtbf must be a positive number, got {seconds!r}")
         self._costs.mtbf = seconds
+
+    def hazard_at(self, now: float) -> Hazard:
+        """The hazard the interval is sized for at ``now``."""
+        return self._hazard.at(now, self._costs.mtbf)
 
     def record_step_time(self, seconds: float) -> None:
         """Feed a measured step time directly (instead of deriving it from ``now``)."""
@@ -177,13 +192,18 @@ class AdaptiveScheduler:
         """True when ``observe(step, ...)`` would sample a gradient norm (saves an all-reduce)."""
         return self._grad.wants(step)
 
-    def request_emergency(self, reason: str) -> None:
+    def request_emergency(self, reason: str, *, warning: bool = False) -> None:
         """Make the next :meth:`observe` with a finite loss return an emergency full save.
 
         For the operator's save-now signal and SIGTERM. Not flagged high-risk
-        (that flag is for system-layer alarms).
+        (that flag is for system-layer alarms). With ``warning`` (a request that
+        announces trouble, e.g. the operator relaying a node warning) it is also a
+        warning (:mod:`ckpt_agent.decide.hazard`): from the next :meth:`observe` the
+        interval is sized for the warned hazard until the warning lapses.
         """
         self._counters.add_emergency(reason or "emergency requested", Tier.FULL)
+        if warning:
+            self._requested = reason or "emergency requested"
 
     def settle(self, outcome: SaveOutcome) -> None:
         """Feed back what became of a save (the one feedback call of the engine).
@@ -250,6 +270,11 @@ class AdaptiveScheduler:
             elif "nan" not in anomalies:
                 anomalies.append("nan")
         sys_fired, sys_why = self._system.check(system, now)
+        self._hazard.update(sys_fired, sys_why, now)
+        if self._requested is not None:
+            self._hazard.update(True, self._requested, now)
+            self._requested = None
+        hazard = self.hazard_at(now)
 
         sp = self.spec
         components = {
@@ -258,7 +283,7 @@ class AdaptiveScheduler:
             "system": sp.system.weight if sys_fired else 0.0,
         }
         score = round(sum(components.values()), 12)
-        interval, rule = self.interval_for(score)
+        interval, rule = self.interval_for(score, hazard.multiplier)
 
         counters = self._counters
         if grad_fired_now:
@@ -289,22 +314,25 @@ class AdaptiveScheduler:
             interval_rule=rule,
             reason=due.reason,
             anomaly=min(anomalies, key=ANOMALY_KINDS.index) if anomalies else None,
+            hazard=hazard.multiplier,
+            warning=hazard.warning,
         )
         self.adopt(decision)
         return decision
 
     # ------------------------------------------------------------------ rules
 
-    def interval_for(self, score: float) -> tuple[int, str]:
-        """The dynamic pulse interval for ``score`` and the rule that set it."""
-        return pulse_interval(score, self.spec, self.tiers.pulse, self._costs)
+    def interval_for(self, score: float, hazard: float = 1.0) -> tuple[int, str]:
+        """The dynamic pulse interval for ``score`` at hazard multiplier ``hazard``, and the
+        rule that set it."""
+        return pulse_interval(score, self.spec, self.tiers.pulse, self._costs, hazard)
 
     def young_daly_steps(self) -> int | None:
         """The uncapped Young/Daly interval in steps, when cost and step time are known."""
         return self._costs.young_daly_steps()
 
     def loss_slope(self) -> float | None:
-        """Current smoothed slope in decades per window (None until the window is full)."""
+        """Current recursive slope of the log-loss in decades per step (None before any)."""
         return self._loss.slope()
 
     def _track_time(self, step: int, now: float) -> None:
@@ -315,8 +343,8 @@ class AdaptiveScheduler:
             self._loss.rewind()
             self._grad.rewind()
             self._counters.rewind(step)
-        elif prev_now is not None:
-            self._costs.measure_steps(now - prev_now, step - prev_step)
+        elif prev_now is not None and self._costs.measure_steps(now - prev_now, step - prev_step):
+            self._hazard.observe_seconds(now - prev_now)
         self._last_step = step
         self._last_now = now
         self._costs.reset_stall()

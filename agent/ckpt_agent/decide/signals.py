@@ -5,19 +5,26 @@ Each layer folds one step's signal into a small state and says whether it
 weights of the fired layers into the score. Every number is a field of
 :class:`~ckpt_agent.policy.models.SchedulerSpec`.
 
-* **Loss layer** (weight 0.4): the loss is mapped to ``log10(max(loss, 0) + eps)``,
-  smoothed by an EWMA (alpha 0.2); the least-squares slope of the last 20
-  smoothed points, expressed in decades per window (per-step slope × window),
-  must exceed 0.05 in absolute value for 3 consecutive steps. A loss more than
-  ``spike_decades`` above the smoothed value is reported as a ``loss_spike``.
+* **Loss layer** (weight 0.4): the loss is mapped to ``x = log10(max(loss, 0) + eps)``;
+  the slope is a recursive EWMA of its per-step differences,
+  ``slope_t = α·(x_t − x_(t−1)) + (1 − α)·slope_(t−1)`` (α 0.2, decades per step),
+  and must exceed 0.05 in absolute value for 3 consecutive steps, after a
+  warm-up of 3 differences. A loss ×0.8 per step crosses 0.05 at the 4th
+  difference and fires at the 6th (step 7); ±10 % noise on a plateau gives a
+  slope of about 0.005 rms and never fires. Once 20 losses are in
+  (``window``), a loss more than ``spike_decades`` above the smoothed
+  log-loss (an EWMA with the same α) is reported as a ``loss_spike``.
 * **Gradient layer** (weight 0.35): the global gradient norm is sampled at most
   once every 10 steps (:meth:`GradientLayer.wants` tells the engine when); the
-  last 50 samples are kept; a sample outside mean ± 1 std of the previous
-  samples is anomalous; 2 anomalous samples in a row fire the layer and
-  request a *lightweight* pulse (weights + RNG) right now.
-* **System layer** (weight 0.25): new GPU errors, or a storage write latency
-  above 15 ms sustained for 5 s, fire the layer and request an emergency
-  checkpoint. Missing metrics are healthy.
+  last 50 samples are kept; a sample outside mean ± 3 std of the previous
+  samples is anomalous (``std_multiplier``; 1 std fires on stationary noise
+  about once every 10–18 samples); 2 anomalous samples in a row fire the layer
+  and request a *lightweight* pulse (weights + RNG) right now.
+* **System layer** (weight 0.25): new GPU errors, a storage write latency
+  above 15 ms sustained for 5 s, or a node warning (NotReady, pressure, cordon,
+  an impending-termination taint, DisruptionTarget) fire the layer and request
+  an emergency checkpoint. Missing metrics are healthy. While it fires, a
+  *warning* holds (:mod:`ckpt_agent.decide.hazard`).
 
 Non-finite values are never folded (the caller checks with :func:`finite`).
 Each layer's ``state_dict`` is a flat slice of the scheduler's state dict.
@@ -26,9 +33,8 @@ Each layer's ``state_dict`` is a flat slice of the scheduler's state dict.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,18 +53,6 @@ def ewma(prev: float, x: float, alpha: float) -> float:
     return alpha * x + (1.0 - alpha) * prev
 
 
-def _ls_slope(points: Sequence[tuple[int, float]]) -> float:
-    """Least-squares slope of y over x (0 when x is constant)."""
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((p[0] - mx) ** 2 for p in points)
-    if sxx == 0:
-        return 0.0
-    sxy = sum((p[0] - mx) * (p[1] - my) for p in points)
-    return sxy / sxx
-
-
 @dataclass(frozen=True)
 class SystemSignals:
     """Health metrics sampled by the engine at one step (``None``: not measured = healthy).
@@ -71,15 +65,24 @@ class SystemSignals:
     """GPU errors (XID/ECC) observed *since the previous sample* (a delta, not a total)."""
     write_latency_ms: float | None = None
     """Latest storage write latency in milliseconds."""
+    node_warning: str | None = None
+    """A warning about this pod's node, while it holds (NotReady, memory/disk pressure,
+    cordon, an impending-termination taint, DisruptionTarget): what it is, in words."""
 
 
 class LossLayer:
-    """Trend of the log-loss: fires while its smoothed slope is steep."""
+    """Trend of the log-loss: fires while its recursive slope is steep."""
 
     def __init__(self, spec: LossLayerSpec) -> None:
         self.spec = spec
         self.ewma: float | None = None
-        self.window: deque[tuple[int, float]] = deque(maxlen=spec.window)
+        """Smoothed log-loss (spikes are measured against it)."""
+        self.last: float | None = None
+        """The previous log-loss."""
+        self.trend = 0.0
+        """Recursive EWMA of the log-loss differences (decades per step)."""
+        self.folded = 0
+        """Differences folded in since the start or the last rewind."""
         self.streak = 0
 
     @property
@@ -88,43 +91,46 @@ class LossLayer:
 
     def fold(self, step: int, loss: float) -> bool:
         """Fold a finite loss in; return True when it is a spike."""
+        del step
         spec = self.spec
         x = math.log10(max(loss, 0.0) + spec.epsilon)
-        spike = (
-            self.ewma is not None
-            and len(self.window) >= spec.window
-            and x - self.ewma > spec.spike_decades
-        )
+        seen = self.folded + 1 if self.last is not None else 0
+        spike = self.ewma is not None and seen >= spec.window and x - self.ewma > spec.spike_decades
+        if self.last is not None:
+            self.trend = ewma(self.trend, x - self.last, spec.ewma_alpha)
+            self.folded += 1
+            steep = self.folded >= spec.warmup_steps and abs(self.trend) > spec.slope_threshold
+            self.streak = self.streak + 1 if steep else 0
+        self.last = x
         self.ewma = x if self.ewma is None else ewma(self.ewma, x, spec.ewma_alpha)
-        self.window.append((step, self.ewma))
-        if len(self.window) >= spec.window:
-            slope = _ls_slope(self.window) * spec.window
-            self.streak = self.streak + 1 if abs(slope) > spec.slope_threshold else 0
         return spike
 
     def slope(self) -> float | None:
-        """Current smoothed slope in decades per window (None until the window is full)."""
-        if len(self.window) < self.spec.window:
-            return None
-        return _ls_slope(self.window) * self.spec.window
+        """Current slope in decades per step (None before any difference)."""
+        return None if self.folded == 0 else self.trend
 
     def rewind(self) -> None:
         """The run went back: the trend restarts."""
         self.ewma = None
-        self.window.clear()
+        self.last = None
+        self.trend = 0.0
+        self.folded = 0
         self.streak = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "ewma": self.ewma,
-            "loss_window": [[s, v] for s, v in self.window],
+            "loss_last": self.last,
+            "loss_trend": self.trend,
+            "loss_folded": self.folded,
             "loss_streak": self.streak,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.ewma = state.get("ewma")
-        self.window.clear()
-        self.window.extend((int(s), float(v)) for s, v in state.get("loss_window", []))
+        self.last = state.get("loss_last")
+        self.trend = float(state.get("loss_trend", 0.0))
+        self.folded = int(state.get("loss_folded", 0))
         self.streak = int(state.get("loss_streak", 0))
 
 
@@ -152,8 +158,9 @@ class GradientLayer:
         self.last_sample_step = step
         anomalous = False
         if len(self.samples) >= g.min_samples:
-            mean = statistics.fmean(self.samples)
-            std = statistics.pstdev(self.samples, mu=mean)
+            n = len(self.samples)
+            mean = math.fsum(self.samples) / n
+            std = math.sqrt(math.fsum((x - mean) ** 2 for x in self.samples) / n)
             dev = abs(grad_norm - mean)
             anomalous = dev > g.std_multiplier * std and not math.isclose(
                 grad_norm, mean, rel_tol=1e-9, abs_tol=1e-12
@@ -182,7 +189,7 @@ class GradientLayer:
 
 
 class SystemLayer:
-    """GPU errors and sustained storage latency: fires while the environment is risky."""
+    """GPU errors, sustained storage latency, node warnings: fires while it is risky."""
 
     def __init__(self, spec: SystemLayerSpec) -> None:
         self.spec = spec
@@ -197,6 +204,8 @@ class SystemLayer:
         why: list[str] = []
         if signals.gpu_errors is not None and signals.gpu_errors > s.gpu_error_threshold:
             why.append(f"gpu_errors={signals.gpu_errors}")
+        if signals.node_warning:
+            why.append(f"node warning: {signals.node_warning}")
         lat = signals.write_latency_ms
         if lat is not None and math.isfinite(lat) and lat > s.write_latency_ms:
             if self.latency_high_since is None:

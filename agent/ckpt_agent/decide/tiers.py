@@ -4,7 +4,9 @@
   last pulse reach the dynamic interval (:mod:`ckpt_agent.decide.intervals`),
   or now when the score *rises* to ``pulse_now_score`` or above; full every
   ``full.every_steps`` steps since the last full, ``full.long_run_every_steps``
-  once the run is older than ``full.long_run_after_hours`` of wall time.
+  once the run is older than ``full.long_run_after_hours`` of wall time. A
+  pulse due when the full comes due within a quarter of the pulse interval
+  is taken as the full (one save instead of two a few steps apart).
 * A higher tier subsumes the lower ones (full ⊇ pulse ⊇ heartbeat), so the
   decision carries the highest tier due and saving it resets the counters of
   every tier at or below it. A lightweight pulse lacks optimizer state and
@@ -184,6 +186,8 @@ class TierCounters:
             due.add(Tier.FULL, f"{since_full} steps since last full >= {full_every}" + long_run)
         if since_pulse >= interval:
             due.add(Tier.PULSE, f"{since_pulse} steps since last pulse >= interval {interval}")
+            if due.tier == Tier.PULSE and 4 * (full_every - since_full) <= interval:
+                due.add(Tier.FULL, f"full due in {full_every - since_full} steps: taken now")
         if score >= pulse_now_score > self.prev_score and since_pulse > 0:
             due.add(Tier.PULSE, f"score {score:.2f} reached {pulse_now_score:.2f}: pulse now")
         if self.retry_tier is not None:

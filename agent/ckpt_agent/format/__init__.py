@@ -9,6 +9,7 @@
 * :mod:`~ckpt_agent.format.listing`: runs and committed checkpoints in storage.
 * :mod:`~ckpt_agent.format.verify`: streaming hash verification of a checkpoint.
 * :mod:`~ckpt_agent.format.heartbeat`: the L0 heartbeat ring.
+* :mod:`~ckpt_agent.format.owner`: the namespace a run belongs to (``OWNER.json``).
 * :mod:`~ckpt_agent.format.codec`, :mod:`~ckpt_agent.format.shuffle`: blob encodings;
   :mod:`~ckpt_agent.format.jsontree`: the tagged-JSON state tree;
   :mod:`~ckpt_agent.format.parts`: checking a rank's part before the COMMIT.

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import zstandard
 
 from ckpt_agent.errors import CodecError
+from ckpt_agent.format.layout import CHUNK_MAX_BYTES
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer as Buffer
@@ -174,8 +175,8 @@ def decode(
     Raises :class:`CodecError` for a malformed frame or a size mismatch; the
     decompressor never produces more than ``raw_size`` bytes.
     """
-    if raw_size < 0:
-        raise CodecError(f"negative raw size {raw_size}")
+    if not 0 <= raw_size <= CHUNK_MAX_BYTES:
+        raise CodecError(f"raw size {raw_size} is outside 0..{CHUNK_MAX_BYTES} (the chunk limit)")
     if out is not None and len(out) != raw_size:
         raise CodecError(f"output buffer has {len(out)} bytes, expected {raw_size}")
     view = memoryview(stored).cast("B")

@@ -87,10 +87,10 @@ def encode_heartbeats(run_id: str, rank: int, entries: Sequence[Heartbeat]) -> b
 def read_heartbeat(storage: Storage, run_id: str, rank: int = 0) -> list[Heartbeat]:
     """The heartbeat ring of one rank, oldest first (empty when there is none)."""
     try:
-        raw = storage.read(heartbeat_key(run_id, rank))
+        raw = storage.read(heartbeat_key(run_id, rank), 0, HEARTBEAT_MAX_BYTES + 1)
     except NotFoundError:
         return []
-    d = loads(raw, "heartbeat")
+    d = loads(raw, "heartbeat", HEARTBEAT_MAX_BYTES)
     if d.get("format") != FORMAT_HEARTBEAT:
         raise CheckpointFormatError("heartbeat: wrong format")
     entries = d.get("entries") or []

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from ckpt_agent.errors import JsonTreeError
+from ckpt_agent.format.layout import JSON_MAX_INT_DIGITS
 from ckpt_agent.records import Json
 
 __all__ = [
@@ -81,6 +82,11 @@ def _enc(value: object, leaf: Leaf | None, path: str, depth: int) -> Json:
     if value is None or isinstance(value, bool | str):
         return value
     if type(value) is int:
+        if not -_INT_LIMIT < value < _INT_LIMIT:
+            raise JsonTreeError(
+                f"{path or '<root>'}: an integer of more than {JSON_MAX_INT_DIGITS} digits "
+                "(readers refuse it; store it as a string or bytes)"
+            )
         return value
     if type(value) is float:
         if math.isfinite(value):
@@ -126,7 +132,8 @@ def _enc(value: object, leaf: Leaf | None, path: str, depth: int) -> Json:
     )
 
 
-_SCALARS = (int, str, bool, type(None))
+_SCALARS = (str, bool, type(None))
+_INT_LIMIT: Final = 10**JSON_MAX_INT_DIGITS
 
 
 def _plain(items: list[object] | tuple[object, ...]) -> bool:
@@ -134,6 +141,8 @@ def _plain(items: list[object] | tuple[object, ...]) -> bool:
     for v in items:
         t = type(v)
         if t in _SCALARS:
+            continue
+        if t is int and -_INT_LIMIT < v < _INT_LIMIT:
             continue
         if t is float and math.isfinite(v):  # type: ignore[arg-type]
             continue

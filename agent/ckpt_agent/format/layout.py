@@ -21,8 +21,10 @@ and :mod:`ckpt_agent.format.heartbeat`; reading them back is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Final, TypeGuard
@@ -32,13 +34,23 @@ from ckpt_agent.records import RANK_DIGITS, STEP_DIGITS, Json, Tier, rank_name
 
 __all__ = [
     "AUDIT_LOG",
+    "BLOB_MAX_BYTES",
+    "CHUNK_MAX_BYTES",
     "COMMIT",
+    "COMMIT_MAX_BYTES",
     "DTYPE_ITEMSIZE",
     "FLOAT_DTYPES",
     "FORMAT_VERSION",
     "HEARTBEAT_MAX_BYTES",
+    "JSON_MAX_INT_DIGITS",
+    "JSON_MAX_NUMBER_CHARS",
+    "MANIFEST_MAX_BYTES",
     "RECOVER_REQUEST",
+    "TENSOR_MAX_BYTES",
+    "TENSOR_MAX_DIMS",
+    "TENSOR_MAX_ELEMENTS",
     "VALIDATION",
+    "VALIDATION_MAX_BYTES",
     "audit_key",
     "blob_key",
     "blobs_prefix",
@@ -72,6 +84,28 @@ AUDIT_LOG: Final = "audit.log"
 RECOVER_REQUEST: Final = "RECOVER.json"
 #: Heartbeat objects stay below this size (the L0 contract).
 HEARTBEAT_MAX_BYTES: Final = 512 * 1024
+
+# Reader limits (docs/format.md, "Limits"): every reader (trainer, validator, ``ckpt``,
+# the operator) refuses a document or blob past them before allocating for it. The
+# writer never produces anything larger, so they only stop forged or damaged data.
+#: Largest COMMIT (a few hundred bytes per rank).
+COMMIT_MAX_BYTES: Final = 4 * 1024 * 1024
+#: Largest rank manifest (the state tree, tensor and blob entries, inline tensors).
+MANIFEST_MAX_BYTES: Final = 64 * 1024 * 1024
+#: Largest VALIDATION.json.
+VALIDATION_MAX_BYTES: Final = 1024 * 1024
+#: Largest raw (decoded) size of one chunk: the writer cuts tensors at this size.
+CHUNK_MAX_BYTES: Final = 16 * 1024 * 1024
+#: Largest stored size of one blob (a zstd frame of an incompressible chunk grows a little).
+BLOB_MAX_BYTES: Final = CHUNK_MAX_BYTES + CHUNK_MAX_BYTES // 64
+#: Largest tensor, in elements and in bytes, and its most dimensions.
+TENSOR_MAX_ELEMENTS: Final = 2**36
+TENSOR_MAX_BYTES: Final = 2**38
+TENSOR_MAX_DIMS: Final = 32
+#: Integers in a manifest have at most this many digits (2**128 has 39).
+JSON_MAX_INT_DIGITS: Final = 39
+#: Number literals in a manifest are at most this long (a float's repr is under 25).
+JSON_MAX_NUMBER_CHARS: Final = 64
 
 #: Element size of every dtype the format knows (names as torch/numpy print them).
 DTYPE_ITEMSIZE: Final[Mapping[str, int]] = {
@@ -205,14 +239,30 @@ def dumps(obj: Json) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def loads(data: bytes, what: str) -> dict[str, Json]:
-    """Parse one JSON object; anything else (NaN, Infinity) is a CheckpointFormatError."""
+def loads(data: bytes, what: str, max_bytes: int = MANIFEST_MAX_BYTES) -> dict[str, Json]:
+    """Parse one JSON object; anything else is a CheckpointFormatError.
+
+    Refused before or while parsing, never allocated for: more than ``max_bytes``,
+    NaN/Infinity, an integer of more than :data:`JSON_MAX_INT_DIGITS` digits, a
+    float that overflows to infinity, nesting past the interpreter's recursion
+    limit (about 1000 levels; state trees themselves stop at 64, see
+    :mod:`ckpt_agent.format.jsontree`).
+    """
+    if len(data) > max_bytes:
+        raise CheckpointFormatError(
+            f"{what}: {len(data)} bytes, over the {max_bytes}-byte limit of the format"
+        )
 
     def no_constants(name: str) -> object:
         raise CheckpointFormatError(f"{what}: non-standard JSON constant {name}")
 
     try:
-        obj = json.loads(data, parse_constant=no_constants)
+        obj = json.loads(
+            data,
+            parse_constant=no_constants,
+            parse_int=functools.partial(_parse_int, what),
+            parse_float=functools.partial(_parse_float, what),
+        )
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointFormatError(f"{what}: not valid JSON ({e})") from None
     except RecursionError:
@@ -220,3 +270,18 @@ def loads(data: bytes, what: str) -> dict[str, Json]:
     if not isinstance(obj, dict):
         raise CheckpointFormatError(f"{what}: expected a JSON object")
     return obj
+
+
+def _parse_int(what: str, text: str) -> int:
+    if len(text.lstrip("-")) > JSON_MAX_INT_DIGITS:
+        raise CheckpointFormatError(
+            f"{what}: an integer of {len(text)} digits (at most {JSON_MAX_INT_DIGITS})"
+        )
+    return int(text)
+
+
+def _parse_float(what: str, text: str) -> float:
+    value = float(text) if len(text) <= JSON_MAX_NUMBER_CHARS else math.inf
+    if not math.isfinite(value):
+        raise CheckpointFormatError(f"{what}: number {text[:32]!r} is out of range")
+    return value

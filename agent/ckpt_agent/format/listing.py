@@ -7,10 +7,11 @@ validator's record for exactly that COMMIT.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError
+from ckpt_agent.errors import CheckpointNotFoundError, one_line
 from ckpt_agent.format.heartbeat import read_heartbeat
 from ckpt_agent.format.layout import (
     COMMIT,
@@ -24,9 +25,11 @@ from ckpt_agent.format.layout import (
 )
 from ckpt_agent.format.readers import read_commit, read_validation
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
-from ckpt_agent.storage.base import Storage, StorageError
+from ckpt_agent.storage.base import Storage
 
 __all__ = ["list_checkpoints", "list_runs", "newest_heartbeat_record"]
+
+log = logging.getLogger(__name__)
 
 
 def list_runs(storage: Storage) -> list[str]:
@@ -55,10 +58,12 @@ def list_checkpoints(
     One paginated listing of ``<run>/steps/`` plus one read of each COMMIT
     (and VALIDATION.json, when present). Status: ``valid``/``corrupted`` from
     the validator's record for exactly this COMMIT, else ``pending`` (never
-    offered for resume before it is verified). A COMMIT that cannot be parsed
-    is reported as ``corrupted`` (``extra["error"]``) unless
-    ``include_broken=False``. Folders without a COMMIT do not exist. With
-    ``include_heartbeat`` the newest L0 heartbeat of rank 0 is listed too
+    offered for resume before it is verified). A COMMIT that cannot be read or
+    parsed (malformed, past the format's limits, a storage error: anything) is
+    reported as ``corrupted`` with a one-line ``extra["error"]`` naming it,
+    unless ``include_broken=False``; the others are listed all the same.
+    Folders without a COMMIT do not exist. With ``include_heartbeat`` the
+    newest L0 heartbeat of rank 0 is listed too
     (:func:`newest_heartbeat_record`), for the ladder's heartbeat rung.
     """
     prefix = steps_prefix(run_id)
@@ -77,10 +82,11 @@ def list_checkpoints(
         except ValueError:
             continue
         try:
-            committed = read_commit(storage, run_id, folder)
+            rec = _record(storage, run_id, folder, names)
         except CheckpointNotFoundError:
             continue  # deleted between listing and reading
-        except (CheckpointFormatError, StorageError) as e:
+        except Exception as e:  # one bad COMMIT never hides the others
+            log.warning("run %s: %s is unreadable: %s", run_id, folder, one_line(e))
             if include_broken:
                 out.append(
                     CheckpointRecord(
@@ -88,20 +94,10 @@ def list_checkpoints(
                         step=step,
                         tier=tier,
                         status=CheckpointStatus.CORRUPTED,
-                        extra={"error": str(e)},
+                        extra={"error": one_line(e)},
                     )
                 )
             continue
-        status = CheckpointStatus.PENDING
-        reason = ""
-        if VALIDATION in names:
-            v = read_validation(storage, run_id, folder)
-            if v is not None and v.commit_sha256 == committed.manifest_hash:
-                status = v.status
-                reason = v.reason
-        rec = committed.commit.record(committed.manifest_hash, status)
-        if reason:
-            rec.extra["status_reason"] = reason
         out.append(rec)
     if include_heartbeat:
         hb = newest_heartbeat_record(storage, run_id)
@@ -109,6 +105,22 @@ def list_checkpoints(
             out.append(hb)
     out.sort(key=lambda r: (r.step, list(Tier).index(r.tier)))
     return out
+
+
+def _record(storage: Storage, run_id: str, folder: str, names: set[str]) -> CheckpointRecord:
+    """One checkpoint's record: its COMMIT, and the validator's verdict on exactly it."""
+    committed = read_commit(storage, run_id, folder)
+    status = CheckpointStatus.PENDING
+    reason = ""
+    if VALIDATION in names:
+        v = read_validation(storage, run_id, folder)
+        if v is not None and v.commit_sha256 == committed.manifest_hash:
+            status = v.status
+            reason = v.reason
+    rec = committed.commit.record(committed.manifest_hash, status)
+    if reason:
+        rec.extra["status_reason"] = reason
+    return rec
 
 
 def newest_heartbeat_record(
@@ -121,7 +133,10 @@ def newest_heartbeat_record(
     """
     try:
         entries = read_heartbeat(storage, run_id, rank)
-    except (CheckpointFormatError, StorageError):
+    except Exception as e:  # an unreadable ring is no heartbeat, never a failed listing
+        log.warning(
+            "run %s: heartbeat ring of rank %d is unreadable: %s", run_id, rank, one_line(e)
+        )
         return None
     if not entries:
         return None

@@ -5,8 +5,10 @@ every rank manifest with its SHA-256, every rank manifest lists its blobs
 with their SHA-256, so one hash (the COMMIT's, the checkpoint's
 ``manifest_hash``) pins every byte. Each manifest carries the hash of the
 previous weights checkpoint (``prev_hash``): the chain the recovery ladder
-walks. Where they are stored is :mod:`ckpt_agent.format.layout`; reading
-them back with their hashes checked is :mod:`ckpt_agent.format.readers`.
+walks, and, once the run was resumed from a pin, its resume ``lineage``
+(:class:`~ckpt_agent.records.Lineage`). Where they are stored is
+:mod:`ckpt_agent.format.layout`; reading them back with their hashes checked
+is :mod:`ckpt_agent.format.readers`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ from ckpt_agent import __version__
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.codec import CodecError, CodecSpec, zstd_version
 from ckpt_agent.format.layout import (
+    BLOB_MAX_BYTES,
+    CHUNK_MAX_BYTES,
+    COMMIT_MAX_BYTES,
     DTYPE_ITEMSIZE,
     FORMAT_COMMIT,
     FORMAT_RANK,
     FORMAT_VALIDATION,
     FORMAT_VERSION,
+    TENSOR_MAX_BYTES,
+    TENSOR_MAX_DIMS,
+    TENSOR_MAX_ELEMENTS,
     VALIDATION,
+    VALIDATION_MAX_BYTES,
     dumps,
     is_rank_file,
     loads,
@@ -36,6 +45,7 @@ from ckpt_agent.records import (
     CheckpointRecord,
     CheckpointStatus,
     Json,
+    Lineage,
     RetentionClass,
     Tier,
     checkpoint_id,
@@ -50,6 +60,8 @@ __all__ = [
     "TensorEntry",
     "ValidationRecord",
     "library_versions",
+    "lineage_from_json",
+    "lineage_to_json",
 ]
 
 
@@ -87,13 +99,25 @@ class BlobEntry:
             codec = CodecSpec.from_json(d)
         except CodecError as e:
             raise CheckpointFormatError(f"{what}: {e}") from None
-        return cls(
+        entry = cls(
             digest=digest_field(digest, what),
             size=nonneg_field(d.get("size"), f"{what}.size"),
             raw_sha256=digest_field(d.get("raw_sha256"), f"{what}.raw_sha256"),
             raw_size=nonneg_field(d.get("raw_size"), f"{what}.raw_size"),
             codec=codec,
         )
+        if entry.raw_size > CHUNK_MAX_BYTES or entry.size > BLOB_MAX_BYTES:
+            raise CheckpointFormatError(
+                f"{what}: a chunk of {entry.raw_size} bytes ({entry.size} stored); "
+                f"the format's chunks hold at most {CHUNK_MAX_BYTES}"
+            )
+        if codec.codec == "none" and (
+            entry.size != entry.raw_size or entry.raw_sha256 != entry.digest
+        ):
+            raise CheckpointFormatError(
+                f"{what}: an uncompressed blob whose stored and raw size or hash differ"
+            )
+        return entry
 
 
 @dataclass(frozen=True)
@@ -132,11 +156,19 @@ class TensorEntry:
         if dtype not in DTYPE_ITEMSIZE:
             raise CheckpointFormatError(f"{what}: unknown dtype {dtype!r}")
         shape_raw = required_field(d, "shape", list, what)
+        if len(shape_raw) > TENSOR_MAX_DIMS:
+            raise CheckpointFormatError(f"{what}: more than {TENSOR_MAX_DIMS} dimensions")
         shape = tuple(nonneg_field(s, f"{what}.shape") for s in shape_raw)
         nbytes = nonneg_field(d.get("nbytes"), f"{what}.nbytes")
         numel = 1
         for s in shape:
             numel *= s
+        if max(shape, default=0) > TENSOR_MAX_ELEMENTS or numel > TENSOR_MAX_ELEMENTS:
+            raise CheckpointFormatError(
+                f"{what}: shape {list(shape)} is over the format's {TENSOR_MAX_ELEMENTS} elements"
+            )
+        if nbytes > TENSOR_MAX_BYTES:
+            raise CheckpointFormatError(f"{what}: over the format's {TENSOR_MAX_BYTES} bytes")
         if numel * DTYPE_ITEMSIZE[dtype] != nbytes:
             raise CheckpointFormatError(
                 f"{what}: nbytes {nbytes} does not match shape {list(shape)} of {dtype}"
@@ -195,6 +227,8 @@ class CheckpointMeta:
     prev_hash: str | None = None
     sections: tuple[str, ...] = ()
     versions: Mapping[str, str] = field(default_factory=dict)
+    lineage: Lineage = field(default_factory=Lineage)
+    """The resume lineage (written only when not the run's original one)."""
 
     @property
     def checkpoint_id(self) -> str:
@@ -220,6 +254,7 @@ class CheckpointMeta:
             "prev_hash": self.prev_hash,
             "sections": list(self.sections),
             "versions": dict(self.versions),
+            **({"lineage": lineage_to_json(self.lineage)} if self.lineage != Lineage() else {}),
         }
 
     @classmethod
@@ -273,7 +308,29 @@ class CheckpointMeta:
             prev_hash=None if prev is None else digest_field(prev, f"{what}.prev_hash"),
             sections=tuple(sections),
             versions={str(k): str(v) for k, v in versions.items()},
+            lineage=lineage_from_json(d.get("lineage"), f"{what}.lineage"),
         )
+
+
+def lineage_to_json(lineage: Lineage) -> dict[str, Json]:
+    """The manifest's ``lineage`` object."""
+    return {"epoch": lineage.epoch, "pins": list(lineage.pins), "parent": lineage.parent}
+
+
+def lineage_from_json(d: Json, what: str) -> Lineage:
+    """A manifest's ``lineage`` object (absent or null: the run's original lineage)."""
+    if d is None:
+        return Lineage()
+    if not isinstance(d, dict):
+        raise CheckpointFormatError(f"{what}: must be an object")
+    pins = d.get("pins") or []
+    if not isinstance(pins, list) or not all(isinstance(p, str) for p in pins):
+        raise CheckpointFormatError(f"{what}.pins: must be a list of strings")
+    return Lineage(
+        epoch=nonneg_field(d.get("epoch", 0), f"{what}.epoch"),
+        pins=tuple(pins),
+        parent=optional_field(d, "parent", str, what),
+    )
 
 
 def library_versions(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -417,7 +474,7 @@ class CommitManifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "COMMIT") -> CommitManifest:
-        d = loads(data, what)
+        d = loads(data, what, COMMIT_MAX_BYTES)
         if d.get("format") != FORMAT_COMMIT:
             raise CheckpointFormatError(f"{what}: not a COMMIT (format {d.get('format')!r})")
         meta = CheckpointMeta.from_json(d, what)
@@ -468,6 +525,7 @@ class CommitManifest:
             emergency=m.emergency,
             world_size=m.world_size,
             reason=m.reason,
+            lineage=m.lineage,
         )
 
 
@@ -501,17 +559,20 @@ class ValidationRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = VALIDATION) -> ValidationRecord:
-        d = loads(data, what)
+        d = loads(data, what, VALIDATION_MAX_BYTES)
         if d.get("format") != FORMAT_VALIDATION:
             raise CheckpointFormatError(f"{what}: not a validation record")
-        status = CheckpointStatus(required_field(d, "status", str, what))
+        try:
+            status = CheckpointStatus(required_field(d, "status", str, what))
+        except ValueError:
+            raise CheckpointFormatError(f"{what}: unknown status {d.get('status')!r}") from None
         checks = d.get("checks") or []
         return cls(
             checkpoint_id=required_field(d, "checkpoint_id", str, what),
             commit_sha256=digest_field(d.get("commit_sha256"), what),
             status=status,
-            reason=str(d.get("reason") or ""),
-            validated_at=float(d.get("validated_at") or 0.0),
+            reason=str(optional_field(d, "reason", str, what) or ""),
+            validated_at=float(optional_field(d, "validated_at", (int, float), what) or 0.0),
             checks=tuple(str(c) for c in checks) if isinstance(checks, list) else (),
-            duration_s=float(d.get("duration_s") or 0.0),
+            duration_s=float(optional_field(d, "duration_s", (int, float), what) or 0.0),
         )

@@ -8,7 +8,13 @@ Used by the coordinator of the two-phase commit before it publishes ``COMMIT``:
 from __future__ import annotations
 
 from ckpt_agent.errors import CheckpointFormatError
-from ckpt_agent.format.layout import blob_key, checkpoint_prefix, rank_manifest_key, sha256_hex
+from ckpt_agent.format.layout import (
+    MANIFEST_MAX_BYTES,
+    blob_key,
+    checkpoint_prefix,
+    rank_manifest_key,
+    sha256_hex,
+)
 from ckpt_agent.format.manifest import RankManifest, RankRef
 from ckpt_agent.records import rank_name
 from ckpt_agent.storage.base import NotFoundError, Storage
@@ -28,7 +34,7 @@ def verify_part(storage: Storage, run_id: str, ckpt_id: str, ref: RankRef) -> Ra
     if ref.key != f"{rank_name(ref.rank)}.json":
         raise CheckpointFormatError(f"{ckpt_id}: rank {ref.rank} announced manifest {ref.key}")
     try:
-        raw = storage.read(key)
+        raw = storage.read(key, 0, min(ref.size, MANIFEST_MAX_BYTES) + 1)  # what was announced
     except NotFoundError:
         raise CheckpointFormatError(f"{ckpt_id}: {ref.key} is not in storage") from None
     digest = sha256_hex(raw)

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from ckpt_agent.format.codec import PY_SHUFFLER, CodecError, Shuffler, decode
 from ckpt_agent.format.layout import (
+    COMMIT_MAX_BYTES,
+    MANIFEST_MAX_BYTES,
+    VALIDATION_MAX_BYTES,
     blob_key,
     checkpoint_prefix,
     commit_key,
@@ -25,6 +28,8 @@ from ckpt_agent.storage.base import NotFoundError, Storage
 
 __all__ = [
     "CommittedCheckpoint",
+    "check_tensor_bytes",
+    "read_capped",
     "read_checkpoint",
     "read_commit",
     "read_rank_manifest",
@@ -50,7 +55,7 @@ def read_commit(storage: Storage, run_id: str, ckpt_id: str) -> CommittedCheckpo
     """
     key = commit_key(run_id, ckpt_id)
     try:
-        raw = storage.read(key)
+        raw = read_capped(storage, key, COMMIT_MAX_BYTES)
     except NotFoundError:
         raise CheckpointNotFoundError(
             f"checkpoint {ckpt_id} of run {run_id} is not committed (no {key} in {storage.url})"
@@ -77,8 +82,13 @@ def read_rank_manifest(
         )
     ref = refs[0]
     key = checkpoint_prefix(run_id, commit.checkpoint_id) + ref.key
+    if ref.size > MANIFEST_MAX_BYTES:
+        raise CheckpointFormatError(
+            f"{commit.checkpoint_id}: COMMIT records {ref.key} with {ref.size} bytes, over the "
+            f"format's {MANIFEST_MAX_BYTES}-byte limit"
+        )
     try:
-        raw = storage.read(key)
+        raw = storage.read(key, 0, ref.size + 1)  # never more than the COMMIT promises
     except NotFoundError:
         raise IntegrityError(
             f"{commit.checkpoint_id}: rank manifest {ref.key} is missing from storage"
@@ -105,14 +115,27 @@ def read_checkpoint(
     return committed, read_rank_manifest(storage, run_id, committed, rank)
 
 
+def read_capped(storage: Storage, key: str, limit: int) -> bytes:
+    """The object at ``key``, refused (:class:`CheckpointFormatError`) past ``limit`` bytes.
+
+    Reads at most ``limit + 1`` bytes whatever the object holds.
+    """
+    raw = storage.read(key, 0, limit + 1)
+    if len(raw) > limit:
+        raise CheckpointFormatError(
+            f"{key}: more than {limit} bytes, over the format's limit (not written by ckpt-agent)"
+        )
+    return raw
+
+
 def read_validation(storage: Storage, run_id: str, ckpt_id: str) -> ValidationRecord | None:
+    """The validator's verdict, or None when there is none or it is unreadable (not trusted)."""
+    key = validation_key(run_id, ckpt_id)
     try:
-        raw = storage.read(validation_key(run_id, ckpt_id))
+        return ValidationRecord.from_bytes(read_capped(storage, key, VALIDATION_MAX_BYTES), key)
     except NotFoundError:
         return None
-    try:
-        return ValidationRecord.from_bytes(raw)
-    except (CheckpointFormatError, ValueError):
+    except ValueError:  # CheckpointFormatError included
         return None
 
 
@@ -135,35 +158,86 @@ def read_tensor_bytes(
     if len(target) != entry.nbytes:
         raise ValueError(f"{what}: output buffer has {len(target)} bytes, tensor {entry.nbytes}")
     if entry.inline is not None:
-        if sha256_hex(entry.inline) != entry.inline_sha256:
-            raise IntegrityError(f"{what}: inline data does not match its SHA-256")
+        _check_inline(entry, what)
         target[:] = entry.inline
         return target
     offset = 0
     for digest in entry.chunks:
-        blob = manifest.blobs[digest]
-        key = blob_key(run_id, digest)
-        try:
-            with storage.read_view(key) as stored:
-                if len(stored) != blob.size:
-                    raise IntegrityError(
-                        f"{what}: blob {digest[:16]}… has {len(stored)} bytes, manifest says "
-                        f"{blob.size} (truncated or overwritten)"
-                    )
-                got = sha256_hex(stored)
-                if got != digest:
-                    raise IntegrityError(
-                        f"{what}: blob {digest[:16]}… hashes to {got[:16]}… (corrupted bytes)"
-                    )
-                part = target[offset : offset + blob.raw_size]
+        raw_size = manifest.blobs[digest].raw_size
+        _decode_chunk(
+            storage, run_id, manifest, digest, what, target[offset : offset + raw_size], shuffler
+        )
+        offset += raw_size
+    return target
+
+
+def check_tensor_bytes(
+    storage: Storage,
+    run_id: str,
+    manifest: RankManifest,
+    entry: TensorEntry,
+    name: str,
+    *,
+    seen: set[str],
+    shuffler: Shuffler = PY_SHUFFLER,
+) -> None:
+    """Like :func:`read_tensor_bytes`, but keeps nothing: memory stays one chunk.
+
+    Each chunk is decoded into a scratch buffer of at most
+    :data:`~ckpt_agent.format.layout.CHUNK_MAX_BYTES` and its raw hash
+    checked; digests in ``seen`` are skipped and the checked ones added (a
+    blob referenced many times is decoded once).
+    """
+    what = f"{manifest.checkpoint_id}: {name!r}"
+    if entry.inline is not None:
+        _check_inline(entry, what)
+        return
+    scratch: memoryview | None = None
+    for digest in entry.chunks:
+        if digest in seen:
+            continue
+        if scratch is None:  # the largest chunk (at most CHUNK_MAX_BYTES: the manifest says so)
+            scratch = memoryview(bytearray(max(manifest.blobs[d].raw_size for d in entry.chunks)))
+        raw_size = manifest.blobs[digest].raw_size
+        _decode_chunk(storage, run_id, manifest, digest, what, scratch[:raw_size], shuffler)
+        seen.add(digest)
+
+
+def _check_inline(entry: TensorEntry, what: str) -> None:
+    assert entry.inline is not None
+    if sha256_hex(entry.inline) != entry.inline_sha256:
+        raise IntegrityError(f"{what}: inline data does not match its SHA-256")
+
+
+def _decode_chunk(
+    storage: Storage,
+    run_id: str,
+    manifest: RankManifest,
+    digest: str,
+    what: str,
+    part: memoryview,
+    shuffler: Shuffler,
+) -> None:
+    """Read one blob, check its size and hash, decode it into ``part``, check the raw hash."""
+    blob = manifest.blobs[digest]
+    problem = ""
+    try:
+        with storage.read_view(blob_key(run_id, digest)) as stored:
+            if len(stored) != blob.size:
+                problem = (
+                    f"has {len(stored)} bytes, manifest says {blob.size} (truncated or overwritten)"
+                )
+            elif (got := sha256_hex(stored)) != digest:
+                problem = f"hashes to {got[:16]}… (corrupted bytes)"
+            else:
                 try:
                     decode(stored, blob.codec, blob.raw_size, out=part, shuffler=shuffler)
                 except CodecError as e:
-                    raise IntegrityError(f"{what}: blob {digest[:16]}…: {e}") from None
-        except NotFoundError:
-            raise IntegrityError(f"{what}: blob {digest[:16]}… is missing from storage") from None
-        same = blob.codec.codec == "none" and blob.raw_sha256 == digest  # already checked
-        if not same and sha256_hex(part) != blob.raw_sha256:
-            raise IntegrityError(f"{what}: blob {digest[:16]}… decodes to the wrong bytes")
-        offset += blob.raw_size
-    return target
+                    problem = str(e)  # raised below, once the mapping is released
+    except NotFoundError:
+        problem = "is missing from storage"
+    if problem:
+        raise IntegrityError(f"{what}: blob {digest[:16]}… {problem}")
+    same = blob.codec.codec == "none"  # stored bytes are the raw bytes: already checked
+    if not same and sha256_hex(part) != blob.raw_sha256:
+        raise IntegrityError(f"{what}: blob {digest[:16]}… decodes to the wrong bytes")

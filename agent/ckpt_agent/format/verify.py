@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
+from ckpt_agent.errors import one_line
 from ckpt_agent.format.layout import blob_key, sha256_hex
 from ckpt_agent.format.manifest import BlobEntry
 from ckpt_agent.format.readers import read_commit, read_rank_manifest
@@ -73,8 +73,8 @@ def verify_hashes(
     result = VerifyResult(checkpoint_id=ckpt_id)
     try:
         committed = read_commit(storage, run_id, ckpt_id)
-    except (CheckpointNotFoundError, CheckpointFormatError, StorageError) as e:
-        result.fail(str(e))
+    except Exception as e:  # bad data of any kind is a failed check, never a crash
+        result.fail(one_line(e))
         return result
     result.manifest_hash = committed.manifest_hash
     wanted: dict[str, BlobEntry] = {}
@@ -83,8 +83,8 @@ def verify_hashes(
             continue
         try:
             m = read_rank_manifest(storage, run_id, committed, ref.rank)
-        except (CheckpointFormatError, IntegrityError, StorageError) as e:
-            result.fail(str(e))
+        except Exception as e:
+            result.fail(one_line(e))
             continue
         for name, t in (*m.tensors.items(), *m.files.items()):
             if t.inline is not None and sha256_hex(t.inline) != t.inline_sha256:
@@ -100,8 +100,8 @@ def verify_hashes(
         n = 0
         try:
             with storage.open_read(key) as f:
-                while True:
-                    chunk = f.read(_READ_CHUNK)
+                while n <= blob.size:  # never more than the declared size plus one byte
+                    chunk = f.read(min(_READ_CHUNK, blob.size + 1 - n))
                     if not chunk:
                         break
                     h.update(chunk)

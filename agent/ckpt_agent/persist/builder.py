@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
+from ckpt_agent.format.termination import TerminationLog
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.persist.catalog import Catalog
 from ckpt_agent.persist.finalize import AnomalySource, EventSink, FinalizePipeline
@@ -64,7 +65,8 @@ class PersistBuilder:
             retention).
         storage: an already open storage (not closed by the parts); default: opened
             from ``config.storage_url`` with :meth:`storage_options`.
-        environ: environment for the ``CKPT_S3_*`` defaults (default ``os.environ``).
+        environ: environment for the ``CKPT_S3_*`` defaults and ``CKPT_TERMINATION_LOG``
+            (the pipeline's report file) (default ``os.environ``).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class PersistBuilder:
             gc_grace_s=gc_grace_s,
             store_lock=store_lock,
             tolerate_retention_errors=tolerate_retention_errors,
+            report=TerminationLog.from_env(self._environ),
         )
         return PersistParts(
             storage=storage,

@@ -33,6 +33,7 @@ from ckpt_agent.decide.retention import RetentionPlan, plan_retention
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.termination import TerminationLog
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.persist.catalog import Catalog
 from ckpt_agent.persist.housekeeping import GcResult, ManifestCache, apply_retention, gc_blobs
@@ -106,6 +107,8 @@ class RetentionResult:
     plan: RetentionPlan
     deleted: list[str] = field(default_factory=list)
     gc: GcResult = field(default_factory=GcResult)
+    kept: list[CheckpointRecord] = field(default_factory=list)
+    """The run's checkpoints after the pass (as listed before it, less ``deleted``)."""
 
 
 @dataclass
@@ -132,6 +135,8 @@ class FinalizePipeline:
             world size.
         store_lock: held around storage writes (shared with the caller's writer).
         tolerate_retention_errors: a storage/format error in retention is logged, not raised.
+        report: the container's termination message, rewritten with the run's verified
+            checkpoints after every retention pass (:mod:`ckpt_agent.format.termination`).
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class FinalizePipeline:
         gc_grace_s: float | None = None,
         store_lock: threading.Lock | None = None,
         tolerate_retention_errors: bool = False,
+        report: TerminationLog | None = None,
     ) -> None:
         self.storage = storage
         self.run_id = run_id
@@ -162,6 +168,7 @@ class FinalizePipeline:
         self.gc_grace_s = gc_grace_s
         self.store_lock = store_lock or threading.Lock()
         self.tolerate_retention_errors = tolerate_retention_errors
+        self.report = report
         self.gc_cache = ManifestCache()
         self.last_valid_step = -1
         """Newest valid weights checkpoint's step (callers may seed it on resume)."""
@@ -182,12 +189,18 @@ class FinalizePipeline:
         )
         grace = self.gc_grace_s if self.gc_grace_s is not None else gc_grace_for(job.world_size)
         if not self.tolerate_retention_errors:
-            return FinalizeResult(outcome, self.apply_retention(grace))
+            return self._reported(FinalizeResult(outcome, self.apply_retention(grace)))
         try:
-            return FinalizeResult(outcome, self.apply_retention(grace))
+            return self._reported(FinalizeResult(outcome, self.apply_retention(grace)))
         except (StorageError, CheckpointFormatError) as e:
             log.warning("retention after %s failed: %s", job.checkpoint_id, e)
             return FinalizeResult(outcome, None)
+
+    def _reported(self, result: FinalizeResult) -> FinalizeResult:
+        """Rewrite the termination-message report from what retention kept."""
+        if self.report is not None and result.retention is not None:
+            self.report.write(self.run_id, result.retention.kept)
+        return result
 
     # ------------------------------------------------------------------ steps
 
@@ -299,4 +312,6 @@ class FinalizePipeline:
                 bytes_freed=gc.freed_bytes,
                 stale_folders=gc.stale_folders,
             )
-        return RetentionResult(plan=plan, deleted=deleted, gc=gc)
+        gone = set(deleted)
+        kept = [r for r in records if r.id not in gone]
+        return RetentionResult(plan=plan, deleted=deleted, gc=gc, kept=kept)

@@ -5,8 +5,10 @@ exist for readers), then the rest of its folder (rank manifests, verdict).
 Blobs are shared between checkpoints, so they are removed separately by
 :func:`gc_blobs`: every rank manifest still in storage — committed or not,
 so an in-flight checkpoint of another rank is respected — marks its blobs as
-live; other blobs older than ``grace_s`` are deleted. Heartbeats are a ring
-and never deleted here. Torch-free (``ckpt gc`` and the operator use it too).
+live; other blobs older than ``grace_s`` are deleted. While any rank manifest
+is unreadable (it might reference any blob) no blob is deleted: the result
+reports it. Heartbeats are a ring and never deleted here. Torch-free
+(``ckpt gc`` and the operator use it too).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ckpt_agent.decide.retention import RetentionPlan
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.layout import (
     COMMIT,
+    MANIFEST_MAX_BYTES,
     audit_key,
     blobs_prefix,
     checkpoint_prefix,
@@ -33,6 +36,7 @@ from ckpt_agent.format.layout import (
     steps_prefix,
 )
 from ckpt_agent.format.manifest import RankManifest
+from ckpt_agent.format.readers import read_capped
 from ckpt_agent.records import Tier
 from ckpt_agent.storage.base import NotFoundError, Storage, StorageError
 from ckpt_agent.tuning import GC_GRACE_S
@@ -78,6 +82,7 @@ class GcResult:
     kept_young: int = 0
     """Unreferenced blobs kept because they are younger than the grace period."""
     unreadable_manifests: list[str] = field(default_factory=list)
+    """``key: why`` of rank manifests that cannot be read; when any, no blob was deleted."""
     stale_folders: list[str] = field(default_factory=list)
     """Uncommitted checkpoint folders removed (crash leftovers older than the grace period)."""
 
@@ -95,7 +100,8 @@ class ManifestCache:
         hit = self._cache.get(ck)
         if hit is not None:
             return hit
-        refs = frozenset(RankManifest.from_bytes(storage.read(key), key).referenced_blobs())
+        raw = read_capped(storage, key, MANIFEST_MAX_BYTES)
+        refs = frozenset(RankManifest.from_bytes(raw, key).referenced_blobs())
         self._cache[ck] = refs
         return refs
 
@@ -168,7 +174,10 @@ def gc_blobs(
     """Delete stale uncommitted folders, then blobs no rank manifest references.
 
     Blobs (and uncommitted folders) younger than ``grace_s`` are kept: another
-    writer may be about to commit them. ``grace_s=0`` is only safe when no
+    writer may be about to commit them. When a rank manifest outside the stale
+    folders cannot be read, no blob is deleted (it might reference any of
+    them): ``unreadable_manifests`` says which, and a later pass collects once
+    it is repaired or its checkpoint deleted. ``grace_s=0`` is only safe when no
     other writer exists (the single-rank engine, which runs GC between its
     own saves).
     """
@@ -180,7 +189,8 @@ def gc_blobs(
     refs, bad = referenced_blobs(storage, run_id, cache, skip_folders=stale)
     result = GcResult(referenced=len(refs), unreadable_manifests=bad, stale_folders=stale)
     if bad:
-        log.warning("gc: %d unreadable manifest(s) ignored: %s", len(bad), bad[:3])
+        log.warning("gc: blob collection skipped, %d unreadable manifest(s): %s", len(bad), bad[:3])
+        return result
     for info in storage.list(blobs_prefix(run_id)):
         digest = info.key.rsplit("/", 1)[-1]
         if digest in refs:

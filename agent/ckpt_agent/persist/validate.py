@@ -36,12 +36,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
-from ckpt_agent.format import jsontree
+from ckpt_agent.errors import IntegrityError, one_line
 from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
 from ckpt_agent.format.layout import blob_key, sha256_hex, validation_key
 from ckpt_agent.format.manifest import ValidationRecord
-from ckpt_agent.format.readers import read_commit, read_rank_manifest, read_tensor_bytes
+from ckpt_agent.format.readers import check_tensor_bytes, read_commit, read_rank_manifest
+from ckpt_agent.format.statecheck import check_state
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus, Json
 from ckpt_agent.storage import open_storage
@@ -114,32 +114,24 @@ def _default_shuffler() -> Shuffler:
 def load_check(
     storage: Storage, run_id: str, ckpt_id: str, rank: int = 0, shuffler: Shuffler | None = None
 ) -> LoadReport:
-    """Decode every tensor and file of one rank (hash-checked); never raises for bad data."""
+    """Decode every tensor, file and the whole state tree of one rank; never raises for bad data.
+
+    The tree is decoded as a restore decodes it (:func:`~ckpt_agent.format.statecheck.check_state`),
+    so what ``Checkpointer.start()`` would refuse is not called valid. Memory stays at one
+    chunk whatever the manifest declares; a blob referenced many times is decoded once.
+    """
     shuffler = shuffler or _default_shuffler()
     report = LoadReport()
     try:
         committed = read_commit(storage, run_id, ckpt_id)
         report.manifest_hash = committed.manifest_hash
         manifest = read_rank_manifest(storage, run_id, committed, rank)
-        refs = set(jsontree.walk_refs(manifest.state, jsontree.TENSOR))
-        refs |= set(jsontree.walk_refs(manifest.state, jsontree.NDARRAY))
-        missing = sorted(refs - set(manifest.tensors))
-        if missing:
-            raise CheckpointFormatError(
-                f"{ckpt_id}: state references tensors the manifest does not hold: {missing[:5]}"
-            )
-        scratch = bytearray(max((t.nbytes for t in manifest.tensors.values()), default=0))
-        view = memoryview(scratch)
+        check_state(manifest)
+        seen: set[str] = set()
         for name, entry in (*manifest.tensors.items(), *manifest.files.items()):
             try:
-                read_tensor_bytes(
-                    storage,
-                    run_id,
-                    manifest,
-                    entry,
-                    name,
-                    out=view[: entry.nbytes] if name in manifest.tensors else None,
-                    shuffler=shuffler,
+                check_tensor_bytes(
+                    storage, run_id, manifest, entry, name, seen=seen, shuffler=shuffler
                 )
             except IntegrityError:
                 report.bad_blobs.extend(_bad_blobs(storage, run_id, manifest, entry.chunks))
@@ -147,9 +139,9 @@ def load_check(
             report.bytes_read += entry.nbytes
             if name in manifest.tensors:
                 report.tensors[name] = (entry.dtype, entry.shape)
-    except (CheckpointNotFoundError, CheckpointFormatError, IntegrityError, StorageError) as e:
+    except Exception as e:  # bad data of any kind is a failed load, reported, never a crash
         report.ok = False
-        report.error = str(e)
+        report.error = one_line(e)
     return report
 
 

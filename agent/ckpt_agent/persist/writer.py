@@ -42,6 +42,7 @@ from ckpt_agent.format.codec import (
     none_spec,
 )
 from ckpt_agent.format.layout import (
+    CHUNK_MAX_BYTES,
     DTYPE_ITEMSIZE,
     FLOAT_DTYPES,
     blob_key,
@@ -215,8 +216,11 @@ class CheckpointWriter:
         inline_max_bytes: int = INLINE_MAX_BYTES,
         parallel_writes: int = PARALLEL_WRITES,
     ) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % 16:
-            raise ValueError("chunk_bytes must be a positive multiple of 16")
+        if chunk_bytes <= 0 or chunk_bytes % 16 or chunk_bytes > CHUNK_MAX_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be a positive multiple of 16 of at most {CHUNK_MAX_BYTES} "
+                "(readers refuse larger chunks)"
+            )
         if parallel_writes < 1:
             raise ValueError("parallel_writes must be >= 1")
         self.parallel_writes = parallel_writes

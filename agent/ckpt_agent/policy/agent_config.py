@@ -15,10 +15,16 @@ Environment contract (all optional):
 ``CKPT_RUN_ID``      stable id of the training run across restarts
 ``CKPT_STORAGE_URL`` ``/path``, ``file:///path`` or ``s3://bucket/prefix``
 ``CKPT_RESUME_FROM`` checkpoint id to resume from (set by the operator on restart)
+``CKPT_RESUME_WEIGHTS`` the weights source when ``CKPT_RESUME_FROM`` is a heartbeat
+``CKPT_RESUME_PIN``  a manual restart's pin identity (a new pin even for a pinned id)
+``CKPT_RUN_STARTED_AT`` Unix time the run's first job was created (the long-run rule)
+``CKPT_MTBF_SECONDS`` the operator's MTBF estimate for this run (seconds)
 ``CKPT_SHM_DIR``     memory-backed directory for snapshots (flash checkpoints)
 ``CKPT_SIGNAL_FILE`` downward-API file; a change of its content means "save now"
 ``CKPT_METRICS_PORT`` Prometheus port (0 disables the server)
 ``CKPT_WORK_DIR``    local directory for the catalog and the decision log
+``CKPT_NAMESPACE``   the pod's namespace (downward API): the owner the run is claimed for
+``CKPT_JOB_NAME``    the PyTorchJob's name, ``CKPT_JOB_UID`` its uid (owner record, humans)
 ==================== ===========================================================
 """
 
@@ -54,10 +60,17 @@ ENV_CONFIG = "CKPT_CONFIG"
 ENV_RUN_ID = "CKPT_RUN_ID"
 ENV_STORAGE_URL = "CKPT_STORAGE_URL"
 ENV_RESUME_FROM = "CKPT_RESUME_FROM"
+ENV_RESUME_WEIGHTS = "CKPT_RESUME_WEIGHTS"
+ENV_RESUME_PIN = "CKPT_RESUME_PIN"
+ENV_RUN_STARTED_AT = "CKPT_RUN_STARTED_AT"
+ENV_MTBF_SECONDS = "CKPT_MTBF_SECONDS"
 ENV_SHM_DIR = "CKPT_SHM_DIR"
 ENV_SIGNAL_FILE = "CKPT_SIGNAL_FILE"
 ENV_METRICS_PORT = "CKPT_METRICS_PORT"
 ENV_WORK_DIR = "CKPT_WORK_DIR"
+ENV_NAMESPACE = "CKPT_NAMESPACE"
+ENV_JOB_NAME = "CKPT_JOB_NAME"
+ENV_JOB_UID = "CKPT_JOB_UID"
 
 
 class S3Options(CamelModel):
@@ -89,6 +102,14 @@ class AgentConfig(CamelModel):
     """PVC backing a local storage path (informational for the agent)."""
     resume_from: str | None = None
     """Checkpoint id chosen by the operator; None: the agent walks the ladder itself."""
+    resume_weights: str | None = None
+    """When ``resume_from`` is a heartbeat: the checkpoint supplying the weights."""
+    resume_pin: str | None = None
+    """A manual restart's pin identity: the pin is new even when the id was pinned before."""
+    run_started_at: Annotated[float, Field(ge=0)] | None = None
+    """Unix time the run's first job was created (None: this process's first step)."""
+    mtbf_seconds: Annotated[float, Field(gt=0)] | None = None
+    """The operator's MTBF estimate for this run (None: the policy's ``mtbfSeconds``)."""
     shm_dir: str | None = None
     """Memory-backed snapshot directory; None: snapshots stay in process memory."""
     signal_file: str | None = None
@@ -220,6 +241,10 @@ class AgentConfig(CamelModel):
             ENV_RUN_ID: "runId",
             ENV_STORAGE_URL: "storageUrl",
             ENV_RESUME_FROM: "resumeFrom",
+            ENV_RESUME_WEIGHTS: "resumeWeights",
+            ENV_RESUME_PIN: "resumePin",
+            ENV_RUN_STARTED_AT: "runStartedAt",
+            ENV_MTBF_SECONDS: "mtbfSeconds",
             ENV_SHM_DIR: "shmDir",
             ENV_SIGNAL_FILE: "signalFile",
             ENV_WORK_DIR: "workDir",

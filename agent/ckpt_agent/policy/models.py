@@ -73,21 +73,27 @@ class Tier(StrEnum):
 
 
 class LossLayerSpec(CamelModel):
-    """Fast-descent detector on the loss curve (works on log10(loss + epsilon))."""
+    """Fast-phase detector on the loss curve (works on log10(loss + epsilon)).
+
+    The slope is a recursive EWMA of the per-step differences of the log-loss:
+    ``slope_t = alpha·Δ_t + (1 − alpha)·slope_(t−1)`` (decades per step)."""
 
     weight: Fraction = 0.4
     """Score contribution when the layer fires."""
     ewma_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
-    """Smoothing factor of the EWMA over the log-loss."""
+    """Smoothing factor of the EWMA over the log-loss differences (and of the smoothed log-loss
+    that spikes are measured against)."""
     window: Annotated[int, Field(ge=2, le=10_000)] = 20
-    """Number of recent smoothed points the slope is fitted over."""
+    """Losses seen before a `loss_spike` can be reported (the slope no longer uses it: it was
+    once fitted over this many points)."""
     slope_threshold: Annotated[float, Field(gt=0.0)] = 0.05
-    """|slope| of the smoothed log10-loss per step above which the run is in a fast phase.
+    """|slope| of the log10-loss, in decades per step, above which the run is in a fast phase.
 
-    Measured in decades per `window` steps (the fitted per-step slope times `window`)
-    so that the threshold does not depend on the window length."""
+    0.05 decades per step is the loss falling (or rising) about 11 % per step."""
     consecutive_steps: PositiveInt = 3
     """Steps in a row the slope must exceed the threshold before the layer fires."""
+    warmup_steps: Annotated[int, Field(ge=0, le=10_000)] = 3
+    """Loss differences folded in before the layer may fire."""
     epsilon: Annotated[float, Field(gt=0.0)] = 1e-8
     """Added to the loss before the log transform."""
     spike_decades: Annotated[float, Field(gt=0.0)] = 0.5
@@ -106,8 +112,11 @@ class GradientLayerSpec(CamelModel):
     """Sample the global gradient L2 norm every N steps."""
     history: Annotated[int, Field(ge=2, le=100_000)] = 50
     """Samples kept for mean and standard deviation."""
-    std_multiplier: Annotated[float, Field(gt=0.0)] = 1.0
-    """A sample outside mean ± k·std is anomalous."""
+    std_multiplier: Annotated[float, Field(gt=0.0)] = 3.0
+    """A sample outside mean ± k·std of the previous samples is anomalous.
+
+    With 2 in a row, k = 3 fires about once per 10^5 samples of stationary Gaussian noise
+    (k = 1, the original design, about once every 10-18 samples: see docs/performance.md)."""
     consecutive_anomalies: PositiveInt = 2
     """Anomalous samples in a row that fire the layer (and request a lightweight pulse)."""
     min_samples: Annotated[int, Field(ge=2)] = 5
@@ -132,14 +141,29 @@ class SystemLayerSpec(CamelModel):
 
 
 class RiskSpec(CamelModel):
-    """Risk-aware cap on the pulse interval (Young/Daly) and a stall budget."""
+    """Hazard-aware pulse interval (Young/Daly) and a stall budget.
+
+    The pulse interval follows the Young/Daly optimum sqrt(2·cost·M) with M the MTBF
+    of the failures no warning announces (`mtbfSeconds` / (1 − warned share)) while
+    calm, and `warningMtbfSeconds` while a warning holds (system alarm or node warning)."""
 
     enabled: bool = True
-    """Cap the pulse interval at the Young/Daly optimum sqrt(2·cost·MTBF)."""
+    """Set the pulse interval from the Young/Daly optimum (else `baseInterval` and the score)."""
     mtbf_seconds: Annotated[float, Field(gt=0.0)] = 86_400.0
     """Mean time between failures of the job (the operator refines it from observed failures)."""
     stall_budget: Annotated[float, Field(gt=0.0, le=1.0)] = 0.03
     """Maximum fraction of training time spent stalled in checkpoint saves."""
+    warned_fraction: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """Share of failures a warning announces; unset: learned from the warnings seen
+    (warning episodes per MTBF of observed time), at most `maxWarnedFraction`."""
+    max_warned_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
+    """Upper bound of the learned warned share (the calm interval grows at most
+    1/sqrt(1 − this) times the plain Young/Daly interval)."""
+    warning_mtbf_seconds: Annotated[float, Field(gt=0.0)] = 120.0
+    """Expected seconds to a failure while a warning holds (the hazard multiplier is
+    `mtbfSeconds` / this, at least 1)."""
+    warning_hold_seconds: Annotated[float, Field(ge=0.0)] = 60.0
+    """A warning still holds this long after its last signal, then the interval relaxes."""
 
 
 class SchedulerSpec(CamelModel):
@@ -156,7 +180,7 @@ class SchedulerSpec(CamelModel):
     max_interval_score: Fraction = 0.95
     """The score is capped at this value when shrinking the interval."""
     risk: RiskSpec = Field(default_factory=RiskSpec)
-    """Young/Daly cap and stall budget."""
+    """Hazard-aware Young/Daly interval and stall budget."""
 
 
 # --------------------------------------------------------------------------- tiers
@@ -462,6 +486,9 @@ class AgentSpec(CamelModel):
     """Size of the injected memory-backed volume for snapshots."""
     container_name: str = "pytorch"
     """Training container to configure."""
+    report_deadline_seconds: Annotated[int, Field(ge=0, le=86_400)] = 300
+    """A running pod whose agent has not reported in (a heartbeat or checkpoint in storage)
+    after this long is flagged: the training code does not use the agent (0: never)."""
 
 
 # --------------------------------------------------------------------------- spec / status
@@ -518,6 +545,11 @@ class JobCheckpointStatus(CamelModel):
     """Checkpoint id (storage key of its commit)."""
     time: str | None = None
     """When it was committed."""
+    run_id: str | None = None
+    """The run (in ``lastVerifiedCheckpoint``; ``lastValid`` is keyed by run)."""
+    source: Literal["storage", "pods"] | None = None
+    """Who said so: the operator's own listing of the storage, or the pods' termination
+    messages (storage the operator cannot read, e.g. a PVC)."""
 
 
 class CheckpointPolicyStatus(CamelModel):
@@ -541,6 +573,8 @@ class CheckpointPolicyStatus(CamelModel):
     """Checkpoints deleted by retention so far."""
     last_valid: dict[str, JobCheckpointStatus] = Field(default_factory=dict)
     """Newest valid checkpoint per job (run id)."""
+    last_verified_checkpoint: JobCheckpointStatus | None = None
+    """The newest verified weights checkpoint of all the policy's runs."""
 
 
 class ObjectMeta(BaseModel):

@@ -208,6 +208,7 @@ class Checkpointer:
         self._started = True
         e, t0 = self._engine, time.perf_counter()
         try:
+            e.check_owner()
             if self._group is not None:
                 self._group.setup()
             self._persister.flush_previous()
@@ -218,6 +219,7 @@ class Checkpointer:
                 resume = shm or self._restorer.resume_point()
         except BaseException as err:
             e.event("resume_failed", error=f"{type(err).__name__}: {err}")
+            e.metrics.recovered("failed")
             try:
                 self.close()
             except Exception:
@@ -225,7 +227,9 @@ class Checkpointer:
             raise
         self._resume = resume
         self._last_step = resume.step - 1 if resume.step > 0 else None
-        e.event("start", **resume.event_fields(), seconds=round(time.perf_counter() - t0, 4))
+        seconds = time.perf_counter() - t0
+        e.event("start", **resume.event_fields(), seconds=round(seconds, 4))
+        e.metrics.recovered(resume.action, seconds)
         self._persister.start(resume)
         if e.config.tiers.heartbeat.enabled:
             self._heartbeats = Heartbeats(e, self._capture, resume_step=resume.step)
@@ -291,7 +295,7 @@ class Checkpointer:
         if self._signals.poll_request(self._engine, agreed=self._group is not None):
             self._emergency = True  # every rank's scheduler gets it through the agreement
         e = self._engine
-        system = e.system_signals(*self._persister.system_signals())
+        system = e.system_signals(*self._persister.system_signals(), self._signals.node_warning)
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().item()
         if isinstance(grad_norm, torch.Tensor):
@@ -306,7 +310,7 @@ class Checkpointer:
         else:
             decision = e.scheduler.observe(step, float(loss), grad_norm, system=system)
         self._last_step = step
-        e.record_decision(decision)
+        e.record_decision(decision, loss=float(loss))
         if decision.save and decision.tier is not None:
             if self._heartbeats is not None:
                 self._heartbeats.put(step)

@@ -12,6 +12,7 @@ the pipeline's counters are what :meth:`Checkpointer.summary` reports.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import tempfile
@@ -30,11 +31,13 @@ from ckpt_agent.decide.scheduler import (
     SaveOutcome,
     SystemSignals,
 )
+from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.format.layout import validate_run_id
+from ckpt_agent.format.owner import check_owner, owner_from_env
 from ckpt_agent.metrics import DecisionLog, Metrics
 from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Tier
+from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Lineage, Tier
 from ckpt_agent.runtime.sharded import is_dtensor
 from ckpt_agent.runtime.tensorboard import TensorBoard
 from ckpt_agent.storage.base import Storage
@@ -149,9 +152,12 @@ class Engine:
         """Validate → verdict → catalog → retention → blob GC (rank 0's validator thread)."""
         self.tensorboard = TensorBoard(self.work_dir / "tensorboard")
         self.scheduler = AdaptiveScheduler(config.scheduler, config.tiers)
+        self.apply_run_facts()
         self.stats = Stats()
         self.prev_hash: str | None = None
         """The manifest hash of the newest checkpoint (the chain's previous link)."""
+        self.lineage = Lineage()
+        """The resume lineage the next checkpoints carry (set by the resume)."""
         self.feedback: queue.SimpleQueue[SaveOutcome] = queue.SimpleQueue()
         """Persist outcomes of background threads, for the scheduler (training thread)."""
         self.write_latency_ms: float | None = None
@@ -170,10 +176,14 @@ class Engine:
         if event != "decision":
             self.decisions.flush()
 
-    def record_decision(self, decision: Decision) -> None:
-        """The scheduler's decision of one step: log, gauges, TensorBoard, anomalies."""
+    def record_decision(self, decision: Decision, *, loss: float | None = None) -> None:
+        """The scheduler's decision of one step (and its loss): log, gauges, TensorBoard,
+        anomalies."""
         step = decision.step
-        self.decisions.write({"event": "decision", "time": time.time(), **decision.to_dict()})
+        logged = {"event": "decision", "time": time.time(), **decision.to_dict()}
+        if loss is not None:
+            logged["loss"] = loss if math.isfinite(loss) else str(loss)
+        self.decisions.write(logged)
         self.metrics.score.set(decision.score)
         self.metrics.interval.set(decision.interval)
         self.tensorboard.scalars(step, decision.score, decision.interval)
@@ -213,7 +223,7 @@ class Engine:
         """Book a taken snapshot: scheduler feedback, stall metrics/stats, the event."""
         assert decision.tier is not None
         self.scheduler.settle(SaveOutcome.taken(decision, stall_seconds=stall_s))
-        self.metrics.stall.labels(tier=decision.tier.value).observe(stall_s)
+        self.metrics.add_stall(decision.tier.value, stall_s)
         self.stats.saves += 1
         self.stats.stalls.append(stall_s)
         del self.stats.stalls[:-_STALLS_KEPT]
@@ -236,12 +246,36 @@ class Engine:
                 return
             self.scheduler.settle(outcome)
 
-    def system_signals(self, gpu: int | None, probe_ms: float | None) -> SystemSignals:
-        """The system layer's inputs: GPU errors and the worst write latency seen."""
+    def system_signals(
+        self, gpu: int | None, probe_ms: float | None, node_warning: str | None = None
+    ) -> SystemSignals:
+        """The system layer's inputs: GPU errors, the worst write latency seen and the
+        operator's node warning while it holds."""
         latency = self.write_latency_ms
         if probe_ms is not None:
             latency = probe_ms if latency is None else max(latency, probe_ms)
-        return SystemSignals(gpu_errors=gpu, write_latency_ms=latency)
+        return SystemSignals(gpu_errors=gpu, write_latency_ms=latency, node_warning=node_warning)
+
+    def check_owner(self) -> None:
+        """In a pod the webhook injected: claim the run for the pod's namespace (rank 0) or
+        check it; :class:`~ckpt_agent.errors.RunOwnershipError` when another namespace owns
+        it. The owner record is advisory for the agent: a storage that fails to answer is
+        logged, not fatal (the operator claims the run too)."""
+        owner = owner_from_env()
+        if owner is None:
+            return
+        try:
+            check_owner(self.storage, self.run_id, owner, claim=self.ranks.rank == 0)
+        except (StorageError, CheckpointFormatError) as e:
+            self.event("owner_unchecked", error=f"{type(e).__name__}: {e}")
+
+    def apply_run_facts(self) -> None:
+        """The operator's facts about the run win over the scheduler's own (also over the
+        state a resume restores): the chain's start time (the long-run rule) and its MTBF."""
+        if self.config.run_started_at is not None:
+            self.scheduler.start_time = self.config.run_started_at
+        if self.config.mtbf_seconds is not None:
+            self.scheduler.set_mtbf(self.config.mtbf_seconds)
 
     def _on_write_latency(self, seconds: float) -> None:
         if self.storage.last_write_bytes <= LATENCY_SAMPLE_MAX_BYTES:

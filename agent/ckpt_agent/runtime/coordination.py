@@ -3,13 +3,14 @@
 :class:`RankGroup` creates the agent's own gloo groups (a control group for
 the per-step agreement and broadcasts, a commit group for the two-phase
 commit), runs the per-step agreement, and lets rank 0 choose the resume point
-that every rank then restores.
+that every rank then restores (with rank 0's resume lineage).
 """
 
 from __future__ import annotations
 
 from ckpt_agent.decide.scheduler import SystemSignals
 from ckpt_agent.errors import CheckpointError, ResumeError
+from ckpt_agent.format.manifest import lineage_from_json, lineage_to_json
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.context import Engine
 from ckpt_agent.runtime.distributed import Agreed, Comm, DecisionAgreement, LocalSignals
@@ -101,6 +102,7 @@ class RankGroup:
                     "action": point.action,
                     "weights_from": restorer.weights_from,
                     "reason": point.reason,
+                    "lineage": lineage_to_json(point.lineage),
                 }
             )
             return point
@@ -110,5 +112,6 @@ class RankGroup:
         if not msg.get("id"):
             return ResumePoint(step=0, reason=str(msg.get("reason") or "fresh start (rank 0)"))
         return restorer.resume_point(
-            forced=(str(msg["id"]), msg.get("weights_from"), str(msg.get("action") or "resume"))
+            forced=(str(msg["id"]), msg.get("weights_from"), str(msg.get("action") or "resume")),
+            lineage=lineage_from_json(msg.get("lineage"), "rank 0's resume lineage"),
         )

@@ -269,7 +269,8 @@ _NAN = float("nan")
 _F_STEP, _F_LOSS, _F_GRAD, _F_HAS_GRAD, _F_GPU, _F_LAT, _F_NOW, _F_BUSY, _F_EMERG, _F_STOP = range(
     10
 )
-_ROW = 10
+_F_WARN = 10
+_ROW = 11
 
 
 def _opt(x: float | None) -> float:
@@ -301,6 +302,7 @@ class DecisionAgreement:
         row[_F_BUSY] = 1.0 if local.busy else 0.0
         row[_F_EMERG] = 1.0 if local.emergency else 0.0
         row[_F_STOP] = 1.0 if local.stop else 0.0
+        row[_F_WARN] = 1.0 if sys_.node_warning else 0.0
         rows = self.comm.all_gather_f64(row)
         steps = sorted({int(r[_F_STEP]) for r in rows})
         if len(steps) != 1:
@@ -316,9 +318,11 @@ class DecisionAgreement:
             grad = bad[0] if bad else max(grads)
         gpus = [r[_F_GPU] for r in rows if not math.isnan(r[_F_GPU])]
         lats = [r[_F_LAT] for r in rows if not math.isnan(r[_F_LAT])]
+        warned = [i for i, r in enumerate(rows) if r[_F_WARN]]
         system = SystemSignals(
             gpu_errors=int(sum(gpus)) if gpus else None,
             write_latency_ms=max(lats) if lats else None,
+            node_warning=f"node warning on rank(s) {warned}" if warned else None,
         )
         emergency = tuple(i for i, r in enumerate(rows) if r[_F_EMERG])
         stop = tuple(i for i, r in enumerate(rows) if r[_F_STOP])

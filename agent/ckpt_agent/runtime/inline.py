@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from ckpt_agent.format import jsontree
-from ckpt_agent.format.layout import DTYPE_ITEMSIZE
+from ckpt_agent.format.layout import DTYPE_ITEMSIZE, TENSOR_MAX_DIMS
+from ckpt_agent.format.statecheck import scalar_value
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.serialization import dtype_name, torch_dtype
 
@@ -57,12 +58,20 @@ def _array(tag: str, payload: Json, path: str) -> object:
         raise jsontree.JsonTreeError(f"{path}: bad inline array")
     dtype = payload.get("dtype")
     shape = payload.get("shape")
-    if dtype not in DTYPE_ITEMSIZE or not isinstance(shape, list):
+    if (
+        dtype not in DTYPE_ITEMSIZE
+        or not isinstance(shape, list)
+        or len(shape) > TENSOR_MAX_DIMS
+        or not all(type(s) is int and s >= 0 for s in shape)
+    ):
         raise jsontree.JsonTreeError(f"{path}: bad inline array dtype/shape")
-    raw = base64.b64decode(str(payload.get("b64", "")), validate=True)
+    try:
+        raw = base64.b64decode(str(payload.get("b64", "")), validate=True)
+    except ValueError:  # binascii.Error included
+        raise jsontree.JsonTreeError(f"{path}: inline array is not base64") from None
     n = 1
     for s in shape:
-        n *= int(s)
+        n *= s
     if n * DTYPE_ITEMSIZE[str(dtype)] != len(raw):
         raise jsontree.JsonTreeError(f"{path}: inline array has the wrong size")
     if tag == jsontree.NDARRAY:
@@ -78,10 +87,9 @@ def _array(tag: str, payload: Json, path: str) -> object:
 def _resolve(tag: str, payload: Json, path: str) -> object:
     if tag in (jsontree.TENSOR, jsontree.NDARRAY):
         return _array(tag, payload, path)
-    if tag == jsontree.NPSCALAR and isinstance(payload, list) and len(payload) == 2:
-        if payload[0] not in DTYPE_ITEMSIZE or payload[0] == "bfloat16":
-            raise jsontree.JsonTreeError(f"{path}: bad numpy scalar dtype")
-        return np.dtype(str(payload[0])).type(jsontree.decode(payload[1]))
+    if tag == jsontree.NPSCALAR:
+        dtype, value = scalar_value(payload, path)
+        return np.dtype(dtype).type(value)
     raise jsontree.JsonTreeError(f"{path}: unexpected {tag} in a heartbeat")
 
 

@@ -178,6 +178,7 @@ class ThreadPersister:
             prev_hash=e.prev_hash,
             sections=tuple(snap.tree),
             versions=library_versions(),
+            lineage=e.lineage,
         )
         commit: CommitManifest | None
         if self._committer is not None:  # every rank its part; rank 0 commits when all verified

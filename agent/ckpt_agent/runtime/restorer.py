@@ -3,16 +3,26 @@
 :meth:`Restorer.resume_point` is what :meth:`Checkpointer.start` runs (rank 0's
 choice on the other ranks):
 
-1. a named checkpoint (``CKPT_RESUME_FROM``, a ``RECOVER.json`` request, or rank
-   0's choice) is restored exactly, or the start fails loudly;
+1. rank 0's choice (on the other ranks) is restored exactly;
 2. pending checkpoints newer than the newest valid one are verified (a crash
    between commit and validation must not make the newest one unusable);
-3. the recovery ladder (:mod:`ckpt_agent.decide.recovery`) is walked, loading
-   and checking each candidate until one fits.
+3. a resume pin (a ``RECOVER.json`` request, ``CKPT_RESUME_FROM``) not yet
+   applied is restored exactly, or the start fails loudly; a pin the current
+   lineage already honours is not applied again (:mod:`ckpt_agent.decide.lineage`:
+   an in-place restart continues, it does not rewind);
+4. the recovery ladder (:mod:`ckpt_agent.decide.recovery`) is walked, loading
+   and checking each candidate until one fits (when a pin is spent: only its
+   lineage, the pin and heartbeats).
 
 Every rejected candidate carries a :class:`Rejection` with its
-:class:`~ckpt_agent.errors.RejectionKind`; checkpoints past the resume step are
-marked superseded (:meth:`Restorer.restore`).
+:class:`~ckpt_agent.errors.RejectionKind`: anything a candidate raises while it
+is read, decoded, checked (:mod:`~ckpt_agent.runtime.preflight`, before anything
+is applied) or applied is a rejection, never a crash; checkpoints past the resume step are
+marked superseded (:meth:`Restorer.restore`); the lineage the new checkpoints
+carry is the engine's ``lineage``. What a resume reads and writes in storage besides
+the checkpoint (``RECOVER.json``, verdicts, retirements) is in
+:mod:`~ckpt_agent.runtime.resume_records`; :class:`ResumePoint` and the candidate
+types in :mod:`~ckpt_agent.runtime.resume_point`.
 """
 
 from __future__ import annotations
@@ -21,30 +31,48 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
+from ckpt_agent.decide.lineage import (
+    LineageChoice,
+    choose,
+    pending_to_verify,
+    pins_in_force,
+)
 from ckpt_agent.decide.recovery import PlanStep, plan_recovery, walk
 from ckpt_agent.errors import (
-    CheckpointFormatError,
+    CandidateRejectedError,
     CheckpointNotFoundError,
-    IntegrityError,
-    NotFoundError,
     RejectionKind,
     ResumeError,
     StorageError,
 )
-from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
-from ckpt_agent.format.layout import recover_request_key, validation_key
-from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import RankManifest, ValidationRecord
+from ckpt_agent.format.heartbeat import read_heartbeat
+from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_checkpoint, read_rank_manifest
-from ckpt_agent.persist.housekeeping import append_audit, who
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.format.statecheck import check_state
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Lineage, Tier
 from ckpt_agent.runtime.capture import TRAIN_CONFIG_FILE, StateCapture
 from ckpt_agent.runtime.compat import compat_problems
 from ckpt_agent.runtime.context import Engine
 from ckpt_agent.runtime.inline import decode_inline
+from ckpt_agent.runtime.preflight import (
+    LiveState,
+    as_rejection,
+    check_budget,
+    check_heartbeat,
+    check_loaded,
+    memory_budget,
+    rejection_kind,
+)
+from ckpt_agent.runtime.resume_point import Candidate, Rejection, ResumePoint
+from ckpt_agent.runtime.resume_records import (
+    consume_recover_request,
+    read_recover_request,
+    record_verdict,
+    retire_newer,
+)
 from ckpt_agent.runtime.serialization import LoadedState, load_tensors, restore_rng
 from ckpt_agent.runtime.sharded import restore_sharded
 from ckpt_agent.tuning import MAX_PENDING_PROMOTIONS
@@ -55,76 +83,6 @@ log = logging.getLogger(__name__)
 
 #: Compatibility problems quoted in a rejection (the rest are counted).
 _PROBLEMS_QUOTED = 4
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where training continues, as returned by :meth:`Checkpointer.start`."""
-
-    step: int
-    """The next step to run (0 for a fresh start; checkpoint step + 1 after a resume)."""
-    checkpoint_id: str | None = None
-    """The checkpoint restored (None: fresh start)."""
-    checkpoint_step: int | None = None
-    action: str = "fresh"
-    """``fresh``, ``resume``, ``resume_from`` (operator's choice), ``manual`` or
-    ``rebuild_from_heartbeat``."""
-    exact: bool = True
-    """Bit-exact continuation (False: lightweight/approximate source or heartbeat rebuild)."""
-    data_state: object = None
-    """The saved data position (applied to ``dataloader_state`` if it has ``load_state_dict``)."""
-    epoch: int | None = None
-    train_config: dict[str, Any] | None = None
-    """The saved ``train_config.json`` when the source is a full checkpoint."""
-    reason: str = ""
-    rejected: tuple[tuple[str, str], ...] = ()
-    """Checkpoints tried and rejected on the way, with why."""
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def resumed(self) -> bool:
-        return self.checkpoint_id is not None
-
-    def event_fields(self) -> dict[str, Any]:
-        """What the ``start`` event of the decision log says about this resume."""
-        return {
-            "action": self.action,
-            "checkpoint": self.checkpoint_id,
-            "next_step": self.step,
-            "exact": self.exact,
-            "reason": self.reason,
-            "rejected": [list(r) for r in self.rejected],
-        }
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """Why a candidate was not restored: the kind decides, the reason is for people."""
-
-    kind: RejectionKind
-    reason: str
-
-
-@dataclass
-class Candidate:
-    """A checkpoint loaded and checked during :meth:`Checkpointer.start`."""
-
-    record: CheckpointRecord
-    loaded: LoadedState | None = None
-    heartbeat: Heartbeat | None = None
-    manifest_hash: str = ""
-    own: LoadedState | None = None
-    """This rank's own part (rank > 0 of a multi-rank checkpoint): RNG, data position."""
-
-
-def _kind_of(e: Exception) -> RejectionKind:
-    if isinstance(e, IntegrityError):
-        return RejectionKind.INTEGRITY
-    if isinstance(e, NotFoundError):
-        return RejectionKind.MISSING
-    if isinstance(e, StorageError):
-        return RejectionKind.STORAGE
-    return RejectionKind.FORMAT
 
 
 def _unsharded(manifest: RankManifest) -> list[str]:
@@ -142,6 +100,7 @@ class _Attempts:
     """The candidates of one resume: records by id, loaded candidates (cached), rejections."""
 
     def __init__(self, restorer: Restorer, records: list[CheckpointRecord]) -> None:
+        restorer.live(fresh=True)  # before any candidate: a live-model error is raised as is
         self.restorer = restorer
         self.records = records
         self.by_id = {r.id: r for r in records}
@@ -161,6 +120,14 @@ class _Attempts:
     def reasons(self) -> dict[str, str]:
         return {k: v.reason for k, v in self.rejected.items()}
 
+    def reject(self, err: CandidateRejectedError) -> None:
+        """A candidate failed while being applied: never offer it again (marked if its fault)."""
+        self._cache[err.checkpoint_id] = None
+        self.rejected[err.checkpoint_id] = Rejection(err.kind, err.reason)
+        rec = self.by_id.get(err.checkpoint_id)
+        if rec is not None and err.kind.corrupted:
+            record_verdict(self.restorer.engine, rec, CheckpointStatus.CORRUPTED, err.reason, 0.0)
+
 
 class Restorer:
     """Resume point selection, candidate loading and checks, restore (see the module doc)."""
@@ -170,11 +137,17 @@ class Restorer:
         self.capture = capture
         self.weights_from: str | None = None
         """The weights source of the last heartbeat rebuild (rank 0 tells the other ranks)."""
+        self.memory_budget: int | None = memory_budget()
+        """Most bytes one candidate may decode to (None: no limit known)."""
+        self._live: LiveState | None = None
 
     # ------------------------------------------------------------------ choosing
 
-    def resume_point(self, forced: tuple[str, str | None, str] | None = None) -> ResumePoint:
-        """``forced`` = (checkpoint id, weights source, action): rank 0's choice, on other ranks."""
+    def resume_point(
+        self, forced: tuple[str, str | None, str] | None = None, lineage: Lineage | None = None
+    ) -> ResumePoint:
+        """``forced`` = (checkpoint id, weights source, action) and ``lineage``: rank 0's
+        choice, on other ranks."""
         e = self.engine
         records = e.catalog.rebuild_from_storage(e.storage, e.run_id)
         weights = [r for r in records if r.has_weights and r.status == CheckpointStatus.VALID]
@@ -182,29 +155,49 @@ class Restorer:
             full = [r.step for r in weights if not r.lightweight]
             e.finalizer.last_valid_step = max(full) if full else -1
             e.metrics.last_valid_step.set(e.finalizer.last_valid_step)
+        if e.finalizer.report is not None:  # report in at once: the operator sees the agent
+            e.finalizer.report.write(e.run_id, weights)
         attempts = _Attempts(self, records)
-        # 1. the operator (or a person) named the checkpoint: exactly that one, or fail loudly.
-        wanted, action = e.config.resume_from, "resume_from"
-        request: dict[str, Any] | None = None
+        # 1. rank 0 chose: exactly that one.
         if forced is not None:
             wanted, action = forced[0], forced[2]
-            request = {"checkpoint_id": wanted, "weights_from": forced[1]}
-        elif not wanted:
-            request = self.recover_request()
-            if request is not None:
-                wanted, action = str(request["checkpoint_id"]), "manual"
-        if wanted:
-            point = self._named(attempts, wanted, action, request)
-            if request is not None and e.ranks.coordinator and forced is None:
-                self._consume_recover_request(request, point)
-            return point
-        # 2. promote pending checkpoints newer than the newest valid one (crash before validation).
-        self._promote_pending(attempts, newest_valid=max((r.step for r in weights), default=-1))
-        # 3. the ladder.
-        return self._ladder(attempts)
+            named = {"checkpoint_id": wanted, "weights_from": forced[1]}
+            return self._named(attempts, wanted, action, named, lineage)
+        request = self.recover_request()
+        pins = pins_in_force(
+            request, e.config.resume_from, e.config.resume_weights, e.config.resume_pin
+        )
+        # 2. verify pending checkpoints newer than the newest valid one (crash before validation).
+        self._promote_pending(
+            attempts, pending_to_verify(attempts.records, pins, MAX_PENDING_PROMOTIONS)
+        )
+        # 3. a pin not applied yet: exactly that one, or fail loudly.
+        choice = choose(attempts.records, pins)
+        if pins:
+            log.info("resume lineage: %s", choice.reason)
+        pin = choice.apply
+        if pin is not None:
+            named = {"checkpoint_id": pin.checkpoint_id, "weights_from": pin.weights_from}
+            point = self._named(attempts, pin.checkpoint_id, pin.source, named, choice.lineage)
+        else:  # 4. the ladder (a spent pin: its lineage only).
+            if choice.candidates is not None:
+                attempts.records = [r for r in attempts.records if r.id in choice.candidates]
+            point = self._ladder(attempts, choice)
+        if request is not None and e.ranks.coordinator:
+            applied = pin is not None and pin.source == "manual"
+            if applied or any(p.source == "manual" for p in choice.spent):
+                consume_recover_request(
+                    e, request, point.checkpoint_id, point.step, applied=applied
+                )
+        return point
 
     def _named(
-        self, attempts: _Attempts, wanted: str, action: str, request: dict[str, Any] | None
+        self,
+        attempts: _Attempts,
+        wanted: str,
+        action: str,
+        request: dict[str, Any],
+        lineage: Lineage | None,
     ) -> ResumePoint:
         e = self.engine
         rec = attempts.by_id.get(wanted)
@@ -231,22 +224,25 @@ class Restorer:
             )
         weights_from: Candidate | None = None
         if cand.heartbeat is not None:
-            src = str((request or {}).get("weights_from") or "")
+            src = str(request.get("weights_from") or "")
             weights_from = attempts.get(src) if src else None
             if weights_from is None:
-                raise ResumeError(f"{wanted} is a heartbeat: name a weights source (weights_from)")
-        return self.restore(cand, action=action, weights=weights_from, rejected=attempts.reasons())
+                why = (
+                    f"its weights source {src!r} cannot be restored: {attempts.why(src)}"
+                    if src
+                    else "name a weights source (CKPT_RESUME_WEIGHTS, or weights_from "
+                    "in RECOVER.json)"
+                )
+                raise ResumeError(f"{wanted} ({source}) is a heartbeat: {why}")
+        return self.restore(
+            cand,
+            action=action,
+            weights=weights_from,
+            rejected=attempts.reasons(),
+            lineage=lineage,
+        )
 
-    def _promote_pending(self, attempts: _Attempts, newest_valid: int) -> None:
-        pending = sorted(
-            (
-                r
-                for r in attempts.records
-                if r.status == CheckpointStatus.PENDING and r.has_weights and r.step > newest_valid
-            ),
-            key=lambda r: r.step,
-            reverse=True,
-        )[:MAX_PENDING_PROMOTIONS]
+    def _promote_pending(self, attempts: _Attempts, pending: list[CheckpointRecord]) -> None:
         for r in pending:
             cand = attempts.get(r.id)
             status = CheckpointStatus.VALID if cand is not None else CheckpointStatus.CORRUPTED
@@ -256,72 +252,49 @@ class Restorer:
             attempts.by_id[r.id] = r.with_status(status)
         attempts.records = sorted(attempts.by_id.values(), key=lambda r: (r.step, r.tier.value))
 
-    def _ladder(self, attempts: _Attempts) -> ResumePoint:
+    def _ladder(self, attempts: _Attempts, choice: LineageChoice) -> ResumePoint:
         run_id = self.engine.run_id
         records = attempts.records
         plan = plan_recovery(records, self.engine.config.recovery)
         if plan.empty or plan.first() is None:
             if not any(r.has_weights for r in records):
                 return ResumePoint(step=0, reason=plan.reason or "no checkpoints: fresh start")
+            within = f" ({choice.reason})" if choice.candidates is not None else ""
             raise ResumeError(
-                f"checkpoints exist for run {run_id!r} but none is usable: {plan.reason}; "
+                f"checkpoints exist for run {run_id!r} but none is usable{within}: {plan.reason}; "
                 + "; ".join(f"{k}: {v}" for k, v in list(plan.skipped.items())[:6])
                 + " — use `ckpt recover --manual --step N --force` to choose one"
             )
-        chosen, failed = walk(plan, lambda cid: attempts.get(cid) is not None)
-        if chosen is None:
-            tried = dict.fromkeys(
-                [s.checkpoint_id for s, _ in failed] + [s.weights_from or "" for s, _ in failed]
-            )
-            raise ResumeError(
-                f"no checkpoint of run {run_id!r} could be restored; tried: "
-                + "; ".join(
-                    f"{cid}: {attempts.why(cid)}" for cid in tried if cid in attempts.rejected
+        while True:  # a candidate that fails while being applied is rejected: walk on
+            chosen, failed = walk(plan, lambda cid: attempts.get(cid) is not None)
+            if chosen is None:
+                tried = dict.fromkeys(
+                    [s.checkpoint_id for s, _ in failed] + [s.weights_from or "" for s, _ in failed]
                 )
-            )
-        cand = attempts.get(chosen.checkpoint_id)
-        assert cand is not None
-        weights = attempts.get(chosen.weights_from) if chosen.weights_from else None
-        return self.restore(
-            cand,
-            action=chosen.action,
-            weights=weights,
-            rejected=attempts.reasons(),
-            plan_step=chosen,
-        )
-
-    # ------------------------------------------------------------------ manual recovery requests
+                raise ResumeError(
+                    f"no checkpoint of run {run_id!r} could be restored; tried: "
+                    + "; ".join(
+                        f"{cid}: {attempts.why(cid)}" for cid in tried if cid in attempts.rejected
+                    )
+                )
+            cand = attempts.get(chosen.checkpoint_id)
+            assert cand is not None
+            weights = attempts.get(chosen.weights_from) if chosen.weights_from else None
+            try:
+                return self.restore(
+                    cand,
+                    action=chosen.action,
+                    weights=weights,
+                    rejected=attempts.reasons(),
+                    plan_step=chosen,
+                    lineage=choice.lineage,
+                )
+            except CandidateRejectedError as err:
+                attempts.reject(err)
 
     def recover_request(self) -> dict[str, Any] | None:
         """The pending ``RECOVER.json`` of ``ckpt recover --manual`` (None: there is none)."""
-        key = recover_request_key(self.engine.run_id)
-        try:
-            raw = self.engine.storage.read(key)
-        except NotFoundError:
-            return None
-        try:
-            req = json.loads(raw)
-        except ValueError:
-            raise ResumeError(f"{key} is not valid JSON") from None
-        if not isinstance(req, dict) or not isinstance(req.get("checkpoint_id"), str):
-            raise ResumeError(f"{key} names no checkpoint_id")
-        return req
-
-    def _consume_recover_request(self, request: dict[str, Any], point: ResumePoint) -> None:
-        e = self.engine
-        append_audit(
-            e.storage,
-            e.run_id,
-            {
-                "time": time.time(),
-                "who": who(),
-                "what": "manual recovery applied",
-                "checkpoint": point.checkpoint_id,
-                "request": request,
-                "next_step": point.step,
-            },
-        )
-        e.storage.delete(recover_request_key(e.run_id))
+        return read_recover_request(self.engine)
 
     # ------------------------------------------------------------------ loading and checking
 
@@ -330,16 +303,31 @@ class Restorer:
         c = self.capture
         return compat_problems(manifest, c.model, c.optimizer, sharded=self.engine.ranks.sharded)
 
+    def live(self, *, fresh: bool = False) -> LiveState:
+        """The live objects' shapes, taken once per resume before any candidate is read: an
+        error here is the training script's, raised as is (it must not condemn checkpoints)."""
+        if self._live is None or fresh:
+            self._live = LiveState.of(self.capture, sharded=self.engine.ranks.sharded)
+        return self._live
+
     def load(self, rec: CheckpointRecord, rejected: dict[str, Rejection]) -> Candidate | None:
-        """Load and check one checkpoint; None (with the reason in ``rejected``) if unusable."""
+        """Load and check one checkpoint; None (with the reason in ``rejected``) if unusable.
+
+        Everything a candidate raises while it is read, decoded and checked is a
+        rejection, never a crash (``KeyboardInterrupt``/``SystemExit`` excepted):
+        its :class:`~ckpt_agent.errors.RejectionKind` is recorded and, when the
+        checkpoint itself is at fault, it is marked corrupted.
+        """
         e = self.engine
         e.metrics.recovery_attempts.inc()
+        live = self.live()
         if rec.tier == Tier.HEARTBEAT:
             return self._load_heartbeat(rec, rejected)
         rank = e.ranks.rank
         t0 = time.perf_counter()
         try:
             committed, manifest = read_checkpoint(e.storage, e.run_id, rec.id, 0)
+            check_state(manifest)  # the whole tree decodes (before it is compared or loaded)
             problems = self.compat(manifest)
             if problems:
                 n = len(problems) - _PROBLEMS_QUOTED
@@ -350,24 +338,36 @@ class Restorer:
                     + (f" (+{n} more)" if n > 0 else ""),
                 )
                 return None
-            loaded = load_tensors(e.storage, e.run_id, manifest, _unsharded(manifest))
-            own: LoadedState | None = None
+            parts = [(manifest, _unsharded(manifest))]
+            mine: RankManifest | None = None
             if rank != 0 and rank in {r.rank for r in committed.commit.ranks}:
                 # this rank's RNG and data position
                 mine = read_rank_manifest(e.storage, e.run_id, committed, rank)
+                parts.append((mine, _unsharded(mine)))
+            check_budget(rec.id, parts, self.memory_budget)
+            loaded = load_tensors(e.storage, e.run_id, manifest, _unsharded(manifest))
+            own: LoadedState | None = None
+            if mine is not None:
                 own = load_tensors(e.storage, e.run_id, mine, _unsharded(mine))
+            check_loaded(rec.id, loaded, own, live)
         except CheckpointNotFoundError as err:
             rejected[rec.id] = Rejection(RejectionKind.MISSING, str(err))
             return None
-        except (CheckpointFormatError, IntegrityError, StorageError) as err:
+        except Exception as err:  # anything the candidate makes the readers raise
+            kind = rejection_kind(err)
             reason = f"{type(err).__name__}: {err}"
-            rejected[rec.id] = Rejection(_kind_of(err), reason)
-            self._mark(rec, CheckpointStatus.CORRUPTED, reason, time.perf_counter() - t0)
+            if isinstance(err, CandidateRejectedError):
+                reason = err.reason
+            rejected[rec.id] = Rejection(kind, reason)
+            if kind.corrupted:
+                record_verdict(e, rec, CheckpointStatus.CORRUPTED, reason, time.perf_counter() - t0)
             return None
         if rec.status == CheckpointStatus.PENDING:
             seconds = time.perf_counter() - t0
-            self._mark(rec, CheckpointStatus.VALID, "", seconds, committed.manifest_hash)
-        return Candidate(record=rec, loaded=loaded, manifest_hash=committed.manifest_hash, own=own)
+            record_verdict(e, rec, CheckpointStatus.VALID, "", seconds, committed.manifest_hash)
+        return Candidate(
+            record=rec, loaded=loaded, manifest_hash=committed.manifest_hash, own=own, checked=True
+        )
 
     def _load_heartbeat(
         self, rec: CheckpointRecord, rejected: dict[str, Rejection]
@@ -375,50 +375,19 @@ class Restorer:
         e = self.engine
         try:
             ring = read_heartbeat(e.storage, e.run_id, e.ranks.rank)
-        except (CheckpointFormatError, StorageError) as err:
+            hb = next((h for h in reversed(ring) if h.step == rec.step), None)
+            if hb is not None:
+                check_heartbeat(hb.data, hb.rng)
+        except Exception as err:  # an unreadable ring is a rejection, never a crash
             kind = RejectionKind.STORAGE if isinstance(err, StorageError) else RejectionKind.FORMAT
-            rejected[rec.id] = Rejection(kind, f"heartbeat unreadable: {err}")
+            rejected[rec.id] = Rejection(kind, f"heartbeat unreadable: {type(err).__name__}: {err}")
             return None
-        hb = next((h for h in reversed(ring) if h.step == rec.step), None)
         if hb is None:
             rejected[rec.id] = Rejection(
                 RejectionKind.MISSING, "heartbeat ring no longer holds this step"
             )
             return None
-        return Candidate(record=rec, heartbeat=hb)
-
-    def _mark(
-        self,
-        rec: CheckpointRecord,
-        status: CheckpointStatus,
-        reason: str,
-        seconds: float,
-        manifest_hash: str | None = None,
-    ) -> None:
-        """Record a verdict found while resuming (in storage and in the catalog)."""
-        e = self.engine
-        mh = manifest_hash or rec.manifest_hash
-        if mh and e.ranks.coordinator:
-            try:
-                e.storage.commit(
-                    validation_key(e.run_id, rec.id),
-                    ValidationRecord(
-                        checkpoint_id=rec.id,
-                        commit_sha256=mh,
-                        status=status,
-                        reason=reason,
-                        validated_at=time.time(),
-                        checks=("hashes", "load (resume)", "shapes"),
-                        duration_s=seconds,
-                    ).to_bytes(),
-                )
-            except StorageError as err:
-                log.warning("could not record the verdict on %s: %s", rec.id, err)
-        e.catalog.set_status(e.run_id, rec.id, status, reason, validate_s=seconds)
-        e.metrics.checkpoints.labels(tier=rec.tier.value, status=status.value).inc()
-        if status == CheckpointStatus.CORRUPTED:
-            log.error("ALERT checkpoint %s is CORRUPTED: %s", rec.id, reason)
-            e.event("corrupted", checkpoint=rec.id, reason=reason, during="resume")
+        return Candidate(record=rec, heartbeat=hb, checked=True)
 
     # ------------------------------------------------------------------ applying
 
@@ -430,34 +399,46 @@ class Restorer:
         weights: Candidate | None,
         rejected: Mapping[str, str],
         plan_step: PlanStep | None = None,
+        lineage: Lineage | None = None,
     ) -> ResumePoint:
-        """Load ``cand`` (weights from ``weights`` in a heartbeat rebuild) into the live objects."""
+        """Load ``cand`` (weights from ``weights`` in a heartbeat rebuild) into the live objects.
+
+        The run's next checkpoints carry ``lineage`` (None: the restored checkpoint's own),
+        with this checkpoint as their parent."""
         e, c = self.engine, self.capture
         warnings: list[str] = []
         source = cand if cand.loaded is not None else weights
         if source is None or source.loaded is None:
             raise ResumeError(f"{cand.record.id}: no weights to restore")
         state = source.loaded
-        self._load_objects(source.record.id, state, warnings)
-        step = source.record.step
-        mine, per_rank_exact = self._own_part(source, warnings)
-        data: object = mine.section("data")
-        rng = mine.section("rng")
-        self.weights_from = weights.record.id if weights is not None else None
-        if cand.heartbeat is not None:  # heartbeat rebuild: step, data and RNG from the heartbeat
-            step = cand.heartbeat.step
-            data = decode_inline(cand.heartbeat.data)
-            rng = decode_inline(cand.heartbeat.rng)
-            warnings.append(
-                f"rebuilt from heartbeat at step {step} with weights of step "
-                f"{source.record.step}: not exact"
-            )
-        if isinstance(rng, dict):
-            warnings.extend(restore_rng(rng))
-        if data is not None and c.dataloader_state is not None:
-            load = getattr(c.dataloader_state, "load_state_dict", None)
-            if callable(load):
-                load(data)
+        if not source.checked:  # not from load() (a shared-memory snapshot): check it first
+            try:
+                check_loaded(source.record.id, state, source.own, self.live())
+            except Exception as err:
+                raise as_rejection(source.record.id, err) from err
+        try:  # it passed every check: a failure now is rejected too, the next rung overwrites
+            self._load_objects(source.record.id, state, warnings)
+            step = source.record.step
+            mine, per_rank_exact = self._own_part(source, warnings)
+            data: object = mine.section("data")
+            rng = mine.section("rng")
+            self.weights_from = weights.record.id if weights is not None else None
+            if cand.heartbeat is not None:  # heartbeat rebuild: step, data, RNG from the heartbeat
+                step = cand.heartbeat.step
+                data = decode_inline(cand.heartbeat.data)
+                rng = decode_inline(cand.heartbeat.rng)
+                warnings.append(
+                    f"rebuilt from heartbeat at step {step} with weights of step "
+                    f"{source.record.step}: not exact"
+                )
+            if isinstance(rng, dict):
+                warnings.extend(restore_rng(rng))
+            if data is not None and c.dataloader_state is not None:
+                load = getattr(c.dataloader_state, "load_state_dict", None)
+                if callable(load):
+                    load(data)
+        except Exception as err:
+            raise as_rejection(source.record.id, err, applying=True) from err
         epoch = data.get("epoch") if isinstance(data, dict) else None
         train_config = _train_config(state, warnings)
         meta = state.manifest.meta
@@ -468,6 +449,8 @@ class Restorer:
             and per_rank_exact
         )
         e.prev_hash = source.manifest_hash or None
+        base = lineage if lineage is not None else source.record.lineage
+        e.lineage = replace(base, parent=cand.record.id)
         e.parts.index.seed(state.manifest)
         e.metrics.recovery_successes.inc()
         for w in warnings:
@@ -484,8 +467,9 @@ class Restorer:
             reason=plan_step.reason if plan_step is not None else f"{action} {cand.record.id}",
             rejected=tuple(rejected.items()),
             warnings=tuple(warnings),
+            lineage=e.lineage,
         )
-        self._retire_newer(step, cand.record.id)
+        retire_newer(e, step, cand.record.id)
         return point
 
     def _load_objects(self, source_id: str, state: LoadedState, warnings: list[str]) -> None:
@@ -515,6 +499,7 @@ class Restorer:
                 e.scheduler.load_state_dict(sched)
             except (ValueError, KeyError, TypeError) as err:
                 warnings.append(f"scheduler state not restored: {err}")
+            e.apply_run_facts()
 
     def _own_part(self, source: Candidate, warnings: list[str]) -> tuple[LoadedState, bool]:
         """The part holding this rank's RNG and data position, and whether it is exact."""
@@ -540,32 +525,6 @@ class Restorer:
                 "the state is restored, the continuation is not bitwise the original run's"
             )
         return mine, exact
-
-    def _retire_newer(self, step: int, resumed_from: str) -> None:
-        """Checkpoints past the resume step belong to an abandoned branch: mark them expired.
-
-        (Otherwise a later crash could resume from the branch this resume
-        deliberately left — e.g. a manual rewind past a loss spike.)
-        """
-        e = self.engine
-        if not e.ranks.coordinator:
-            return
-        for r in list_checkpoints(e.storage, e.run_id, include_heartbeat=False):
-            if r.step <= step or r.status == CheckpointStatus.CORRUPTED or not r.manifest_hash:
-                continue
-            reason = f"superseded: the run resumed from {resumed_from} (step {step})"
-            e.storage.commit(
-                validation_key(e.run_id, r.id),
-                ValidationRecord(
-                    checkpoint_id=r.id,
-                    commit_sha256=r.manifest_hash,
-                    status=CheckpointStatus.EXPIRED,
-                    reason=reason,
-                    validated_at=time.time(),
-                ).to_bytes(),
-            )
-            e.catalog.set_status(e.run_id, r.id, CheckpointStatus.EXPIRED, reason)
-            e.event("superseded", checkpoint=r.id, reason=reason)
 
 
 def _train_config(state: LoadedState, warnings: list[str]) -> dict[str, Any] | None:

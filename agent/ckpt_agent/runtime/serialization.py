@@ -24,7 +24,7 @@ import random
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -37,6 +37,7 @@ from ckpt_agent.format.manifest import RankManifest, TensorEntry
 from ckpt_agent.format.manifest import library_versions as format_library_versions
 from ckpt_agent.format.readers import read_tensor_bytes
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
+from ckpt_agent.format.statecheck import check_rng, scalar_value
 from ckpt_agent.records import Json
 from ckpt_agent.storage.base import Storage
 
@@ -44,6 +45,7 @@ __all__ = [
     "LiveArray",
     "LoadedState",
     "capture_rng",
+    "check_rng_live",
     "dtype_name",
     "flatten",
     "library_versions",
@@ -169,16 +171,8 @@ def unflatten(tree: Json, arrays: Mapping[str, torch.Tensor]) -> object:
             t = _lookup(payload, path)
             return _to_numpy(t)
         if tag == jsontree.NPSCALAR:
-            if not (
-                isinstance(payload, list) and len(payload) == 2 and isinstance(payload[0], str)
-            ):
-                raise jsontree.JsonTreeError(f"{path}: bad numpy scalar")
-            if payload[0] not in DTYPE_ITEMSIZE or payload[0] == "bfloat16":
-                raise jsontree.JsonTreeError(f"{path}: bad numpy scalar dtype {payload[0]!r}")
-            value = jsontree.decode(payload[1], None, path)
-            if not isinstance(value, bool | int | float | complex):
-                raise jsontree.JsonTreeError(f"{path}: numpy scalar value must be a number")
-            return np.dtype(payload[0]).type(value)
+            dtype, value = scalar_value(payload, path)
+            return np.dtype(dtype).type(value)
         if tag == jsontree.DTYPE:
             if not isinstance(payload, str):
                 raise jsontree.JsonTreeError(f"{path}: bad dtype")
@@ -238,26 +232,32 @@ def capture_rng() -> dict[str, object]:
     return out
 
 
+def check_rng_live(state: Mapping[str, object]) -> None:
+    """Refuse an RNG state this process cannot take (checked before any generator is set)."""
+    check_rng(dict(state), "rng")
+    for t in [state.get("torch_cpu"), *_list(state.get("cuda"))]:
+        if isinstance(t, torch.Tensor) and (t.dtype != torch.uint8 or t.dim() != 1):
+            raise CheckpointFormatError(f"rng: a generator state of {t.dtype}{list(t.shape)}")
+
+
+def _list(value: object) -> list[object]:
+    return value if isinstance(value, list) else []
+
+
 def restore_rng(state: Mapping[str, object], *, strict_cuda: bool = False) -> list[str]:
-    """Restore :func:`capture_rng` output; returns warnings (e.g. CUDA device count changed)."""
+    """Restore :func:`capture_rng` output; returns warnings (e.g. CUDA device count changed).
+
+    The whole state is checked first (:func:`check_rng_live`): a bad one sets no generator.
+    """
+    check_rng_live(state)
     warnings: list[str] = []
     py = state.get("python")
     if isinstance(py, dict):
-        internal = py.get("internal")
-        if not isinstance(internal, list) or not all(type(x) is int for x in internal):
-            raise CheckpointFormatError("rng.python.internal must be a list of integers")
-        gauss = py.get("gauss_next")
-        if gauss is not None and not isinstance(gauss, float):
-            raise CheckpointFormatError("rng.python.gauss_next must be a float or null")
-        version = py.get("version")
-        if type(version) is not int:
-            raise CheckpointFormatError("rng.python.version must be an integer")
-        random.setstate((version, tuple(internal), gauss))
+        internal = py["internal"]
+        random.setstate((py["version"], tuple(internal), py.get("gauss_next")))
     npst = state.get("numpy")
     if isinstance(npst, dict):
         key = npst.get("key")
-        if not isinstance(key, list) or not all(type(k) is int for k in key):
-            raise CheckpointFormatError("rng.numpy.key must be a list of integers")
         cached = npst.get("cached_gaussian", 0.0)
         np.random.set_state(
             (
@@ -270,7 +270,10 @@ def restore_rng(state: Mapping[str, object], *, strict_cuda: bool = False) -> li
         )
     cpu = state.get("torch_cpu")
     if isinstance(cpu, torch.Tensor):
-        torch.set_rng_state(cpu.to(torch.uint8).clone())
+        if cpu.shape == torch.get_rng_state().shape:
+            torch.set_rng_state(cpu.clone())
+        else:  # another torch version's generator: its numbers are not ours to continue
+            warnings.append(f"torch CPU RNG state of {cpu.numel()} bytes not restored")
     cuda = state.get("cuda")
     if isinstance(cuda, list) and cuda:
         if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
@@ -304,11 +307,16 @@ class LoadedState:
     arrays: dict[str, torch.Tensor]
     files: dict[str, bytes]
 
+    _decoded: dict[str, object] = field(default_factory=dict, repr=False)
+
     def section(self, name: str) -> object:
+        """The decoded section (decoded once: the restorer checks what it later applies)."""
         state = self.manifest.state
         if not isinstance(state, dict) or name not in state:
             return None
-        return unflatten(state[name], self.arrays)
+        if name not in self._decoded:
+            self._decoded[name] = unflatten(state[name], self.arrays)
+        return self._decoded[name]
 
 
 def load_entry(

@@ -45,6 +45,7 @@ from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_checkpoint, read_commit, read_rank_manifest
+from ckpt_agent.format.statecheck import chunk_names
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.serialization import dtype_name, load_entry, torch_dtype
 from ckpt_agent.storage.base import Storage
@@ -191,20 +192,6 @@ def _section(m: RankManifest, section: str) -> Mapping[str, Json]:
     return sec
 
 
-def _chunk_names(sec: Mapping[str, Json], what: str) -> dict[str, str]:
-    """chunk key → manifest tensor name (the section's ``chunks`` holds tensor references)."""
-    raw = sec.get("chunks") or {}
-    if not isinstance(raw, dict):
-        raise CheckpointFormatError(f"{what}: chunks must be an object")
-    out: dict[str, str] = {}
-    for k, v in raw.items():
-        ref = v.get(jsontree.TENSOR) if isinstance(v, dict) else None
-        if not isinstance(ref, str):
-            raise CheckpointFormatError(f"{what}: chunk {k!r} is not a tensor reference")
-        out[str(k)] = ref
-    return out
-
-
 def _layout(sec: Mapping[str, Json], what: str) -> dict[str, Json]:
     lay = jsontree.decode(sec.get("layout"))
     if not isinstance(lay, dict):
@@ -252,7 +239,7 @@ def load_sharded(
         sec = _section(m, section)
         if tree is None and "tree" in sec:
             tree = sec["tree"]
-        names = _chunk_names(sec, what)
+        names = chunk_names(sec, what)
         for fqn, entry in _layout(sec, what).items():
             if not isinstance(entry, dict):
                 raise CheckpointFormatError(f"{what}: layout of {fqn!r} is not an object")
@@ -293,6 +280,14 @@ def load_sharded(
                 f"{ckpt_id}: chunks of {fqn!r} cover {covered} of {n} elements (a part is missing)"
             )
     plan = create_default_local_load_plan(dict(flat), Metadata(dict(md)), True)
+    # The tree went through the snapshot's own tagged-JSON encoding once more (its tag-like
+    # one-key objects were escaped): undo that, then decode the tree itself.
+    decoded = jsontree.decode(jsontree.decode(tree), _resolve_dtype)
+    out = _fill(decoded, flat)
+    if not isinstance(out, dict):
+        raise CheckpointFormatError(f"{ckpt_id}: the sharded tree is not an object")
+    # Read and check every piece first, then copy: a bad chunk leaves the target untouched.
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     cache: dict[tuple[int, str], torch.Tensor] = {}
     for ri in plan.items:
         src_at = where[(ri.storage_index.fqn, tuple(int(o) for o in ri.storage_index.offset or ()))]
@@ -306,13 +301,14 @@ def load_sharded(
         dest = find_state_dict_object(flat, ri.dest_index)
         if not isinstance(dest, torch.Tensor):
             raise CheckpointFormatError(f"{ri.dest_index.fqn}: the target is not a tensor")
-        narrow_tensor_by_index(dest, ri.dest_offsets, ri.lengths).copy_(piece)
-    # The tree went through the snapshot's own tagged-JSON encoding once more (its tag-like
-    # one-key objects were escaped): undo that, then decode the tree itself.
-    decoded = jsontree.decode(jsontree.decode(tree), _resolve_dtype)
-    out = _fill(decoded, flat)
-    if not isinstance(out, dict):
-        raise CheckpointFormatError(f"{ckpt_id}: the sharded tree is not an object")
+        target_piece = narrow_tensor_by_index(dest, ri.dest_offsets, ri.lengths)
+        if target_piece.shape != piece.shape:
+            raise CheckpointFormatError(
+                f"{ckpt_id}: chunk {src_at.name!r} does not fit {ri.dest_index.fqn!r}"
+            )
+        copies.append((target_piece, piece))
+    for target_piece, piece in copies:
+        target_piece.copy_(piece)
     return out
 
 

@@ -17,7 +17,14 @@ from dataclasses import replace
 
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
-from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, TensorEntry
+from ckpt_agent.errors import CandidateRejectedError
+from ckpt_agent.format.manifest import (
+    CheckpointMeta,
+    RankManifest,
+    TensorEntry,
+    lineage_from_json,
+    lineage_to_json,
+)
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
 from ckpt_agent.runtime.capture import StateCapture
 from ckpt_agent.runtime.context import Engine
@@ -136,6 +143,7 @@ class ShmPersister:
             "emergency": decision.emergency,
             "prev_hash": e.prev_hash,
             "resume_step": self._resume_step,
+            "lineage": lineage_to_json(e.lineage),
             "versions": library_versions(),
             "token": token,
         }
@@ -237,10 +245,15 @@ class ShmPersister:
             manifest_hash=committed_hash or "",
             lightweight=bool(desc.meta.get("lightweight")),
             reason="shared-memory snapshot",
+            lineage=lineage_from_json(desc.meta.get("lineage"), "snapshot lineage"),
         )
         loaded = LoadedState(manifest=manifest, arrays=found.arrays, files=found.files)
         cand = Candidate(record=rec, loaded=loaded, manifest_hash=committed_hash or "")
-        point = restorer.restore(cand, action="resume_shm", weights=None, rejected={})
+        try:
+            point = restorer.restore(cand, action="resume_shm", weights=None, rejected={})
+        except CandidateRejectedError as err:  # storage's ladder overwrites whatever it applied
+            log.warning("shared-memory snapshot of step %d rejected: %s", desc.step, err)
+            return None
         if not committed_hash:
             e.prev_hash = str(prev) if prev else None
         return replace(

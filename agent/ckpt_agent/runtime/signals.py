@@ -1,8 +1,13 @@
 """Requests from outside the training loop, and the L0 heartbeat.
 
 :class:`SignalWatch` notices the operator's save-now signal file (a change of
-its content is one request) and, when asked, installs a SIGTERM handler that
-only sets a flag — the training thread acts on it at the next step.
+its content is one request, :mod:`ckpt_agent.format.signal`): a plain save-now
+is an emergency checkpoint; a node warning is one too, and holds
+(:attr:`SignalWatch.node_warning`, a
+:attr:`~ckpt_agent.decide.signals.SystemSignals.node_warning` at every step: a
+higher failure hazard, a shorter pulse interval) until the operator clears it.
+When asked, it installs a SIGTERM handler that only sets a flag — the training
+thread acts on it at the next step.
 :class:`Heartbeats` writes the heartbeat ring (step, data position, RNG) in
 the background (:class:`~ckpt_agent.runtime.snapshot.HeartbeatWriter`).
 """
@@ -20,6 +25,7 @@ from typing import Any
 
 from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
+from ckpt_agent.format.signal import KIND_CLEAR, KIND_WARNING, Signal, parse_signal
 from ckpt_agent.runtime.capture import StateCapture
 from ckpt_agent.runtime.context import Engine
 from ckpt_agent.runtime.inline import encode_inline
@@ -30,9 +36,6 @@ __all__ = ["Heartbeats", "SignalWatch"]
 
 log = logging.getLogger(__name__)
 
-#: Characters of a save-now request quoted in the log and the reason.
-_REQUEST_CHARS = 200
-
 
 class SignalWatch:
     """The save-now signal file and the SIGTERM flag."""
@@ -41,6 +44,8 @@ class SignalWatch:
         self.path = signal_file or None
         self.sigterm = False
         """A SIGTERM arrived (set by the handler, cleared once handled)."""
+        self.node_warning: str | None = None
+        """The operator's node warning while it holds (until its clear), in words."""
         self._seen: tuple[int, int] | None = None
         self._content: bytes | None = None
         self._old_handler: Any = None
@@ -62,7 +67,7 @@ class SignalWatch:
             self._seen = None
             self._content = None
 
-    def poll(self) -> str | None:
+    def poll(self) -> Signal | None:
         """The new request in the signal file (None: no change, or an empty file)."""
         if not self.path:
             return None
@@ -81,19 +86,25 @@ class SignalWatch:
         if content == self._content:
             return None
         self._content = content
-        if not content.strip():
-            return None
-        return content.decode(errors="replace").strip()[:_REQUEST_CHARS]
+        return parse_signal(content.decode(errors="replace"))
 
     def poll_request(self, engine: Engine, *, agreed: bool) -> bool:
-        """Act on a new save-now request: the scheduler's emergency, or (``agreed``: several
-        ranks) True — the caller hands it to the agreement so every rank's scheduler gets it."""
-        request = self.poll()
-        if request is None:
+        """Act on a new request: a save-now or a node warning is the scheduler's emergency,
+        or (``agreed``: several ranks) True — the caller hands it to the agreement so every
+        rank's scheduler gets it. A warning holds until a clear (:attr:`node_warning`)."""
+        sig = self.poll()
+        if sig is None:
             return False
+        engine.event("signal", file=self.path, request=sig.text, kind=sig.kind)
+        if sig.kind == KIND_CLEAR:
+            self.node_warning = None
+            return False
+        if sig.kind == KIND_WARNING:
+            self.node_warning = sig.message
         if not agreed:
-            engine.scheduler.request_emergency(f"save-now signal {request!r}")
-        engine.event("signal", file=self.path, request=request)
+            engine.scheduler.request_emergency(
+                f"save-now signal {sig.text!r}", warning=sig.kind == KIND_WARNING
+            )
         return agreed
 
     def install_sigterm(self) -> None:

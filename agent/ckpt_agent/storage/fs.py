@@ -211,8 +211,13 @@ class LocalStorage(Storage):
         try:
             yield view
         finally:
-            view.release()
-            mm.close()
+            try:
+                view.release()
+                mm.close()
+            except BufferError:
+                # A view cut from it is still referenced (by an exception's traceback):
+                # closing now would replace that exception; the mapping goes with the view.
+                pass
 
     def stat(self, key: str) -> ObjectInfo:
         parts = validate_key(key).split("/")

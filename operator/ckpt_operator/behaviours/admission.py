@@ -6,18 +6,82 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.injection import InjectionContext, build_pod_patch
-from ckpt_operator.jobs import job_facts, owner_job_name
+from ckpt_operator.behaviours.deps import Deps, cached_job, cached_policy
+from ckpt_operator.injection import (
+    InjectionContext,
+    build_pod_patch,
+    is_unprotected,
+)
+from ckpt_operator.jobs import job_facts, label_templates_in_place, owner_job_name
 from ckpt_operator.jsonpatch import JSONPatchOp
-from ckpt_operator.validation import parse_policy_spec
+from ckpt_operator.runfacts import agent_run_env
+from ckpt_operator.validation import annotation_errors, parse_policy_spec
 
-__all__ = ["InjectionOutcome", "inject_pod", "validate_policy"]
+__all__ = [
+    "InjectionOutcome",
+    "inject_pod",
+    "label_job",
+    "report_unprotected",
+    "validate_job",
+    "validate_policy",
+]
 
 
 def validate_policy(spec: Mapping[str, Any] | None) -> list[str]:
     """Field-level errors of a CheckpointPolicy spec (empty: valid)."""
     return parse_policy_spec(spec)[1]
+
+
+def validate_job(job: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
+    """Bad ``ckpt.dev`` annotations of a PyTorchJob being created or updated (empty: fine).
+
+    On an update only changed annotations count (see
+    :func:`ckpt_operator.validation.annotation_errors`).
+    """
+
+    def annotations(obj: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        if obj is None:
+            return None
+        return (obj.get("metadata") or {}).get("annotations") or {}
+
+    return annotation_errors(annotations(job) or {}, annotations(old))
+
+
+def label_job(job: dict[str, Any]) -> bool:
+    """The ``label-job`` webhook: an opted-in job's pod templates get ``ckpt.dev/inject``
+    (in place), so the pod webhook sees exactly its pods; True when changed."""
+    return job_facts(job).opted_in and label_templates_in_place(job)
+
+
+async def report_unprotected(deps: Deps, pod: Mapping[str, Any]) -> bool:
+    """An opted-in pod running without the agent that the webhook would inject now (it was
+    bypassed: disabled, ``failurePolicy: Ignore`` while the operator was down): a Warning
+    Event on the pod and its job, the ``unprotected_pods`` metric; once per pod. Pods the
+    webhook skips on purpose (policy missing, no training container) were reported at
+    admission. True when reported.
+    """
+    meta = pod.get("metadata") or {}
+    uid = str(meta.get("uid") or "")
+    if not uid or uid in deps.reported_pods or not is_unprotected(pod):
+        return False
+    namespace = str(meta.get("namespace") or "")
+    if (await inject_pod(deps, pod, namespace, quiet=True)).result != "injected":
+        return False
+    deps.reported_pods.add(uid)
+    deps.metrics.unprotected_pods.inc()
+    name = meta.get("name")
+    message = (
+        f"pod {name} of an opted-in PyTorchJob runs WITHOUT the checkpoint agent (it was "
+        "admitted while the ckpt-operator webhook was bypassed): it takes no checkpoints and "
+        "a restart of it starts from step 0; delete the pod so that the training-operator "
+        "recreates it injected, and keep webhook.inject.failurePolicy at Fail"
+    )
+    deps.events.emit(pod, "Warning", "NotInjected", message)
+    job_name = owner_job_name(pod)
+    job = deps.jobs.get(namespace, job_name) if job_name else None
+    if job is not None:
+        deps.events.emit(job, "Warning", "NotInjected", message)
+    return True
 
 
 @dataclass(frozen=True)
@@ -29,13 +93,23 @@ class InjectionOutcome:
 
 
 async def inject_pod(
-    deps: Deps, pod: Mapping[str, Any], namespace: str, *, dryrun: bool = False
+    deps: Deps,
+    pod: Mapping[str, Any],
+    namespace: str,
+    *,
+    dryrun: bool = False,
+    quiet: bool = False,
 ) -> InjectionOutcome:
-    """The mutating webhook: the JSON Patch for a pod being created (never raises for bad input)."""
+    """The mutating webhook: the JSON Patch for a pod being created (never raises for bad input).
+
+    Reads the job and the policy from the watch caches (one API read on a miss, on the
+    webhook's own threads); never touches storage. ``quiet``: no Events, no metrics (the
+    unprotected-pod check asks what the webhook would do).
+    """
     job_name = owner_job_name(pod)
     if not job_name:
         return InjectionOutcome([], [], "ignored")
-    job = await deps.api.get_job(namespace, job_name)
+    job = await cached_job(deps, namespace, job_name, admission=True)
     if job is None:
         return InjectionOutcome(
             [],
@@ -50,12 +124,16 @@ async def inject_pod(
 
     def skipped(reason: str, event_reason: str) -> InjectionOutcome:
         message = f"pod {pod_name}: checkpoint agent not injected: {reason}"
-        if not dryrun:
+        if not (dryrun or quiet):
             deps.events.emit(job, "Warning", event_reason, message)
-        deps.metrics.injections.labels("skipped").inc()
+        if not quiet:
+            deps.metrics.injections.labels("skipped").inc()
         return InjectionOutcome([], [f"ckpt-operator: {message}"], "skipped")
 
-    policy = await deps.api.get_policy(namespace, facts.policy)
+    invalid = annotation_errors(facts.annotations)
+    if invalid:
+        return skipped(f"PyTorchJob {job_name}: {'; '.join(invalid)}", "InvalidAnnotation")
+    policy = await cached_policy(deps, namespace, facts.policy, admission=True)
     if policy is None:
         return skipped(f"CheckpointPolicy {facts.policy!r} not found", "PolicyNotFound")
     spec, errors = parse_policy_spec(policy.get("spec"))
@@ -67,7 +145,10 @@ async def inject_pod(
     ctx = InjectionContext(
         policy_name=facts.policy,
         run_id=facts.run_id,
+        job_name=facts.name,
+        job_uid=facts.uid,
         resume_from=facts.resume_from,
+        run_env=agent_run_env(facts),
         agent_image=inj.agent_image,
         sidecar_command=inj.sidecar_command,
         sidecar_resources={
@@ -77,10 +158,13 @@ async def inject_pod(
     )
     result = build_pod_patch(pod, spec, facts.annotations, ctx)
     if result.already_injected:
-        deps.metrics.injections.labels("already").inc()
+        if not quiet:
+            deps.metrics.injections.labels("already").inc()
         return InjectionOutcome([], [], "already")
     if result.skipped:
         return skipped(result.skipped, "InjectionSkipped")
+    if quiet:
+        return InjectionOutcome(result.ops, [], "injected")
     deps.metrics.injections.labels("injected").inc()
     where = f"resuming from {facts.resume_from}" if facts.resume_from else "fresh start"
     message = (

@@ -1,4 +1,5 @@
-"""Disruptions: ask injected pods for an emergency checkpoint (``ckpt.dev/save-now``)."""
+"""Disruptions: ask injected pods for an emergency checkpoint (``ckpt.dev/save-now``), relay
+node warnings to them and clear those when the node is calm again."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from typing import Any
 
 from ckpt_operator import constants as c
 from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.disruption import Disruption, node_disruption, pod_disruption, save_now_patch
+from ckpt_operator.disruption import (
+    Disruption,
+    clear_patch,
+    node_disruption,
+    pod_disruption,
+    save_now_patch,
+)
 
 __all__ = ["signal_node", "signal_pod"]
 
@@ -20,8 +27,12 @@ async def _signal(deps: Deps, pod: Mapping[str, Any], disruption: Disruption) ->
     meta = pod.get("metadata") or {}
     await deps.api.patch_pod(str(meta.get("namespace")), str(meta.get("name")), patch)
     deps.metrics.save_now.labels(disruption.reason).inc()
+    kind = " (node warning)" if disruption.warning else ""
     deps.events.emit(
-        pod, "Normal", "SaveNowRequested", f"emergency checkpoint requested: {disruption.message}"
+        pod,
+        "Normal",
+        "SaveNowRequested",
+        f"emergency checkpoint requested{kind}: {disruption.message}",
     )
     return True
 
@@ -35,18 +46,39 @@ async def signal_pod(deps: Deps, pod: Mapping[str, Any]) -> bool:
 
 
 async def signal_node(deps: Deps, node: Mapping[str, Any]) -> int:
-    """Signal every injected pod on a node that announces a disruption; returns pods signalled."""
+    """Signal every injected pod on a node that announces a warning; returns pods signalled.
+
+    A calm node clears the warning its pods still hold (once: ``deps.node_signals`` keeps
+    ``""`` for a node known calm; unknown nodes, e.g. after a restart, are checked once).
+    """
     name = str((node.get("metadata") or {}).get("name") or "")
     disruption = node_disruption(node)
+    signalled = deps.node_signals.get(name)
     if disruption is None:
-        deps.node_signals.pop(name, None)
+        if signalled != "":
+            await _clear(deps, name)
+            deps.node_signals[name] = ""
         return 0
-    if deps.node_signals.get(name) == disruption.request_id:
+    if signalled == disruption.signal:
         return 0
-    pods = await deps.api.list_pods(node_name=name, label_selector=f"{c.LABEL_INJECTED}=true")
     n = 0
-    for pod in pods:
+    for pod in await _injected_pods(deps, name):
         if await _signal(deps, pod, disruption):
             n += 1
-    deps.node_signals[name] = disruption.request_id
+    deps.node_signals[name] = disruption.signal
     return n
+
+
+async def _injected_pods(deps: Deps, node: str) -> list[Mapping[str, Any]]:
+    return list(await deps.api.list_pods(node_name=node, label_selector=f"{c.LABEL_INJECTED}=true"))
+
+
+async def _clear(deps: Deps, node: str) -> None:
+    """Tell the pods on ``node`` that still hold a warning that it went."""
+    for pod in await _injected_pods(deps, node):
+        patch = clear_patch(pod, node)
+        if patch is None:
+            continue
+        meta = pod.get("metadata") or {}
+        await deps.api.patch_pod(str(meta.get("namespace")), str(meta.get("name")), patch)
+        deps.events.emit(pod, "Normal", "NodeWarningCleared", f"node {node} is calm again")

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_operator.behaviours.deps import Deps, Obj, set_job_status
 from ckpt_operator.injection import build_config_map
 from ckpt_operator.jobs import job_facts
 from ckpt_operator.kube import ConflictError
-from ckpt_operator.status import policy_ready_status
+from ckpt_operator.status import policy_ready_status, set_condition
+from ckpt_operator.tenancy import storage_refusal
 from ckpt_operator.validation import parse_policy_spec
 
 __all__ = ["STATUS_WRITE_ATTEMPTS", "reconcile_policy", "write_policy_status"]
@@ -52,6 +54,16 @@ async def write_policy_status(
     raise ConflictError(409, f"policy {namespace}/{name}: status kept changing; not written")
 
 
+def storage_access(deps: Deps, namespace: str, spec: CheckpointPolicySpec) -> str | None:
+    """Why the operator will not open the policy's storage (None: it will), from the
+    tenancy settings alone (no I/O)."""
+    s3 = spec.storage.s3 if spec.storage.type == StorageType.S3 else None
+    own_identity = (
+        s3 is None or s3.credentials_secret is None or not deps.config.read_storage_secrets
+    )
+    return storage_refusal(namespace, spec, deps.config.tenancy, operator_identity=own_identity)
+
+
 async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
     """Validate, publish the agent ConfigMap, wake jobs waiting for it, write ``Ready``.
 
@@ -63,11 +75,24 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
     spec, errors = parse_policy_spec(policy.get("spec"))
     now = deps.clock()
 
+    refusal = storage_access(deps, namespace, spec) if spec is not None else None
+
     async def write_ready() -> Obj:
         def build(current: Mapping[str, Any]) -> Obj:
-            return policy_ready_status(
+            status = policy_ready_status(
                 current.get("status"), generation=meta.get("generation"), errors=errors, now=now
             )
+            if spec is not None:  # StorageAccess: what the administrator allows (no I/O)
+                status["conditions"] = set_condition(
+                    status["conditions"],
+                    "StorageAccess",
+                    "False" if refusal else "True",
+                    "StorageAccessDenied" if refusal else "Allowed",
+                    refusal or "the operator may open this policy's storage",
+                    now=now,
+                    observed_generation=meta.get("generation"),
+                )
+            return status
 
         written = await write_policy_status(deps, namespace, name, build)
         return written if written is not None else build(policy)

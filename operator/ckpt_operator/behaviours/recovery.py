@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt_agent.policy import CheckpointPolicySpec
+from ckpt_agent.policy import CheckpointPolicySpec, StorageType
+from ckpt_agent.records import CheckpointRecord
 from ckpt_operator import constants as c
-from ckpt_operator.behaviours.deps import Deps, set_job_status
-from ckpt_operator.jobs import JobStatusAnnotation, format_time, job_facts
+from ckpt_operator.agentcheck import AGENT_MISSING
+from ckpt_operator.behaviours.deps import Deps, Obj, cached_policy, set_job_status
+from ckpt_operator.behaviours.guard import run_refusal, storage_call
+from ckpt_operator.jobs import JobStatusAnnotation, format_time, inject_label_patch, job_facts
 from ckpt_operator.kube import ApiError, ConflictError
+from ckpt_operator.manual import RecoverRequest, blocked_reason, pending_request, plan_manual
+from ckpt_operator.reports import (
+    KnownCheckpoints,
+    known_checkpoints,
+    last_verified_json,
+    pod_reports,
+)
 from ckpt_operator.restart import (
     GiveUp,
     Restart,
@@ -20,9 +29,15 @@ from ckpt_operator.restart import (
     Wait,
     plan_restart,
     precheck_restart,
+    run_mtbf,
     terminating_pods_wait,
 )
-from ckpt_operator.validation import parse_policy_spec
+from ckpt_operator.sources import (
+    CheckpointSource,
+    ReportedCheckpointSource,
+    StorageAccessDeniedError,
+)
+from ckpt_operator.validation import annotation_errors, parse_policy_spec
 
 __all__ = ["observe_job", "recover_job"]
 
@@ -38,7 +53,8 @@ async def observe_job(deps: Deps, job: Mapping[str, Any]) -> bool:
     """Bookkeeping on every event of an opted-in job; True when it needs recovery.
 
     Records the run id, reports a missing policy (Event + status annotation),
-    marks the job as watched.
+    marks the job as watched, and labels its pod templates (``ckpt.dev/inject``) when the
+    ``label-job`` webhook did not (created while the operator was down).
     """
     facts = job_facts(job)
     if not facts.opted_in or facts.deleting:
@@ -51,7 +67,7 @@ async def observe_job(deps: Deps, job: Mapping[str, Any]) -> bool:
     if not finished and (
         facts.status is None or facts.status.state in ("Watching", "PolicyMissing")
     ):
-        policy = await deps.api.get_policy(facts.namespace, facts.policy)
+        policy = await cached_policy(deps, facts.namespace, facts.policy)
         state = facts.status.state if facts.status else None
         if policy is None and state != "PolicyMissing":
             message = (
@@ -66,15 +82,19 @@ async def observe_job(deps: Deps, job: Mapping[str, Any]) -> bool:
             patch[c.ANN_STATUS] = JobStatusAnnotation(
                 "Watching", "PolicyFound", f"using policy {facts.policy}", format_time(deps.clock())
             ).to_json()
-    if patch:
+    labels = None if facts.failed or facts.succeeded else inject_label_patch(job)
+    if labels is not None:  # one write for both
+        body = {**labels, "metadata": {"annotations": patch}} if patch else labels
+        await deps.api.patch_job(facts.namespace, facts.name, body)
+    elif patch:
         await deps.api.patch_job_annotations(facts.namespace, facts.name, patch)
-    return facts.needs_recovery
+    return facts.needs_recovery or pending_request(facts) is not None
 
 
 async def _load_policy_spec(deps: Deps, job: Mapping[str, Any]) -> CheckpointPolicySpec | None:
     facts = job_facts(job)
     assert facts.policy is not None
-    policy = await deps.api.get_policy(facts.namespace, facts.policy)
+    policy = await cached_policy(deps, facts.namespace, facts.policy)
     if policy is None:
         if facts.status is None or facts.status.state != "PolicyMissing":
             message = f"CheckpointPolicy {facts.policy!r} not found: cannot plan the restart"
@@ -90,7 +110,14 @@ async def _load_policy_spec(deps: Deps, job: Mapping[str, Any]) -> CheckpointPol
 async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     """Handle a failed job once; returns seconds after which to call again, or None when done."""
     facts = job_facts(job)
+    request = pending_request(facts)
+    if request is not None:  # a person's request wins, even after GaveUp
+        return await _recover_manually(deps, job, request)
     if not facts.needs_recovery:
+        return None
+    invalid = annotation_errors(facts.annotations)
+    if invalid:  # admitted before the webhook checked them: nothing to restart from, ever
+        await _give_up(deps, job, "InvalidAnnotation", "; ".join(invalid))
         return None
     spec = await _load_policy_spec(deps, job)
     if spec is None:
@@ -106,19 +133,33 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
         )
     now = deps.clock()
     outcome = precheck_restart(job, spec.recovery, now)
+    # the pods' reports ride on the restart's intent write (one PATCH), else written alone
+    pending_reports: dict[str, str | None] = {}
     if outcome is None:
-        waiting = await _wait_for_terminating_pods(deps, job, now)
+        pods = await _job_pods(deps, job)
+        waiting = await _wait_for_terminating_pods(deps, job, pods, now)
         if waiting is not None:
             return waiting
-        assert facts.policy is not None
-        source = await deps.sources(facts.namespace, facts.policy, spec)
-        records = await asyncio.to_thread(source.list_checkpoints, facts.run_id)
-        progress = await asyncio.to_thread(source.progress, facts.run_id)
+        job, known = await _take_reports(deps, job, pods, pending_reports)
+        found = await _checkpoints(deps, job, spec, known)
+        if found is None:
+            return None
+        source, records = found
+        progress = await storage_call(deps, source.progress, facts.run_id)
         verify = functools.partial(source.verify, facts.run_id)
-        outcome = await asyncio.to_thread(
-            plan_restart, job, spec.recovery, records, now, verify, progress
+        outcome = await storage_call(
+            deps,
+            plan_restart,
+            *(job, spec.recovery, records, now, verify, progress, spec.scheduler.risk.mtbf_seconds),
+            timeout_s=deps.config.verify_timeout_s,
         )
+        fresh = isinstance(outcome, Restart) and outcome.decision.action == "fresh"
+        if fresh and not pod_reports(pods)[0]:  # the agent reports in at start()
+            message = f"no pod of {facts.name} reported in: {AGENT_MISSING}"
+            deps.events.emit(job, "Warning", "AgentMissing", message)
 
+    if pending_reports and not isinstance(outcome, Restart):
+        await deps.api.patch_job_annotations(facts.namespace, facts.name, pending_reports)
     if isinstance(outcome, Skip):
         return None
     if isinstance(outcome, Wait):
@@ -140,12 +181,153 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
             deps.metrics.recoveries.labels("failure", outcome.reason).inc()
         return None
     assert isinstance(outcome, Restart)
-    await _restart(deps, job, outcome)
+    await _restart(deps, job, outcome, pending_reports)
     return None
 
 
+async def _recover_manually(
+    deps: Deps, job: Mapping[str, Any], request: RecoverRequest
+) -> float | None:
+    """A person's ``ckpt.dev/recover-step`` (:mod:`ckpt_operator.manual`): restart exactly
+    there, or (dry run) report the plan; handled once, audited by Events."""
+    facts = job_facts(job)
+    handled: dict[str, str | None] = {c.ANN_RECOVER_HANDLED: request.key()}
+    asked = f"manual recovery ({request.describe()})"
+    refusal = blocked_reason(facts, request)
+    spec = None if refusal is not None else await _load_policy_spec(deps, job)
+    if refusal is None and spec is None:
+        return deps.config.recovery.policy_missing_retry_s
+    outcome: Restart | GiveUp | None = None
+    if spec is not None:
+        job, known = await _take_reports(deps, job, await _job_pods(deps, job))
+        found = await _checkpoints(deps, job, spec, known)
+        if found is None:
+            return None
+        source, records = found
+        mtbf = run_mtbf(facts, spec.scheduler.risk.mtbf_seconds, deps.clock())
+        outcome = await storage_call(
+            deps,
+            plan_manual,
+            *(job, request, records, spec.recovery),
+            functools.partial(source.verify, facts.run_id),
+            mtbf,
+            timeout_s=deps.config.verify_timeout_s,
+        )
+        refusal = outcome.message if isinstance(outcome, GiveUp) else None
+    if refusal is not None or not isinstance(outcome, Restart):
+        deps.events.emit(job, "Warning", "RecoverRefused", f"{asked} refused: {refusal}")
+        await deps.api.patch_job_annotations(facts.namespace, facts.name, handled)
+        return None
+    d = outcome.decision
+    plan = f"restart as {d.name} from {d.resume_from} (step {d.resume_step})" + (
+        f" with the weights of {d.weights_from}" if d.weights_from else ""
+    )
+    if request.dry_run:
+        deps.events.emit(job, "Normal", "RecoverPlanned", f"{asked}: would {plan}; nothing done")
+        handled[c.ANN_RECOVER_PLAN] = d.to_json()
+        await deps.api.patch_job_annotations(facts.namespace, facts.name, handled)
+        return None
+    deps.events.emit(job, "Normal", "ManualRecover", f"{asked}: {plan}")
+    await _restart(deps, job, outcome)
+    await deps.api.patch_job_annotations(facts.namespace, facts.name, handled)
+    return None
+
+
+async def _checkpoints(
+    deps: Deps, job: Mapping[str, Any], spec: CheckpointPolicySpec, known: KnownCheckpoints
+) -> tuple[CheckpointSource, list[CheckpointRecord]] | None:
+    """Where the run's checkpoints are read (its storage, or the pods' reports when the
+    storage is not reachable here) and what it lists; None: gave up."""
+    facts = job_facts(job)
+    reported = ReportedCheckpointSource(known.report.records())
+    assert facts.policy is not None
+    source: CheckpointSource
+    try:
+        source = await deps.sources(facts.namespace, facts.policy, spec)
+    except StorageAccessDeniedError as e:
+        if spec.storage.type != StorageType.LOCAL:
+            await _give_up(deps, job, "StorageAccessDenied", str(e))
+            return None
+        # a PVC or node path of the namespace: the pods' reports need no access
+        log.info("%s: %s; planning with the pods' reports", _job_ref(job), e)
+        source = reported
+    if not await storage_call(deps, source.reachable):
+        log.info("%s: storage not reachable here; using the pods' reports", _job_ref(job))
+        source = reported
+    refusal = await run_refusal(deps, source, facts.run_id, facts)
+    if refusal is not None:
+        await _give_up(deps, job, "RunOwnedElsewhere", refusal)
+        return None
+    records = await storage_call(deps, source.list_checkpoints, facts.run_id)
+    if not records and reported.records:  # the storage here is not the pods'
+        log.info("%s: storage lists no checkpoint; using the pods' reports", _job_ref(job))
+        source, records = reported, reported.list_checkpoints(facts.run_id)
+    return source, records
+
+
+async def _give_up(deps: Deps, job: Mapping[str, Any], reason: str, message: str) -> None:
+    """Terminal: a Warning Event, the ``GaveUp`` status, the failure metric."""
+    deps.events.emit(job, "Warning", "GaveUp", f"{reason}: {message}")
+    await set_job_status(deps, job, "GaveUp", reason, message)
+    deps.metrics.recoveries.labels("failure", reason).inc()
+
+
+async def _job_pods(deps: Deps, job: Mapping[str, Any]) -> list[Obj]:
+    """The failed job's pods: from the watch-fed index when it holds them all finished
+    (their termination reports are final), else one namespaced LIST."""
+    facts = job_facts(job)
+    cached = deps.pods.of_job(facts.namespace, facts.name)
+    if cached and all(_finished(p) for p in cached):
+        return cached
+    return await deps.api.list_pods(
+        node_name=None,
+        label_selector=f"{c.LABEL_TO_JOB_NAME}={facts.name}",
+        namespace=facts.namespace,
+    )
+
+
+def _finished(pod: Mapping[str, Any]) -> bool:
+    phase = (pod.get("status") or {}).get("phase")
+    return phase in ("Succeeded", "Failed") and not (pod.get("metadata") or {}).get(
+        "deletionTimestamp"
+    )
+
+
+async def _take_reports(
+    deps: Deps,
+    job: Mapping[str, Any],
+    pods: Sequence[Mapping[str, Any]],
+    pending: dict[str, str | None] | None = None,
+) -> tuple[Mapping[str, Any], KnownCheckpoints]:
+    """Merge the pods' checkpoint reports (termination messages) into the job's
+    ``ckpt.dev/checkpoints`` (written — or added to ``pending`` for the caller's next
+    write — and set on the returned copy of ``job`` so that the restart carries it) and
+    ``ckpt.dev/last-verified-checkpoint``."""
+    facts = job_facts(job)
+    reports, problems = pod_reports(pods)
+    for problem in problems:  # e.g. the application writes its own termination message
+        log.info("%s: %s", _job_ref(job), problem)
+    known = known_checkpoints(facts.run_id, [facts.annotations.get(c.ANN_CHECKPOINTS)], reports)
+    for problem in known.problems:
+        log.warning("%s: %s", _job_ref(job), problem)
+    if not known.report.checkpoints:
+        return job, known
+    wanted = {
+        c.ANN_CHECKPOINTS: known.annotation,
+        c.ANN_LAST_VERIFIED: last_verified_json(known.report),
+    }
+    patch = {k: v for k, v in wanted.items() if v is not None and facts.annotations.get(k) != v}
+    if patch and pending is not None:
+        pending.update(patch)
+    elif patch:
+        await deps.api.patch_job_annotations(facts.namespace, facts.name, patch)
+    meta = dict(job.get("metadata") or {})
+    meta["annotations"] = {**(meta.get("annotations") or {}), c.ANN_CHECKPOINTS: known.annotation}
+    return {**job, "metadata": meta}, known
+
+
 async def _wait_for_terminating_pods(
-    deps: Deps, job: Mapping[str, Any], now: float
+    deps: Deps, job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], now: float
 ) -> float | None:
     """Seconds until the next look while the failed job's pods are still terminating.
 
@@ -153,13 +335,6 @@ async def _wait_for_terminating_pods(
     :func:`ckpt_operator.restart.terminating_pods_wait`); planning waits for them.
     """
     facts = job_facts(job)
-    pods = [
-        p
-        for p in await deps.api.list_pods(
-            node_name=None, label_selector=f"{c.LABEL_TO_JOB_NAME}={facts.name}"
-        )
-        if (p.get("metadata") or {}).get("namespace") == facts.namespace
-    ]
     wait = terminating_pods_wait(pods, now)
     if wait is None:
         return None
@@ -174,7 +349,14 @@ async def _wait_for_terminating_pods(
     return recheck
 
 
-async def _restart(deps: Deps, job: Mapping[str, Any], outcome: Restart) -> None:
+async def _restart(
+    deps: Deps,
+    job: Mapping[str, Any],
+    outcome: Restart,
+    extra: Mapping[str, str | None] | None = None,
+) -> None:
+    """Record the decision (with ``extra`` annotations, in the same write), create the
+    restart, record the outcome."""
     facts = job_facts(job)
     decision = outcome.decision
     if not outcome.replay:
@@ -213,10 +395,24 @@ async def _restart(deps: Deps, job: Mapping[str, Any], outcome: Restart) -> None
             "RestartPlanned",
             f"restarting as {decision.name} ({decision.action} "
             f"{decision.resume_from or 'from the beginning'})",
-            {c.ANN_RESTARTED_AS: decision.name, c.ANN_RESTART_DECISION: decision.to_json()},
+            {
+                **(extra or {}),
+                c.ANN_RESTARTED_AS: decision.name,
+                c.ANN_RESTART_DECISION: decision.to_json(),
+            },
         )
+    elif extra:  # a replay writes no intent: the reports go alone
+        await deps.api.patch_job_annotations(facts.namespace, facts.name, dict(extra))
+    # born watched (run id copied, status set): its first event needs no bookkeeping write
+    now = format_time(deps.clock(), precise=True)
+    watching = JobStatusAnnotation("Watching", "PolicyFound", f"using policy {facts.policy}", now)
+    body = {**outcome.job, "metadata": dict(outcome.job.get("metadata") or {})}
+    body["metadata"]["annotations"] = {
+        **(body["metadata"].get("annotations") or {}),
+        c.ANN_STATUS: watching.to_json(),
+    }
     try:
-        await deps.api.create_job(facts.namespace, outcome.job)
+        await deps.api.create_job(facts.namespace, body)
     except ConflictError:
         existing = await deps.api.get_job(facts.namespace, decision.name)
         of = ((existing or {}).get("metadata") or {}).get("annotations", {}).get(c.ANN_RESTART_OF)
@@ -224,9 +420,7 @@ async def _restart(deps: Deps, job: Mapping[str, Any], outcome: Restart) -> None
             message = (
                 f"a PyTorchJob named {decision.name} exists and is not a restart of {facts.name}"
             )
-            deps.events.emit(job, "Warning", "GaveUp", f"NameTaken: {message}")
-            await set_job_status(deps, job, "GaveUp", "NameTaken", message)
-            deps.metrics.recoveries.labels("failure", "NameTaken").inc()
+            await _give_up(deps, job, "NameTaken", message)
             return None
         log.info("restart %s of %s already exists (409): done", decision.name, _job_ref(job))
     except ApiError as e:
@@ -236,9 +430,19 @@ async def _restart(deps: Deps, job: Mapping[str, Any], outcome: Restart) -> None
     if decision.resume_from:
         what = f"from step {decision.resume_step} ({decision.resume_from}, {decision.action})"
     else:
-        what = "from the beginning (no checkpoint yet)"
+        what = "fresh, from step 0 (no checkpoint of the run)"
     message = f"restarted as {decision.name} {what}; restart {decision.restart_count}"
     deps.events.emit(job, "Normal", "Restarted", message)
+    if decision.action == "rebuild_from_heartbeat":
+        deps.events.emit(
+            job,
+            "Warning",
+            "HeartbeatRebuild",
+            f"{decision.name} continues from the heartbeat at step {decision.resume_step} "
+            f"with the weights of {decision.weights_from or 'the in-memory snapshot'}: "
+            "the step, data position and RNG are the heartbeat's, the continuation is "
+            "not exact",
+        )
     await set_job_status(deps, job, "Restarted", "RestartCreated", message)
     deps.metrics.restarts.labels(decision.action).inc()
     deps.metrics.recoveries.labels("success", "Restarted").inc()

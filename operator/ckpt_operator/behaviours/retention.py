@@ -2,23 +2,97 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
+from ckpt_operator import constants as c
 from ckpt_operator.behaviours.deps import Deps, Obj
+from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
-from ckpt_operator.jobs import job_facts
+from ckpt_operator.jobs import JobFacts, job_facts
+from ckpt_operator.reports import (
+    known_checkpoints,
+    newest_entry,
+    pod_reports,
+    reported_status,
+)
 from ckpt_operator.retention_reconcile import Deletion, plan_policy_retention, retention_status
+from ckpt_operator.sources import StorageAccessDeniedError
 from ckpt_operator.status import set_condition
+from ckpt_operator.tenancy import summarize_error
 from ckpt_operator.validation import parse_policy_spec
 
 __all__ = ["reconcile_retention"]
 
 log = logging.getLogger(__name__)
+
+
+def _reconciled(current: Mapping[str, Any], reason: str, message: str, now: float) -> list[Obj]:
+    """``status.conditions`` with ``Reconciled`` set (True only for ``RetentionApplied``)."""
+    return set_condition(
+        ((current.get("status") or {}).get("conditions")),
+        "Reconciled",
+        "True" if reason == "RetentionApplied" else "False",
+        reason,
+        message[:2000],
+        now=now,
+        observed_generation=(current.get("metadata") or {}).get("generation"),
+    )
+
+
+async def _refuse_policy(deps: Deps, policy: Mapping[str, Any], message: str) -> Obj | None:
+    """The administrator did not allow the policy's storage: a condition and an Event only."""
+    meta = policy.get("metadata") or {}
+    now = deps.clock()
+
+    def build(current: Mapping[str, Any]) -> Obj:
+        return {"conditions": _reconciled(current, "StorageAccessDenied", message, now)}
+
+    status = await write_policy_status(
+        deps, str(meta.get("namespace")), str(meta.get("name")), build
+    )
+    deps.metrics.retention_errors.inc()
+    deps.events.emit(policy, "Warning", "StorageAccessDenied", message[:1000])
+    return status
+
+
+async def _reported_status(
+    deps: Deps, policy: Mapping[str, Any], jobs: list[Obj], now: float
+) -> Obj | None:
+    """Local storage the operator cannot read (a PVC mounted in the pods only): the status
+    from what the pods reported (:mod:`ckpt_operator.reports`); retention runs in the pods."""
+    meta = policy.get("metadata") or {}
+    namespace = str(meta.get("namespace"))
+    pods = [
+        p
+        for p in await deps.api.list_pods(node_name=None, label_selector=f"{c.LABEL_INJECTED}=true")
+        if (p.get("metadata") or {}).get("namespace") == namespace
+    ]
+    reports, _ = pod_reports(pods)  # unreadable messages are logged when a job is recovered
+    carried: dict[str, list[str | None]] = {}
+    for job in jobs:
+        facts = job_facts(job)
+        carried.setdefault(facts.run_id, []).append(facts.annotations.get(c.ANN_CHECKPOINTS))
+    runs = {run: known_checkpoints(run, texts, reports).report for run, texts in carried.items()}
+
+    def build(current: Mapping[str, Any]) -> Obj:
+        status = reported_status(runs, previous=current.get("status"), jobs=len(jobs), now=now)
+        status["conditions"] = set_condition(
+            (current.get("status") or {}).get("conditions"),
+            "Reconciled",
+            "True",
+            "RetentionInPods",
+            "the storage is not reachable from the operator (local storage on a PVC): the "
+            "agents apply retention after each save; checkpoints as the pods reported them",
+            now=now,
+            observed_generation=(current.get("metadata") or {}).get("generation"),
+        )
+        return status
+
+    return await write_policy_status(deps, namespace, str(meta.get("name")), build)
 
 
 async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | None:
@@ -30,25 +104,41 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
         return None
     now = deps.clock()
     jobs = [j for j in await deps.api.list_jobs(namespace) if job_facts(j).policy == name]
-    run_ids = sorted({job_facts(j).run_id for j in jobs})
-    source = await deps.sources(namespace, name, spec)
+    users: dict[str, JobFacts] = {}
+    for facts in sorted((job_facts(j) for j in jobs), key=lambda f: f.name):
+        users.setdefault(facts.run_id, facts)
+    try:
+        source = await deps.sources(namespace, name, spec)
+    except StorageAccessDeniedError as e:
+        if spec.storage.type != StorageType.LOCAL:
+            return await _refuse_policy(deps, policy, str(e))
+        return await _reported_status(deps, policy, jobs, now)  # a PVC: no access needed
+    if not await storage_call(deps, source.reachable):
+        return await _reported_status(deps, policy, jobs, now)
     runs = {}
     problems: list[str] = []
-    for run_id in run_ids:
+    for run_id, user in sorted(users.items()):
         try:
-            runs[run_id] = await asyncio.to_thread(
-                functools.partial(source.list_checkpoints, run_id, include_heartbeat=False)
+            refusal = await run_refusal(deps, source, run_id, user)
+            if refusal is not None:
+                problems.append(f"job {user.name}: {refusal}")
+                deps.events.emit(
+                    policy, "Warning", "RunOwnedElsewhere", f"job {user.name}: {refusal}"
+                )
+                continue
+            runs[run_id] = await storage_call(
+                deps, source.list_checkpoints, run_id, include_heartbeat=False
             )
         except (StorageError, ValueError) as e:
-            problems.append(f"run {run_id}: listing failed: {e}")
+            problems.append(f"run {run_id[:253]}: listing failed: {summarize_error(e)}")
     plan = plan_policy_retention(runs, spec.retention, now)
     deleted: list[Deletion] = []
     for d in plan.deletions:
         try:
-            await asyncio.to_thread(source.delete_checkpoint, d.run_id, d.checkpoint_id)
+            await storage_call(deps, source.delete_checkpoint, d.run_id, d.checkpoint_id)
         except StorageError as e:
             deps.metrics.retention_errors.inc()
-            problems.append(f"deleting {d.run_id}/{d.checkpoint_id} failed: {e}")
+            problems.append(f"deleting {d.run_id}/{d.checkpoint_id} failed: {summarize_error(e)}")
             continue
         deleted.append(d)
         deps.metrics.retention_deletions.inc()
@@ -56,9 +146,9 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
     blobs = 0
     for run_id in sorted({d.run_id for d in deleted}):
         try:
-            gc = await asyncio.to_thread(source.collect_garbage, run_id)
+            gc = await storage_call(deps, source.collect_garbage, run_id)
         except StorageError as e:
-            problems.append(f"blob GC of {run_id} failed: {e}")
+            problems.append(f"blob GC of {run_id} failed: {summarize_error(e)}")
             continue
         blobs += len(gc.deleted)
         deps.metrics.retention_bytes.inc(gc.freed_bytes)
@@ -70,16 +160,16 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
     def build(current: Mapping[str, Any]) -> Obj:
         previous = current.get("status")
         status = retention_status(plan, deleted=deleted, previous=previous, jobs=len(jobs), now=now)
-        status["conditions"] = set_condition(
-            (previous or {}).get("conditions"),
-            "Reconciled",
-            "False" if problems else "True",
+        newest = newest_entry(status["lastValid"])
+        if newest is not None:
+            status["lastVerifiedCheckpoint"] = {**newest, "source": "storage"}
+        status["conditions"] = _reconciled(
+            current,
             "StorageErrors" if problems else "RetentionApplied",
-            "; ".join(problems)[:2000]
+            "; ".join(problems)
             if problems
-            else (f"{len(deleted)} checkpoint(s) deleted, {blobs} unreferenced blob(s) collected"),
-            now=now,
-            observed_generation=(current.get("metadata") or {}).get("generation"),
+            else f"{len(deleted)} checkpoint(s) deleted, {blobs} unreferenced blob(s) collected",
+            now,
         )
         return status
 

@@ -106,3 +106,16 @@ def test_merge_takes_max_score_min_interval_and_worst_anomaly() -> None:
         merge_decisions([])
     with pytest.raises(ValueError, match="different steps"):
         merge_decisions([a, Decision(step=8, save=False, tier=None)])
+
+
+def test_decision_records_the_hazard_and_merge_keeps_the_highest() -> None:
+    calm = Decision(step=7, save=False, tier=None, hazard=0.5)
+    warned = Decision(step=7, save=False, tier=None, hazard=25.0, warning="node warning: NotReady")
+    data = json.loads(warned.to_json_line())
+    assert (data["hazard"], data["warning"]) == (25.0, "node warning: NotReady")
+    assert Decision.from_dict(data) == warned
+    for order in itertools.permutations([calm, warned]):
+        m = merge_decisions(order)
+        assert (m.hazard, m.warning) == (25.0, "node warning: NotReady")
+    old = {k: v for k, v in calm.to_dict().items() if k not in ("hazard", "warning")}
+    assert Decision.from_dict(old).hazard == 1.0  # a decision logged before the field

@@ -37,7 +37,7 @@ def test_non_finite_loss_is_an_anomaly_and_never_folded(bad: float) -> None:
     assert d.tier == Tier.HEARTBEAT  # heartbeat still written
     assert "deferred" in d.reason
     after = s.state_dict()
-    for key in ("ewma", "loss_window", "loss_streak", "grad_samples", "prev_score"):
+    for key in ("ewma", "loss_last", "loss_trend", "loss_streak", "grad_samples", "prev_score"):
         assert after[key] == before[key], key
     json.dumps(after, allow_nan=False)  # nothing non-finite leaked into the state
 
@@ -231,7 +231,8 @@ def test_rewind_after_resume_restarts_trends() -> None:
     assert d.step == 150
     state = s.state_dict()
     assert state["last_pulse"] <= 150
-    assert [s for s, _ in state["loss_window"]] == [150] and state["loss_streak"] == 0
+    assert state["loss_folded"] == 0 and state["loss_streak"] == 0  # the trend restarted
+    assert state["loss_trend"] == 0.0
     ds = feed(s, [1.0] * 120, start=151, dt=1.0)
     assert tiers_of(ds, Tier.PULSE) == [250]
 
@@ -262,7 +263,9 @@ def test_state_dict_keys_and_order_are_stable() -> None:
         "last_step",
         "last_now",
         "ewma",
-        "loss_window",
+        "loss_last",
+        "loss_trend",
+        "loss_folded",
         "loss_streak",
         "grad_samples",
         "grad_streak",
@@ -281,6 +284,10 @@ def test_state_dict_keys_and_order_are_stable() -> None:
         "retry_tier",
         "step_time",
         "costs",
+        "warning",
+        "warning_until",
+        "warning_episodes",
+        "observed_seconds",
     ]
 
 

@@ -25,26 +25,47 @@ def _noisy(level: float, n: int, rng: random.Random, rel: float = 0.1) -> list[f
 
 
 def test_fast_descent_fires_on_the_steep_part_and_not_on_a_noisy_1e4_plateau() -> None:
+    # the recursive slope is in decades per step: the steep part falls 0.1 decade per step
     rng = random.Random(7)
     plateau = _noisy(1e-4, 300, rng)  # a 1e-4-level plateau with ±10 % noise
-    steep = [1e-4 * 10 ** (-0.02 * i) * (1 + rng.uniform(-0.1, 0.1)) for i in range(100)]
-    tail = _noisy(1e-6, 300, rng)
-    ds = feed(make(), plateau + steep + tail)
+    steep = [1e-4 * 10 ** (-0.1 * i) * (1 + rng.uniform(-0.1, 0.1)) for i in range(40)]
+    tail = _noisy(1e-8, 300, rng)
+    ds = feed(make(loss=LossLayerSpec(epsilon=1e-12)), plateau + steep + tail)
     fired = loss_fired(ds)
     assert fired, "the steep part must fire the loss layer"
-    assert all(300 < s < 300 + 100 + 40 for s in fired), fired  # steep part (+ EWMA lag)
-    assert len(fired) >= 60
+    assert all(300 < s < 300 + 40 + 20 for s in fired), fired  # steep part (+ EWMA lag)
+    assert min(fired) <= 300 + 7, "reacts within 7 steps"
+    assert len(fired) >= 30
     assert not [s for s in fired if s < 300], "silent on the plateau"
-    assert not [s for s in fired if s > 450], "silent on the lower plateau"
+    assert not [s for s in fired if s > 360], "silent on the lower plateau"
+
+
+def test_steep_descent_x08_per_step_fires_within_7_steps() -> None:
+    """The issue's case: loss × 0.8 per step; the window fit fired on 19 of the first 40 steps
+    after a 20-point warm-up, the recursive slope crosses 0.05 at the 4th difference."""
+    ds = feed(make(), [10.0 * 0.8**i for i in range(40)])
+    fired = loss_fired(ds)
+    assert fired[0] <= 7
+    assert fired == list(range(fired[0], 40))
+    assert ds[4].components["loss"] == 0.0  # warm-up and 3 steps in a row
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("rel", [0.05, 0.1, 0.2])
+def test_noisy_plateau_at_1e4_never_fires(seed: int, rel: float) -> None:
+    rng = random.Random(seed)
+    ds = feed(make(), _noisy(1e-4, 2000, rng, rel))
+    assert loss_fired(ds) == []
 
 
 @pytest.mark.parametrize(
     ("name", "curve", "fires"),
     [
         # log10 makes the detector scale-free: the same relative speed fires at any level
-        ("steep at 1e+1", [10 * math.exp(-0.05 * i) for i in range(120)], True),
-        ("steep at 1e-3", [1e-3 * math.exp(-0.05 * i) for i in range(120)], True),
-        ("steep rise (divergence)", [0.1 * math.exp(0.05 * i) for i in range(120)], True),
+        ("steep at 1e+1", [10 * math.exp(-0.2 * i) for i in range(60)], True),
+        ("steep at 1e-3", [1e-3 * math.exp(-0.2 * i) for i in range(60)], True),
+        ("steep rise (divergence)", [0.1 * math.exp(0.2 * i) for i in range(60)], True),
+        ("moderate descent (0.02 decade/step)", [10 ** (-0.02 * i) for i in range(200)], False),
         ("slow training 2.0→1.5", [2.0 - 0.5 * i / 1000 for i in range(1000)], False),
         ("flat 1e-4", [1e-4] * 200, False),
         ("flat 3.0", [3.0] * 200, False),
@@ -58,11 +79,11 @@ def test_loss_layer_table(name: str, curve: list[float], fires: bool) -> None:
 
 
 def test_loss_layer_needs_consecutive_steps_and_resets() -> None:
-    # window 2 + alpha 1: slope per window = 2·Δlog10; threshold 0.05 ⇔ |Δlog10| > 0.025
-    s = make(loss=LossLayerSpec(window=2, ewma_alpha=1.0, consecutive_steps=3))
+    # alpha 1: the slope is the last difference; threshold 0.05 decade per step
+    s = make(loss=LossLayerSpec(ewma_alpha=1.0, consecutive_steps=3, warmup_steps=0))
     halving = [1.0, 0.5, 0.25, 0.125, 0.0625]  # Δ = -0.301 per step
     table = [
-        *zip(halving, [0, 0, 0, 0.4, 0.4], strict=True),  # 1st slope at the 2nd point
+        *zip(halving, [0, 0, 0, 0.4, 0.4], strict=True),  # 1st difference at the 2nd point
         (0.0625, 0.0),  # flat: resets the streak
         (0.03125, 0.0),
         (0.015625, 0.0),
@@ -73,13 +94,21 @@ def test_loss_layer_needs_consecutive_steps_and_resets() -> None:
         assert d.components["loss"] == expected, (i, x, d)
 
 
-def test_loss_slope_is_reported_and_window_sized() -> None:
+def test_loss_layer_warm_up() -> None:
+    s = make(loss=LossLayerSpec(ewma_alpha=1.0, consecutive_steps=1, warmup_steps=3))
+    got = [s.observe(i, 0.5**i, now=float(i)).components["loss"] for i in range(5)]
+    assert got == [0.0, 0.0, 0.0, 0.4, 0.4]  # differences 1 and 2 are warm-up
+
+
+def test_loss_slope_is_the_recursive_ewma_of_log_differences() -> None:
     s = make()
-    for i in range(19):
-        s.observe(i, 1.0, now=float(i))
-        assert s.loss_slope() is None
-    s.observe(19, 1.0, now=19.0)
-    assert s.loss_slope() == pytest.approx(0.0)
+    s.observe(0, 1.0, now=0.0)
+    assert s.loss_slope() is None
+    expected = 0.0
+    for i in range(1, 6):
+        s.observe(i, 0.5**i, now=float(i))  # Δ = log10(0.5) per step (ε = 1e-8 is noise)
+        expected = 0.2 * math.log10(0.5) + 0.8 * expected
+        assert s.loss_slope() == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -97,6 +126,12 @@ def test_no_spike_before_the_window_is_full() -> None:
     s = make()
     feed(s, [1.0] * 5)
     assert s.observe(5, 1000.0, now=5.0).anomaly is None
+    s = make()
+    feed(s, [1.0] * 20)
+    assert s.observe(20, 1000.0, now=20.0).anomaly == "loss_spike"
+    s = make()
+    feed(s, [1.0] * 19)
+    assert s.observe(19, 1000.0, now=19.0).anomaly is None
 
 
 # --------------------------------------------------------------------------- gradient layer

@@ -44,9 +44,10 @@ def test_max_interval_forces_a_save() -> None:
 
 
 def _loss_scored(weight: float) -> AdaptiveScheduler:
-    """Only the loss layer can fire (score = ``weight``): on any halving after two flat steps."""
+    """Only the loss layer can fire (score = ``weight``): on any halving after two flat steps
+    (alpha 1: the slope is the last difference; no warm-up)."""
     s = make(
-        loss=LossLayerSpec(weight=weight, window=2, ewma_alpha=1.0, consecutive_steps=1),
+        loss=LossLayerSpec(weight=weight, ewma_alpha=1.0, consecutive_steps=1, warmup_steps=0),
         pulse=PulseTierSpec(base_interval=500, max_interval=500),
     )
     s.observe(0, 1.0, now=0.0)
@@ -104,3 +105,23 @@ def test_start_time_defaults_to_first_now() -> None:
 
 def test_tier_rank_order() -> None:
     assert [tier_rank(t) for t in (None, Tier.HEARTBEAT, Tier.PULSE, Tier.FULL)] == [-1, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("base", "fulls", "pulses"),
+    [
+        # full due within a quarter of the pulse interval: the pulse is taken as the full
+        (98, [980], [98 * k for k in range(1, 10)] + [1078, 1176]),  # 20 <= 98/4
+        (102, [1000], [102 * k for k in range(1, 10)] + [1102]),  # 82 > 102/4
+        (300, [1000], [300, 600, 900]),  # 100 > 300/4: two saves
+        (125, [1000], [125 * k for k in range(1, 8)] + [1125]),  # the full at 1000 is due
+    ],
+)
+def test_a_pulse_just_before_a_full_is_taken_as_the_full(
+    base: int, fulls: list[int], pulses: list[int]
+) -> None:
+    ds = feed(make(pulse=PulseTierSpec(base_interval=base, max_interval=500)), [1.0] * 1200)
+    assert tiers_of(ds, Tier.FULL) == fulls
+    assert tiers_of(ds, Tier.PULSE) == pulses
+    if fulls[0] < 1000:
+        assert "full due in 20 steps: taken now" in ds[fulls[0]].reason

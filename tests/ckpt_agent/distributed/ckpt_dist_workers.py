@@ -269,6 +269,9 @@ def agree(rank: int, world: int, out: Path, first: int, last: int, swap: bool) -
         storage=store(out),
         preallocate=False,
         dist_timeout_s=30.0,
+        # every agreed save is taken (a loaded machine must not turn one into a deferral:
+        # the test checks that the last saves are in storage, not back-pressure)
+        backpressure="wait",
     )
     resume = ckpt.start()
     after_start = ckpt.scheduler.state_dict()

@@ -8,6 +8,7 @@ import mmap
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
 from ckpt_agent.format.schema import digest_field
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
-from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.records import CheckpointStatus, Lineage, Tier, checkpoint_id
 from ckpt_agent.storage.base import NotFoundError, Storage
 from ckpt_agent.storage.fs import LocalStorage
 
@@ -470,3 +471,22 @@ def test_jsontree_refuses_what_it_cannot_encode_exactly() -> None:
 
 def test_sha256_helper() -> None:
     assert sha256_hex(b"") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_lineage_is_optional_and_round_trips() -> None:
+    plain = _meta(7).to_json()
+    assert "lineage" not in plain  # a never-pinned run writes what older versions wrote
+    assert CheckpointMeta.from_json(plain, "old").lineage == Lineage()
+    pinned = replace(_meta(7), lineage=Lineage(2, ("CKPT_RESUME_FROM:x", "RECOVER.json:ab"), "y"))
+    doc = pinned.to_json()
+    assert doc["lineage"] == {
+        "epoch": 2,
+        "pins": ["CKPT_RESUME_FROM:x", "RECOVER.json:ab"],
+        "parent": "y",
+    }
+    assert CheckpointMeta.from_json(doc, "new").lineage == pinned.lineage
+    assert CheckpointMeta.from_json({**doc, "lineage": None}, "null").lineage == Lineage()
+    bads: list[object] = [[], {"epoch": -1}, {"pins": "x"}, {"pins": [1]}, {"parent": 3}]
+    for bad in bads:
+        with pytest.raises(CheckpointFormatError):
+            CheckpointMeta.from_json({**doc, "lineage": bad}, "bad")

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ckpt_agent.decide.retention import plan_retention
-from ckpt_agent.format.layout import blob_key, commit_key, validation_key
+from ckpt_agent.format.layout import blob_key, commit_key, rank_manifest_key, validation_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
 from ckpt_agent.format.readers import read_checkpoint
@@ -142,3 +142,29 @@ def test_gc_grace_period_and_crash_leftovers(ck_store: LocalStorage) -> None:
     assert later.kept_young == 0 and len(later.deleted) > 0
     assert list(ck_store.list(f"{RUN}/blobs/")) == []
     assert not ck_store.exists(commit_key(RUN, cid))
+
+
+def test_gc_deletes_no_blob_while_a_manifest_is_unreadable(ck_store: LocalStorage) -> None:
+    w = CheckpointWriter(ck_store, RUN, chunk_bytes=4096)
+    ids = [_write(ck_store, w, s, s) for s in (10, 20)]
+    _, m10 = read_checkpoint(ck_store, RUN, ids[0])
+    delete_checkpoint(ck_store, RUN, ids[0])  # its head blobs are now unreferenced
+    # a crash leftover (no COMMIT) whose manifest is garbage: deleted as a stale folder
+    meta = CheckpointMeta(run_id=RUN, step=30, tier=Tier.PULSE, sections=("model",))
+    w.write_rank(meta, 0, {}, [TensorSource("model/x", "uint8", (64,), memoryview(b"\x02" * 64))])
+    (ck_store.root / rank_manifest_key(RUN, checkpoint_id(Tier.PULSE, 30), 0)).write_bytes(b"{")
+    manifest = ck_store.root / rank_manifest_key(RUN, ids[1], 0)
+    good = manifest.read_bytes()
+    manifest.write_bytes(b"{not json")  # it might reference any blob
+    blobs = sorted(i.key for i in ck_store.list(f"{RUN}/blobs/"))
+    res = gc_blobs(ck_store, RUN, grace_s=0)
+    assert res.deleted == [] and res.freed_bytes == 0
+    assert [m.split(":")[0] for m in res.unreadable_manifests] == [
+        rank_manifest_key(RUN, ids[1], 0)
+    ]
+    assert res.stale_folders == [checkpoint_id(Tier.PULSE, 30)]
+    assert sorted(i.key for i in ck_store.list(f"{RUN}/blobs/")) == blobs  # nothing gone
+    manifest.write_bytes(good)  # repaired: the next pass collects
+    res = gc_blobs(ck_store, RUN, grace_s=0)
+    assert not res.unreadable_manifests
+    assert set(m10.tensors["model/head"].chunks) <= set(res.deleted)

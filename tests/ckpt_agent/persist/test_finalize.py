@@ -13,6 +13,7 @@ from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.readers import read_validation
+from ckpt_agent.format.termination import ENV_PATH, parse_report
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.persist.builder import PersistBuilder, PersistParts
 from ckpt_agent.persist.finalize import FinalizeJob, anomalies_from_records
@@ -156,3 +157,33 @@ def test_builder_applies_the_policys_s3_section(tmp_path: Path) -> None:
     )
     local = AgentConfig.model_validate({"storageUrl": (tmp_path / "s").as_uri(), "s3": {}})
     assert PersistBuilder(local, environ={}).storage_options().part_size_bytes == 16 * 1024 * 1024
+
+
+def test_finalize_rewrites_the_termination_report_after_each_verdict(
+    tmp_path: Path, ck_store: LocalStorage, ck_config: Callable[..., AgentConfig]
+) -> None:
+    cfg = ck_config(retention={"routineKeep": 1, "importantKeep": 1})
+    report_path = tmp_path / "termination-log"
+    metrics = Metrics()
+    parts = PersistBuilder(cfg, storage=ck_store, environ={ENV_PATH: str(report_path)}).build(
+        tmp_path / "catalog.sqlite", metrics=metrics, gc_grace_s=0.0
+    )
+    try:
+        assert parts.finalizer.report is not None
+        steps = []
+        for step in (5, 10, 15):
+            cid, digest = _write(parts, cfg.run_id, step)
+            result = parts.finalizer.finalize(
+                FinalizeJob(cid, Tier.PULSE, step, digest, expected=EXPECTED)
+            )
+            report = parse_report(report_path.read_bytes())
+            assert report.run_id == cfg.run_id
+            steps = [c.step for c in report.checkpoints]
+            assert steps[0] == step  # the checkpoint just verified is reported
+            assert result.retention is not None
+            # what retention deleted is not reported any more
+            assert not set(result.retention.deleted) & {c.id for c in report.checkpoints}
+        kept = [r.step for r in list_checkpoints(ck_store, cfg.run_id, include_heartbeat=False)]
+        assert steps == sorted(kept, reverse=True)
+    finally:
+        parts.close()

@@ -16,9 +16,10 @@ from dataclasses import replace
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.flash.sidecar.persisting import Handled, PartWriter
-from ckpt_agent.format.layout import rank_manifest_key, sha256_hex
+from ckpt_agent.format.layout import MANIFEST_MAX_BYTES, rank_manifest_key, sha256_hex
 from ckpt_agent.format.manifest import RankManifest, RankRef
 from ckpt_agent.format.parts import verify_part
+from ckpt_agent.format.readers import read_capped
 from ckpt_agent.persist.builder import PersistParts
 from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.persist.writer import WrittenCheckpoint, WrittenRank
@@ -97,7 +98,7 @@ class Coordinator:
         """Another rank's part in storage, if it is there and from the same save attempt."""
         key = rank_manifest_key(self.run_id, ckpt_id, rank)
         try:
-            raw = self.parts.storage.read(key)
+            raw = read_capped(self.parts.storage, key, MANIFEST_MAX_BYTES)
         except NotFoundError:
             return None
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
+from ckpt_agent.format.signal import KIND_CLEAR, parse_signal
 from ckpt_agent.persist.finalize import EventSink
 
 __all__ = ["Drain"]
@@ -75,9 +76,11 @@ class Drain:
             return
         if content != self._signal_seen:
             self._signal_seen = content
-            if content.strip():
-                self.emit("signal", request=content.decode(errors="replace").strip()[:200])
-                self.metrics.emergency.labels(trigger="signal").inc()
+            sig = parse_signal(content.decode(errors="replace"))
+            if sig is not None:
+                self.emit("signal", request=sig.text, kind=sig.kind)
+                if sig.kind != KIND_CLEAR:  # a node warning's clearing asks for no save
+                    self.metrics.emergency.labels(trigger="signal").inc()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT start a drain."""

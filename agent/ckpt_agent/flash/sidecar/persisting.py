@@ -20,7 +20,12 @@ from ckpt_agent.flash.protocol import HASH_CHUNK_BYTES, Descriptor, chunk_hashes
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.format.layout import sha256_hex
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, library_versions
+from ckpt_agent.format.manifest import (
+    CheckpointMeta,
+    RankManifest,
+    library_versions,
+    lineage_from_json,
+)
 from ckpt_agent.format.readers import read_commit, read_rank_manifest
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenRank
 from ckpt_agent.policy.models import RetentionSpec
@@ -101,6 +106,7 @@ class PartWriter:
             prev_hash=str(prev) if prev else None,
             sections=tuple(desc.tree),
             versions=dict(versions) if isinstance(versions, dict) else library_versions(),
+            lineage=lineage_from_json(m.get("lineage"), "snapshot lineage"),
         )
 
     def write_part(self, reader: ShmReader, desc: Descriptor) -> Handled | None:

@@ -1,0 +1,532 @@
+"""Replay failure traces through checkpoint policies and count the wasted time (pure).
+
+:func:`replay` runs one policy over one :class:`~ckpt_agent.decide.traces.Trace`
+step by step in simulated wall time: every step takes ``step_time``; a save
+stalls training ``stall`` seconds (a lightweight pulse ``light_stall``) and
+becomes durable ``persist`` seconds later; a failure loses the work since the
+last durable weights-bearing save (lightweight pulses lack the optimizer and
+are no restart point), costs ``restart`` seconds, and the policy resumes from
+the state stored with that save (the real scheduler's ``state_dict``).
+
+Wasted time: *avoidable* = stalls + lost work; *total* adds the restarts
+(the same for every policy). Lost work of an announced failure (and of every
+failure of a trace from a file) is counted as it falls; that of the
+unannounced failures of a Poisson trace as its expectation along the replay,
+``rate × ∫ (work done − work at the last durable save) dt`` over running time
+(the compensator of the Poisson process: unbiased, but free of the luck of
+where each failure falls within a save interval, which otherwise swamps
+differences of a few percent). The failures still happen when the trace says.
+
+:func:`compare` replays the policies side by side on the same trace:
+
+* ``adaptive``: the real :class:`~ckpt_agent.decide.scheduler.AdaptiveScheduler`
+  with the default policy (``risk.mtbfSeconds`` set to the trace's MTBF);
+* ``fixed@IO``: a fixed pulse interval with the same IO (saves, a lightweight
+  pulse counting half) as ``adaptive``;
+* ``young_daly``: a fixed pulse interval of ``√(2·δ·M)`` with the true MTBF;
+* ``oracle``: ``√(2·δ·M/u)`` while calm (u: the true share of unannounced
+  failures), a save at a warning's onset and every few steps while it holds;
+* ``seed``: the same scheduler with the seed's interval rules (base interval ×
+  (1 − score), capped by Young/Daly) and its ±1σ gradient rule.
+
+δ is the save cost the scheduler measures (stall + persist). The fixed intervals
+keep the scheduler's full tier (a full every ``full.everySteps`` steps, resetting
+the pulse count; a pulse due just before a full is taken as the full), as a
+fixed-interval policy would: what is compared is the pulse rule, at the same IO
+— a plain fixed interval without that cadence spaces its saves evenly, which
+the full tier does not allow. The oracle, which has no full tier, is measured
+against plain fixed intervals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ckpt_agent.decide.decision import Decision, SaveOutcome
+from ckpt_agent.decide.intervals import bound_interval
+from ckpt_agent.decide.scheduler import AdaptiveScheduler
+from ckpt_agent.decide.signals import SystemSignals
+from ckpt_agent.decide.traces import Alert, Curves, Trace
+from ckpt_agent.policy.models import GradientLayerSpec, RiskSpec, SchedulerSpec, Tier, TiersSpec
+
+__all__ = [
+    "Costs",
+    "FixedPolicy",
+    "OraclePolicy",
+    "Policy",
+    "Result",
+    "SchedulerPolicy",
+    "SeedScheduler",
+    "compare",
+    "replay",
+    "replay_fixed",
+]
+
+SAVE, LIGHT = "save", "light"
+"""What a policy asks for at a step (or None)."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per step, per save and per restart."""
+
+    step_time: float = 2.0
+    stall: float = 2.0
+    persist: float = 5.0
+    restart: float = 30.0
+    light_stall: float = 1.0
+    """Stall of a lightweight pulse (weights + RNG only)."""
+    alarm_steps: int = 10
+    """The oracle's interval while a warning holds (steps)."""
+
+    @property
+    def delta(self) -> float:
+        """The save cost the scheduler measures: stall + persist."""
+        return self.stall + self.persist
+
+
+@dataclass
+class Result:
+    """What one policy cost on one trace."""
+
+    policy: str
+    saves: int = 0
+    light: int = 0
+    stall_s: float = 0.0
+    lost_s: float = 0.0
+    restart_s: float = 0.0
+    failures: int = 0
+
+    @property
+    def io(self) -> float:
+        """Saves written, a lightweight pulse counting half."""
+        return self.saves + 0.5 * self.light
+
+    @property
+    def avoidable(self) -> float:
+        return self.stall_s + self.lost_s
+
+    @property
+    def total(self) -> float:
+        return self.avoidable + self.restart_s
+
+
+class Policy(Protocol):
+    """A checkpoint policy as the simulator drives it."""
+
+    name: str
+
+    def decide(
+        self, step: int, now: float, loss: float, grad: float, alert: Alert | None
+    ) -> str | None:
+        """:data:`SAVE`, :data:`LIGHT` or None after ``step`` finished at ``now``."""
+        ...
+
+    def taken(self, stall: float, persist: float) -> None:
+        """The save just asked for stalled ``stall`` s and persists in ``persist`` s."""
+        ...
+
+    def snapshot(self) -> Any:
+        """What the policy stores with a save."""
+        ...
+
+    def restore(self, snap: Any) -> None:
+        """Resume from a save's snapshot (None: from the start)."""
+        ...
+
+
+def _full_now(since_save: int, since_full: int, every: int, full_every: int | None) -> bool:
+    """The scheduler's full-tier rule (:mod:`ckpt_agent.decide.tiers`) for a save due now:
+    a full every ``full_every`` steps, and a pulse due when the full comes due within a
+    quarter of the pulse interval is taken as the full."""
+    if full_every is None:
+        return False
+    return since_full >= full_every or (
+        since_save >= every and 4 * (full_every - since_full) <= every
+    )
+
+
+class FixedPolicy:
+    """A save every ``every`` steps (``full_every``: and the full tier's cadence besides,
+    by the scheduler's rules: a full resets the pulse count)."""
+
+    def __init__(self, name: str, every: int, full_every: int | None = None) -> None:
+        self.name = name
+        self.every = max(1, every)
+        self.full_every = full_every
+        self.last = 0
+        self.last_full = 0
+
+    def decide(
+        self, step: int, now: float, loss: float, grad: float, alert: Alert | None
+    ) -> str | None:
+        del now, loss, grad, alert
+        full = _full_now(step - self.last, step - self.last_full, self.every, self.full_every)
+        if full or step - self.last >= self.every:
+            self.last = step
+            self.last_full = step if full else self.last_full
+            return SAVE
+        return None
+
+    def taken(self, stall: float, persist: float) -> None:
+        del stall, persist
+
+    def snapshot(self) -> Any:
+        return (self.last, self.last_full)
+
+    def restore(self, snap: Any) -> None:
+        self.last, self.last_full = (0, 0) if snap is None else snap
+
+
+class OraclePolicy(FixedPolicy):
+    """``calm`` steps apart while calm; a save at a warning's onset, then every ``alarm`` steps."""
+
+    def __init__(self, name: str, calm: int, alarm: int) -> None:
+        super().__init__(name, calm)
+        self.alarm = max(1, alarm)
+        self.in_alarm = False
+
+    def decide(
+        self, step: int, now: float, loss: float, grad: float, alert: Alert | None
+    ) -> str | None:
+        del now, loss, grad
+        onset = alert is not None and not self.in_alarm
+        self.in_alarm = alert is not None
+        every = self.alarm if self.in_alarm else self.every
+        if onset or step - self.last >= every:
+            self.last = step
+            return SAVE
+        return None
+
+
+_CALM = SystemSignals(gpu_errors=0, write_latency_ms=5.0)
+_SIGNALS = {
+    "latency": SystemSignals(gpu_errors=0, write_latency_ms=50.0),
+    "node": SystemSignals(gpu_errors=0, write_latency_ms=5.0, node_warning="NotReady"),
+    "gpu": SystemSignals(gpu_errors=1, write_latency_ms=5.0),
+}
+
+
+class SchedulerPolicy:
+    """The real scheduler: ``make()`` builds a fresh one (also after a restart)."""
+
+    def __init__(self, name: str, make: Callable[[], AdaptiveScheduler]) -> None:
+        self.name = name
+        self.make = make
+        self.scheduler = make()
+        self.last: Decision | None = None
+        self.gpu_seen: Alert | None = None
+
+    def decide(
+        self, step: int, now: float, loss: float, grad: float, alert: Alert | None
+    ) -> str | None:
+        s = self.scheduler
+        signals = _CALM
+        if alert is not None:
+            # GPU errors are a delta: reported once per alert
+            signals = (
+                _SIGNALS[alert.kind] if alert.kind != "gpu" or self.gpu_seen != alert else _CALM
+            )
+            self.gpu_seen = alert if alert.kind == "gpu" else self.gpu_seen
+        g = grad if s.wants_grad_norm(step) else None
+        d = s.observe(step, loss, g, system=signals, now=now)
+        self.last = d
+        if d.tier in (Tier.PULSE, Tier.FULL):
+            return LIGHT if d.lightweight else SAVE
+        return None
+
+    def taken(self, stall: float, persist: float) -> None:
+        d = self.last
+        assert d is not None and d.tier is not None
+        self.scheduler.settle(SaveOutcome.taken(d, stall_seconds=stall))
+        if not d.lightweight:
+            self.scheduler.settle(SaveOutcome.persisted(d.tier, persist, step=d.step))
+
+    def snapshot(self) -> Any:
+        return self.scheduler.state_dict()
+
+    def restore(self, snap: Any) -> None:
+        self.scheduler = self.make()
+        if snap is not None:
+            self.scheduler.load_state_dict(snap)
+
+
+class SeedScheduler(AdaptiveScheduler):
+    """The seed's interval rules, literally: ``base · (1 − score)``, capped by Young/Daly
+    with the baseline MTBF, then the stall-budget floor and the policy's bounds; no hazard."""
+
+    def interval_for(self, score: float, hazard: float = 1.0) -> tuple[int, str]:
+        del hazard
+        spec, pulse = self.spec, self.tiers.pulse
+        capped = min(max(score, 0.0), spec.max_interval_score)
+        interval = max(1, int(pulse.base_interval * (1.0 - capped) + 0.5))
+        rule = "base" if score <= 0 else "score"
+        yd = self._costs.young_daly_steps() if spec.risk.enabled else None
+        if yd is not None and yd < interval:
+            interval, rule = yd, "young_daly"
+        return bound_interval(interval, rule, spec, pulse, self._costs)
+
+
+def _alert_at(
+    alerts: Sequence[Alert], starts: Sequence[float], longest: float, now: float
+) -> Alert | None:
+    """The warning that holds at ``now`` (sorted by start; none lasts over ``longest`` s)."""
+    i = bisect.bisect_right(starts, now) - 1
+    while i >= 0 and now - alerts[i].start <= longest:
+        if alerts[i].end > now:
+            return alerts[i]
+        i -= 1
+    return None
+
+
+class _Exposure:
+    """``∫ (work done − work at the last durable save) dt`` over running time: a Poisson
+    failure at rate λ loses λ times this in expectation (the process's compensator)."""
+
+    def __init__(self) -> None:
+        self.iw = self.iwb = 0.0
+        self.w = self.wb = self.wb_since = 0.0
+        self.pending: deque[tuple[float, float]] = deque()
+
+    def compute(self, dt: float) -> None:
+        self.iw += self.w * dt + dt * dt / 2
+        self.w += dt
+
+    def idle(self, dt: float) -> None:
+        self.iw += self.w * dt
+
+    def saved(self, durable_at: float) -> None:
+        self.pending.append((durable_at, self.w))
+
+    def _advance(self, t: float) -> None:
+        while self.pending and self.pending[0][0] <= t:
+            d, work = self.pending.popleft()
+            self.iwb += self.wb * (d - self.wb_since)
+            self.wb, self.wb_since = work, d
+
+    def failed(self, t_f: float, t_end: float, t_restart: float) -> None:
+        """A failure at ``t_f`` (accounted until ``t_end``); running again at ``t_restart``."""
+        self._advance(t_f)
+        self.iwb += self.wb * (t_end - self.wb_since)
+        self.pending.clear()
+        self.w, self.wb_since = self.wb, t_restart
+
+    def close(self, t: float) -> float:
+        self._advance(t)
+        self.iwb += self.wb * (t - self.wb_since)
+        self.wb_since = t
+        return self.iw - self.iwb
+
+
+class _Ledger:
+    """Failures, restarts and lost work of one replay (see :func:`replay`)."""
+
+    def __init__(self, trace: Trace, res: Result, restart: float) -> None:
+        self.res = res
+        self.restart = restart
+        self.rate = trace.unwarned_rate
+        self.warned = frozenset(a.end for a in trace.warnings)
+        self.exposure = _Exposure()
+
+    def failure(self, t_f: float, now: float, lost: float) -> float:
+        """Book a failure at ``t_f`` (``now``: where the replay is); the restart time."""
+        res = self.res
+        if self.rate is None or t_f in self.warned:
+            res.lost_s += lost
+        res.restart_s += self.restart
+        res.failures += 1
+        t_end = max(now, t_f)
+        self.exposure.failed(t_f, t_end, t_end + self.restart)
+        return t_end + self.restart
+
+    def close(self, now: float) -> Result:
+        exposure = self.exposure.close(now)
+        if self.rate is not None:
+            self.res.lost_s += self.rate * exposure
+        return self.res
+
+
+def replay(trace: Trace, policy: Policy, curves: Curves, costs: Costs) -> Result:
+    """Run ``policy`` over ``trace`` (see the module docstring)."""
+    st = costs.step_time
+    book = _Ledger(trace, Result(policy.name), costs.restart)
+    res, exposure = book.res, book.exposure
+    starts = [a.start for a in trace.warnings]
+    longest = max((a.end - a.start for a in trace.warnings), default=0.0)
+    durable: list[tuple[float, int, Any]] = []  # (durable at, step, snapshot)
+    failures = trace.failures
+    fi, now, step = 0, 0.0, 0
+    n_curve = len(curves.loss)
+    while now < trace.horizon:
+        if fi < len(failures) and failures[fi] < now + st:
+            t_f = failures[fi]
+            fi += 1
+            while durable and durable[-1][0] > t_f:
+                durable.pop()  # not persisted yet: lost with the pod
+            back_step, snap = (durable[-1][1], durable[-1][2]) if durable else (0, None)
+            partial = max(0.0, t_f - now)
+            exposure.compute(partial)
+            now = book.failure(t_f, now, partial + (step - back_step) * st)
+            step = back_step
+            policy.restore(snap)
+            continue
+        now += st
+        step += 1
+        exposure.compute(st)
+        i = min(step, n_curve - 1)
+        alert = _alert_at(trace.warnings, starts, longest, now) if starts else None
+        what = policy.decide(step, now, curves.loss[i], curves.grad[i], alert)
+        if what is None:
+            continue
+        stall = costs.light_stall if what == LIGHT else costs.stall
+        policy.taken(stall, costs.persist)
+        now += stall
+        exposure.idle(stall)
+        res.stall_s += stall
+        if what == LIGHT:
+            res.light += 1
+        else:
+            res.saves += 1
+            durable.append((now + costs.persist, step, policy.snapshot()))
+            exposure.saved(now + costs.persist)
+    return book.close(now)
+
+
+def replay_fixed(
+    trace: Trace, every: int, costs: Costs, name: str = "fixed", full_every: int | None = None
+) -> Result:
+    """:func:`replay` of :class:`FixedPolicy`, event by event (the same rules)."""
+    st, k = costs.step_time, max(1, every)
+    book = _Ledger(trace, Result(name), costs.restart)
+    res, exposure = book.res, book.exposure
+    durable: list[tuple[float, int, int]] = []  # (durable at, step, last full then)
+    failures = trace.failures
+    fi, now, step, last, last_full = 0, 0.0, 0, 0, 0
+    while now < trace.horizon:
+        due = last + k
+        if full_every is not None:
+            # the full comes first, or this pulse is taken as the full
+            due = min(due, last_full + full_every)
+        t_done = now + (due - step) * st
+        f = failures[fi] if fi < len(failures) else math.inf
+        if f < t_done:
+            fi += 1
+            done = max(0, math.floor((f - now) / st))
+            exposure.compute(done * st)
+            now, step = now + done * st, step + done
+            while durable and durable[-1][0] > f:
+                durable.pop()
+            back, back_full = durable[-1][1:] if durable else (0, 0)
+            partial = max(0.0, f - now)
+            exposure.compute(partial)
+            now = book.failure(f, now, partial + (step - back) * st)
+            step, last, last_full = back, back, back_full
+            continue
+        if now + (due - step - 1) * st >= trace.horizon:
+            rest = math.ceil((trace.horizon - now) / st - 1e-9)
+            exposure.compute(rest * st)
+            now += rest * st
+            break  # the save's step would start after the horizon
+        exposure.compute(t_done - now)
+        exposure.idle(costs.stall)
+        if _full_now(due - last, due - last_full, k, full_every):
+            last_full = due
+        now, step, last = t_done + costs.stall, due, due
+        res.stall_s += costs.stall
+        res.saves += 1
+        durable.append((now + costs.persist, step, last_full))
+        exposure.saved(now + costs.persist)
+    return book.close(now)
+
+
+def _steps(seconds: float, st: float) -> int:
+    return max(1, math.floor(seconds / st)) if math.isfinite(seconds) else 10**9
+
+
+def _fixed_at_io(
+    trace: Trace, costs: Costs, io: float, name: str, full_every: int | None = None
+) -> Result:
+    """The fixed interval whose IO is closest to ``io`` (ties: the shorter interval)."""
+    cache: dict[int, Result] = {}
+
+    def run(k: int) -> Result:
+        if k not in cache:
+            cache[k] = replay_fixed(trace, k, costs, name, full_every)
+        return cache[k]
+
+    guess = max(1, int(trace.horizon / costs.step_time / max(io, 1.0)))
+    lo, hi = max(1, guess // 2), guess * 2 + 2
+    while lo > 1 and run(lo).io < io:
+        lo //= 2
+    while run(hi).io >= io and hi < 10**9:
+        hi *= 2
+    while hi - lo > 1:  # IO falls as k grows: io(lo) >= io > io(hi)
+        mid = (lo + hi) // 2
+        if run(mid).io >= io:
+            lo = mid
+        else:
+            hi = mid
+    a, b = run(lo), run(hi)
+    return a if abs(a.io - io) <= abs(b.io - io) else b
+
+
+def default_spec(mtbf: float, **risk: Any) -> SchedulerSpec:
+    """The default scheduler policy with the job's MTBF (and any other risk settings)."""
+    return SchedulerSpec(risk=RiskSpec(mtbf_seconds=mtbf, **risk))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every policy on one trace, and for each the fixed interval with its IO."""
+
+    trace: Trace
+    results: tuple[Result, ...]
+    same_io: dict[str, Result]
+
+    def ratio(self, policy: str) -> float:
+        """Avoidable waste of ``policy`` over that of a fixed interval with the same IO."""
+        r = next(x for x in self.results if x.policy == policy)
+        base = self.same_io[policy].avoidable
+        return r.avoidable / base if base > 0 else math.nan
+
+
+def compare(trace: Trace, curves: Curves, costs: Costs | None = None) -> Comparison:
+    """Every policy of the module docstring on ``trace``, adaptive first."""
+    c = costs if costs is not None else Costs()
+    mtbf = trace.mtbf
+    spec = default_spec(mtbf)
+    seed_spec = spec.model_copy(update={"gradient": GradientLayerSpec(std_multiplier=1.0)})
+    unwarned = max(1.0 - trace.warned_share, 1e-9)
+    adaptive = replay(
+        trace,
+        SchedulerPolicy("adaptive", lambda: AdaptiveScheduler(spec, start_time=0.0)),
+        curves,
+        c,
+    )
+    yd = _steps(math.sqrt(2 * c.delta * mtbf), c.step_time)
+    calm = _steps(math.sqrt(2 * c.delta * mtbf / unwarned), c.step_time)
+    full = TiersSpec().full.every_steps  # the scheduler's full tier (the default policy)
+    results = (
+        adaptive,
+        _fixed_at_io(trace, c, adaptive.io, "fixed@IO", full),
+        replay_fixed(trace, yd, c, "young_daly", full),
+        replay(trace, OraclePolicy("oracle", calm, c.alarm_steps), curves, c),
+        replay(
+            trace,
+            SchedulerPolicy("seed", lambda: SeedScheduler(seed_spec, start_time=0.0)),
+            curves,
+            c,
+        ),
+    )
+    same_io = {r.policy: r for r in results[1:3]}
+    same_io["adaptive"] = results[1]
+    for r in results[3:]:  # the oracle has no full tier; the seed's scheduler has
+        same_io[r.policy] = _fixed_at_io(
+            trace, c, r.io, "fixed", None if r.policy == "oracle" else full
+        )
+    return Comparison(trace, results, same_io)

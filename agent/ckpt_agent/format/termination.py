@@ -1,0 +1,306 @@
+"""The checkpoint report a container leaves in its termination message (torch-free).
+
+The operator cannot always read a policy's storage: a PersistentVolumeClaim lives in the
+job's namespace and is mounted only into the job's pods. What it can always read is the
+pod's status, and the kubelet copies the file named by the container's
+``terminationMessagePath`` (default ``/dev/termination-log``) into
+``status.containerStatuses[].state.terminated.message`` (and later ``lastState``) however
+the container ends: exit, SIGKILL, OOM kill. So the agent keeps the run's newest verified
+checkpoints in that file, rewritten after every validation verdict; the operator reads
+them back (:func:`parse_report`) when it cannot list the storage itself. The agent writes
+(:class:`TerminationLog`) and the operator parses with this one module.
+
+Format, version 1: one line of JSON, then ``\\n``::
+
+    {"format": "ckpt.dev/checkpoints", "v": 1, "run": "<run id>", "at": <unix time>,
+     "cps": [{"s": <step>, "t": "<tier>", "st": "<status>", "at": <unix time>,
+              "h": "<manifest hash, first 16 hex>", "p": "<previous link's hash, 16 hex>",
+              "f": "<flags: l lightweight, a approximate, e emergency>"}, ...]}
+
+``cps`` is newest first (step, then tier); ``p`` and ``f`` are left out when empty. The
+checkpoint id is ``<tier>_step_<step>`` (:func:`ckpt_agent.records.checkpoint_id`). A
+report is at most :data:`MAX_BYTES` (the kubelet keeps 4096 bytes per container and
+12 KiB per pod): the oldest checkpoints are dropped to fit.
+
+Writing happens in place (the file is a bind mount: nothing can be renamed over it): one
+``pwrite`` of the whole line at offset 0, then a truncate. A reader takes the first line
+only, so a kill between the two leaves the new report followed by stale bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_agent.errors import TerminationReportError
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+
+__all__ = [
+    "DEFAULT_PATH",
+    "ENV_PATH",
+    "FORMAT",
+    "MAX_BYTES",
+    "VERSION",
+    "CheckpointReport",
+    "ReportedCheckpoint",
+    "TerminationLog",
+    "encode_report",
+    "merge_checkpoints",
+    "parse_report",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ckpt.dev/checkpoints"
+VERSION = 1
+#: Upper bound of an encoded report (bytes, newline included); well under the kubelet's 4 KiB.
+MAX_BYTES = 2048
+#: Hex digits of a manifest hash kept in the report (identity within a run; links the chain).
+HASH_CHARS = 16
+#: Environment variable naming the file (the webhook sets it to the container's
+#: ``terminationMessagePath``); empty: do not write.
+ENV_PATH = "CKPT_TERMINATION_LOG"
+#: The Kubernetes default ``terminationMessagePath``.
+DEFAULT_PATH = "/dev/termination-log"
+#: Statuses a report carries: what a restart may use.
+_REPORTED = (CheckpointStatus.VALID,)
+_TIER_ORDER = {Tier.HEARTBEAT: 0, Tier.PULSE: 1, Tier.FULL: 2}
+_FLAGS = (("l", "lightweight"), ("a", "approximate"), ("e", "emergency"))
+
+
+@dataclass(frozen=True)
+class ReportedCheckpoint:
+    """One verified checkpoint as a report carries it."""
+
+    step: int
+    tier: Tier
+    status: CheckpointStatus
+    created_at: float
+    manifest_hash: str = ""
+    prev_hash: str | None = None
+    lightweight: bool = False
+    approximate: bool = False
+    emergency: bool = False
+
+    @property
+    def id(self) -> str:
+        return checkpoint_id(self.tier, self.step)
+
+    @property
+    def order(self) -> tuple[int, int, float]:
+        """Newest is largest: step, then tier, then commit time."""
+        return (self.step, _TIER_ORDER[self.tier], self.created_at)
+
+    @classmethod
+    def from_record(cls, r: CheckpointRecord) -> ReportedCheckpoint:
+        return cls(
+            step=r.step,
+            tier=r.tier,
+            status=r.status,
+            created_at=round(r.created_at, 3),
+            manifest_hash=r.manifest_hash[:HASH_CHARS],
+            prev_hash=r.prev_hash[:HASH_CHARS] if r.prev_hash else None,
+            lightweight=r.lightweight,
+            approximate=r.approximate,
+            emergency=r.emergency,
+        )
+
+    def to_record(self) -> CheckpointRecord:
+        """The record the recovery ladder and retention status take (hashes shortened)."""
+        return CheckpointRecord(
+            id=self.id,
+            step=self.step,
+            tier=self.tier,
+            status=self.status,
+            created_at=self.created_at,
+            manifest_hash=self.manifest_hash,
+            prev_hash=self.prev_hash,
+            lightweight=self.lightweight,
+            approximate=self.approximate,
+            emergency=self.emergency,
+            reason="reported by the pod (termination message)",
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "s": self.step,
+            "t": self.tier.value,
+            "st": self.status.value,
+            "at": self.created_at,
+            "h": self.manifest_hash,
+        }
+        if self.prev_hash:
+            out["p"] = self.prev_hash
+        flags = "".join(c for c, name in _FLAGS if getattr(self, name))
+        if flags:
+            out["f"] = flags
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> ReportedCheckpoint:
+        if not isinstance(data, Mapping):
+            raise TerminationReportError(f"a checkpoint entry is {type(data).__name__}, not a map")
+        try:
+            step, at = data["s"], data["at"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"step {step!r} is not a non-negative integer")
+            if isinstance(at, bool) or not isinstance(at, int | float):
+                raise ValueError(f"time {at!r} is not a number")
+            h, p, f = data.get("h", ""), data.get("p"), data.get("f", "")
+            if not isinstance(h, str) or not (p is None or isinstance(p, str)):
+                raise ValueError("hashes must be strings")
+            if not isinstance(f, str):
+                raise ValueError(f"flags {f!r} are not a string")
+            return cls(
+                step=step,
+                tier=Tier(data["t"]),
+                status=CheckpointStatus(data["st"]),
+                created_at=float(at),
+                manifest_hash=h,
+                prev_hash=p or None,
+                **{name: c in f for c, name in _FLAGS},
+            )
+        except (KeyError, ValueError, TypeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise TerminationReportError(f"bad checkpoint entry {dict(data)!r}: {what}") from None
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """A run's newest verified checkpoints, newest first."""
+
+    run_id: str
+    checkpoints: tuple[ReportedCheckpoint, ...] = ()
+    written_at: float = 0.0
+
+    @classmethod
+    def from_records(
+        cls, run_id: str, records: Iterable[CheckpointRecord], written_at: float = 0.0
+    ) -> CheckpointReport:
+        """The reportable records (valid ones; the newest heartbeat included), newest first."""
+        kept = [ReportedCheckpoint.from_record(r) for r in records if r.status in _REPORTED]
+        return cls(run_id, merge_checkpoints(kept), written_at)
+
+    def records(self) -> list[CheckpointRecord]:
+        """As records, oldest first (like :func:`ckpt_agent.format.listing.list_checkpoints`)."""
+        return [c.to_record() for c in reversed(self.checkpoints)]
+
+
+def merge_checkpoints(*groups: Iterable[ReportedCheckpoint]) -> tuple[ReportedCheckpoint, ...]:
+    """Union by id, newest first; of two entries with one id the later commit wins."""
+    by_id: dict[str, ReportedCheckpoint] = {}
+    for group in groups:
+        for cp in group:
+            old = by_id.get(cp.id)
+            if old is None or cp.created_at >= old.created_at:
+                by_id[cp.id] = cp
+    return tuple(sorted(by_id.values(), key=lambda c: c.order, reverse=True))
+
+
+def _line(report: CheckpointReport, entries: Sequence[ReportedCheckpoint]) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "v": VERSION,
+        "run": report.run_id,
+        "at": round(report.written_at, 3),
+        "cps": [e.to_json() for e in entries],
+    }
+    return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode()
+
+
+def encode_report(report: CheckpointReport, max_bytes: int = MAX_BYTES) -> bytes:
+    """One line of JSON of at most ``max_bytes``: the newest checkpoints that fit."""
+    size = len(_line(report, []))
+    if size > max_bytes:
+        raise TerminationReportError(
+            f"a report of run {report.run_id!r} does not fit {max_bytes} bytes even without "
+            "checkpoints: use a shorter run id"
+        )
+    entries: list[ReportedCheckpoint] = []
+    for cp in report.checkpoints:  # newest first
+        size += len(json.dumps(cp.to_json(), separators=(",", ":"))) + (1 if entries else 0)
+        if size > max_bytes:
+            break
+        entries.append(cp)
+    return _line(report, entries)
+
+
+def parse_report(text: str | bytes) -> CheckpointReport:
+    """The report in a termination message (its first line); :class:`TerminationReportError`
+    saying what is wrong when it is not one (e.g. the application wrote its own message)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    first = text.split("\n", 1)[0].strip()
+    if not first:
+        raise TerminationReportError("the termination message is empty: no checkpoint report")
+    try:
+        doc = json.loads(first)
+    except ValueError:
+        raise TerminationReportError(
+            f"the termination message is not a checkpoint report (not JSON): {first[:80]!r}"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise TerminationReportError(
+            f"the termination message is not a checkpoint report (no format {FORMAT!r}): "
+            f"{first[:80]!r}"
+        )
+    if doc.get("v") != VERSION:
+        raise TerminationReportError(
+            f"checkpoint report version {doc.get('v')!r} is not supported (this reader knows "
+            f"{VERSION}): upgrade the operator to the agent's version"
+        )
+    run, cps, at = doc.get("run"), doc.get("cps"), doc.get("at", 0.0)
+    if not isinstance(run, str) or not run:
+        raise TerminationReportError("checkpoint report without a run id")
+    if not isinstance(cps, list):
+        raise TerminationReportError(f"checkpoint report of run {run!r}: 'cps' is not a list")
+    if isinstance(at, bool) or not isinstance(at, int | float):
+        raise TerminationReportError(f"checkpoint report of run {run!r}: bad time {at!r}")
+    entries = merge_checkpoints(ReportedCheckpoint.from_json(e) for e in cps)
+    return CheckpointReport(run, entries, float(at))
+
+
+class TerminationLog:
+    """The agent's writer of its container's termination message (see the module doc)."""
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = MAX_BYTES) -> None:
+        self.path = os.fspath(path)
+        self.max_bytes = max_bytes
+        self.failed = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TerminationLog | None:
+        """``$CKPT_TERMINATION_LOG`` (empty: none), else the Kubernetes default when that
+        file exists (the kubelet creates it; never created here), else None."""
+        env = os.environ if environ is None else environ
+        path = env.get(ENV_PATH)
+        if path is not None:
+            return cls(path) if path else None
+        return cls(DEFAULT_PATH) if os.path.isfile(DEFAULT_PATH) else None
+
+    def write(self, run_id: str, records: Iterable[CheckpointRecord]) -> CheckpointReport:
+        """Rewrite the file with the run's verified ``records``; a failure is logged once."""
+        report = CheckpointReport.from_records(run_id, records, time.time())
+        try:
+            data = encode_report(report, self.max_bytes)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.pwrite(fd, data, 0)
+                os.ftruncate(fd, len(data))
+            finally:
+                os.close(fd)
+        except (OSError, TerminationReportError) as e:
+            if not self.failed:
+                log.warning(
+                    "cannot write the checkpoint report to %s (%s): the operator will not see "
+                    "this pod's checkpoints if it cannot read the storage itself",
+                    self.path,
+                    e,
+                )
+            self.failed = True
+        return report

@@ -1,0 +1,126 @@
+"""What a report reads: a run's committed checkpoints, its decision logs and its audit log.
+
+The storage is the truth for checkpoints (manifests, COMMITs, VALIDATION.json
+verdicts, ``audit.log`` of manual recoveries); the pod's work directory
+(``CKPT_WORK_DIR``) holds the decision logs (``decisions.rank<N>.jsonl``: every
+scheduler decision, snapshot, commit, validation verdict, retention action and
+start/resume). Both may be hostile or damaged: a line that is not a JSON object
+is counted and skipped, never fatal; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_agent.errors import NotFoundError
+from ckpt_agent.format.layout import audit_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.records import CheckpointRecord
+from ckpt_agent.storage import Storage
+
+__all__ = ["LOG_GLOB", "Progress", "RunData", "iter_log", "load_run", "log_files"]
+
+#: The decision logs of one pod's work directory (one file per rank).
+LOG_GLOB = "decisions.rank*.jsonl"
+#: Longest decision-log line read (a longer one is skipped as malformed).
+LINE_MAX = 1 << 20
+
+#: ``progress(what, done, total)``: ``done``/``total`` in bytes for logs, items otherwise.
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class RunData:
+    """Everything a run's report is built from."""
+
+    run_id: str
+    records: list[CheckpointRecord]
+    """Committed checkpoints (heartbeats excluded), oldest first."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Decision-log entries of every rank, by time."""
+    audit: list[dict[str, Any]] = field(default_factory=list)
+    """Manual recoveries (``audit.log``)."""
+    logs: list[str] = field(default_factory=list)
+    """The decision-log files read."""
+    skipped_lines: int = 0
+    """Lines of the logs that were not JSON objects (damaged or truncated)."""
+
+
+def log_files(work_dir: Path | None) -> list[Path]:
+    """The decision logs in ``work_dir`` (none when it is None or missing)."""
+    if work_dir is None or not work_dir.is_dir():
+        return []
+    return sorted(p for p in work_dir.glob(LOG_GLOB) if p.is_file() and not p.is_symlink())
+
+
+def iter_log(path: Path, progress: Progress | None = None) -> Iterator[dict[str, Any] | None]:
+    """The JSON objects of one log, ``None`` for each line that is not one."""
+    total = path.stat().st_size
+    done = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f):
+            done += len(raw)
+            if progress is not None and n % 4096 == 0:
+                progress(path.name, done, total)
+            if len(raw) > LINE_MAX:
+                yield None
+                continue
+            try:
+                obj = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                yield None
+                continue
+            yield obj if isinstance(obj, dict) and isinstance(obj.get("event"), str) else None
+    if progress is not None:
+        progress(path.name, total, total)
+
+
+def _read_audit(storage: Storage, run_id: str) -> list[dict[str, Any]]:
+    try:
+        raw = storage.read(audit_key(run_id))
+    except NotFoundError:
+        return []
+    out: list[dict[str, Any]] = []
+    for line in raw.splitlines():
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def _time_of(e: dict[str, Any]) -> float:
+    t = e.get("time")
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else 0.0
+
+
+def load_run(
+    storage: Storage,
+    run_id: str,
+    work_dir: Path | Sequence[Path] | None = None,
+    progress: Progress | None = None,
+) -> RunData:
+    """Read one run: checkpoints and audit log from storage, decision logs from ``work_dir``
+    (or several: one per pod the run had, merged by time)."""
+    if progress is not None:
+        progress(f"listing {run_id}", 0, 1)
+    records = list_checkpoints(storage, run_id, include_heartbeat=False)
+    data = RunData(run_id, records, audit=_read_audit(storage, run_id))
+    if progress is not None:
+        progress(f"listing {run_id}", 1, 1)
+    dirs = [work_dir] if work_dir is None or isinstance(work_dir, Path) else list(work_dir)
+    for path in (p for d in dirs for p in log_files(d)):
+        data.logs.append(str(path))
+        for obj in iter_log(path, progress):
+            if obj is None:
+                data.skipped_lines += 1
+            else:
+                data.events.append(obj)
+    data.events.sort(key=_time_of)
+    return data

@@ -1,0 +1,359 @@
+"""Turn a run's data into the numbers of its report (pure: no I/O, JSON-able output).
+
+Definitions (also in ``docs/observability.md``):
+
+* **IO share of wall time**: seconds the training thread stalled for snapshots
+  (``snapshot.stall_s``) over the wall time the decision log spans.
+* **Recovery success rate**: starts that resumed (or started fresh with nothing
+  to resume) over all starts, failed starts (``resume_failed``) included.
+* **Ladder rung** of a resume: 1 + the number of newer candidates the recovery
+  ladder rejected before the one it loaded.
+* **Health score** (0-100): 100 × valid verdicts / verdicts × recovery success
+  rate × (1 − IO share). Verdicts and starts absent count as perfect.
+* **Bytes vs a full save**: new bytes a checkpoint wrote against the bytes it
+  references in all (new + de-duplicated): what a save without reuse would write.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ckpt_agent.records import CheckpointRecord
+
+__all__ = [
+    "LOW_HEALTH",
+    "MAX_POINTS",
+    "fleet_summary",
+    "run_summary",
+    "traits_of",
+]
+
+#: Runs whose health score is under this are "low" in ``ckpt report --all``.
+LOW_HEALTH = 80.0
+#: Most points of a per-step series kept in a report (longer series are thinned evenly).
+MAX_POINTS = 4000
+#: IO share over which a run has the "IO-bound" trait.
+IO_HEAVY = 0.05
+
+
+def _num(v: Any) -> float | None:
+    """A finite number from the log, else None (strings, bools, nan, inf)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _str(v: Any, limit: int = 300) -> str:
+    return v[:limit] if isinstance(v, str) else ""
+
+
+def _dict(v: Any) -> dict[Any, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _thin(rows: list[Any], n: int = MAX_POINTS) -> list[Any]:
+    if len(rows) <= n:
+        return rows
+    stride = len(rows) / n
+    return [rows[int(i * stride)] for i in range(n)] + [rows[-1]]
+
+
+def _by_event(events: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        out.setdefault(str(e.get("event")), []).append(e)
+    return out
+
+
+def _series(decisions: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    loss, score, interval, rules = [], [], [], []
+    last_rule: tuple[Any, ...] | None = None
+    for d in decisions:
+        step = _num(d.get("step"))
+        if step is None:
+            continue
+        s = int(step)
+        if (lv := _num(d.get("loss"))) is not None:
+            loss.append([s, lv])
+        comps = _dict(d.get("components"))
+        parts = {str(k)[:40]: v for k, v0 in comps.items() if (v := _num(v0)) is not None}
+        if (sc := _num(d.get("score"))) is not None:
+            score.append([s, sc, parts])
+        iv = _num(d.get("interval"))
+        if iv is not None:
+            rule = _str(d.get("interval_rule"), 80)
+            interval.append([s, int(iv), rule])
+            if last_rule is None or (int(iv), rule) != last_rule[1:]:
+                rules.append({"step": s, "interval": int(iv), "rule": rule})
+                last_rule = (s, int(iv), rule)
+    return {
+        "loss": _thin(loss),
+        "score": _thin(score),
+        "interval": _thin(interval),
+        "interval_changes": rules[-200:],
+    }
+
+
+def _saves(
+    ev: dict[str, list[dict[str, Any]]], records: Sequence[CheckpointRecord]
+) -> list[dict[str, Any]]:
+    """One row per committed checkpoint: log events joined with the stored record."""
+    rows: dict[str, dict[str, Any]] = {}
+    stalls = {
+        (int(s), _str(e.get("tier"))): _num(e.get("stall_s"))
+        for e in ev.get("snapshot", [])
+        if (s := _num(e.get("step"))) is not None
+    }
+    for e in ev.get("committed", []):
+        cid = _str(e.get("checkpoint"))
+        step = _num(e.get("step"))
+        if not cid or step is None:
+            continue
+        new, reused = _num(e.get("bytes_new")) or 0.0, _num(e.get("bytes_reused")) or 0.0
+        tier = _str(e.get("tier"))
+        rows[cid] = {
+            "checkpoint": cid,
+            "step": int(step),
+            "tier": tier,
+            "time": _num(e.get("time")),
+            "stall_s": stalls.get((int(step), tier)),
+            "persist_s": _num(e.get("persist_s")),
+            "bytes_written": int(new),
+            "bytes_full": int(new + reused),
+            "status": "pending",
+            "validation_s": None,
+            "reason": "",
+            "stored": False,
+        }
+    for e in ev.get("validated", []):
+        row = rows.get(_str(e.get("checkpoint")))
+        if row is not None:
+            row["status"] = _str(e.get("status"), 40) or "pending"
+            row["validation_s"] = _num(e.get("seconds"))
+            row["reason"] = _str(e.get("reason"))
+    for e in ev.get("corrupted", []):  # found corrupted later (by a resume)
+        row = rows.get(_str(e.get("checkpoint")))
+        if row is not None:
+            row["status"], row["reason"] = "corrupted", _str(e.get("reason"))
+    for r in records:
+        row = rows.setdefault(
+            r.id,
+            {
+                "checkpoint": r.id,
+                "step": r.step,
+                "tier": r.tier.value,
+                "time": r.created_at,
+                "stall_s": None,
+                "persist_s": None,
+                "bytes_written": int(r.extra.get("bytes_new", 0) or 0),
+                "bytes_full": r.size_bytes,
+                "validation_s": None,
+                "reason": "",
+            },
+        )
+        row["stored"] = True
+        row["status"] = r.status.value  # the stored verdict is the truth
+        row["score"] = _num(r.score)
+        row["reason"] = row["reason"] or _str(r.extra.get("status_reason") or "")
+    return sorted(rows.values(), key=lambda r: (r["step"], r["tier"]))
+
+
+def _restarts(ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+    for e in ev.get("start", []):
+        rejected = _list(e.get("rejected"))
+        action = _str(e.get("action"), 40)
+        out.append(
+            {
+                "time": _num(e.get("time")),
+                "action": action,
+                "checkpoint": _str(e.get("checkpoint")) or None,
+                "next_step": _num(e.get("next_step")),
+                "rung": len(rejected) + 1 if e.get("checkpoint") else None,
+                "rejected": [str(r)[:300] for r in rejected[:20]],
+                "reason": _str(e.get("reason")),
+                "seconds": _num(e.get("seconds")),
+                "ok": True,
+            }
+        )
+    for e in ev.get("resume_failed", []):
+        out.append(
+            {
+                "time": _num(e.get("time")),
+                "action": "failed",
+                "checkpoint": None,
+                "next_step": None,
+                "rung": None,
+                "rejected": [],
+                "reason": _str(e.get("error")),
+                "seconds": None,
+                "ok": False,
+            }
+        )
+    return sorted(out, key=lambda r: r["time"] or 0.0)
+
+
+def _retention(ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+    for e in ev.get("retention", []):
+        deleted = _dict(e.get("deleted"))
+        out.append(
+            {
+                "time": _num(e.get("time")),
+                "deleted": {str(k)[:200]: _str(v) for k, v in list(deleted.items())[:200]},
+                "blobs_deleted": _num(e.get("blobs_deleted")),
+                "bytes_freed": _num(e.get("bytes_freed")),
+            }
+        )
+    return out
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def run_summary(
+    run_id: str,
+    records: Sequence[CheckpointRecord],
+    events: Sequence[dict[str, Any]],
+    audit: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    """The report of one run as a JSON-able dict (``ckpt report --json``)."""
+    ev = _by_event(events)
+    series = _series(ev.get("decision", []))
+    saves = _saves(ev, records)
+    restarts = _restarts(ev)
+    times = [t for e in events if (t := _num(e.get("time"))) is not None]
+    wall = max(times) - min(times) if len(times) > 1 else 0.0
+    stall = sum(_num(e.get("stall_s")) or 0.0 for e in ev.get("snapshot", []))
+    persist = sum(s["persist_s"] or 0.0 for s in saves)
+    verdicts = Counter(s["status"] for s in saves)
+    judged = verdicts["valid"] + verdicts["corrupted"]
+    ok_starts = sum(1 for r in restarts if r["ok"])
+    recovery_rate = _ratio(ok_starts, len(restarts))
+    io_share = _ratio(stall, wall)
+    valid_rate = _ratio(verdicts["valid"], judged)
+    health = 100.0 * (valid_rate if valid_rate is not None else 1.0)
+    health *= recovery_rate if recovery_rate is not None else 1.0
+    health *= 1.0 - min(io_share or 0.0, 1.0)
+    scores = [row[1] for row in series["score"]]
+    rec_times = [r["seconds"] for r in restarts if r["ok"] and r["seconds"] is not None]
+    anomalies = [
+        {"step": d.get("step"), "kind": _str(d.get("anomaly"), 80)}
+        for d in ev.get("decision", [])
+        if d.get("anomaly")
+    ]
+    return {
+        "run_id": run_id,
+        "wall_s": wall,
+        "health": round(health, 2),
+        "mean_score": sum(scores) / len(scores) if scores else None,
+        "io_share": io_share,
+        "stall_s": stall,
+        "persist_s": persist,
+        "persist_share": _ratio(persist, wall),
+        "bytes_written": sum(s["bytes_written"] for s in saves),
+        "bytes_full": sum(s["bytes_full"] for s in saves),
+        "checkpoints": len(saves),
+        "verdicts": dict(verdicts),
+        "recovery": {
+            "starts": len(restarts),
+            "succeeded": ok_starts,
+            "success_rate": recovery_rate,
+            "mean_s": sum(rec_times) / len(rec_times) if rec_times else None,
+            "max_s": max(rec_times) if rec_times else None,
+        },
+        "backpressure": dict(
+            Counter(_str(e.get("action"), 40) for e in ev.get("backpressure", []))
+        ),
+        "emergency_saves": len(ev.get("save_now", [])) + len(ev.get("sigterm", [])),
+        "anomalies": anomalies[-200:],
+        "series": series,
+        "saves": saves,
+        "restarts": restarts,
+        "retention": _retention(ev),
+        "manual_recoveries": [
+            {str(k)[:60]: (v if isinstance(v, int | float) else str(v)[:300]) for k, v in a.items()}
+            for a in list(audit)[-50:]
+        ],
+        "has_log": bool(events),
+    }
+
+
+def traits_of(s: dict[str, Any]) -> list[str]:
+    """Coarse traits of a run summary, for "what low-scoring runs have in common"."""
+    out = []
+    if s["verdicts"].get("corrupted"):
+        out.append("corrupted checkpoints")
+    if s["recovery"]["starts"] > s["recovery"]["succeeded"]:
+        out.append("failed starts")
+    if s["recovery"]["starts"] > 1:
+        out.append("restarted")
+    if (s["io_share"] or 0.0) > IO_HEAVY:
+        out.append(f"IO share over {IO_HEAVY:.0%}")
+    if s["backpressure"]:
+        out.append("persist back-pressure")
+    if s["anomalies"]:
+        out.append("training anomalies")
+    if s["emergency_saves"]:
+        out.append("emergency saves")
+    if s["manual_recoveries"]:
+        out.append("manual recoveries")
+    if not s["has_log"]:
+        out.append("no decision log")
+    return out
+
+
+def fleet_summary(runs: Sequence[dict[str, Any]], low: float = LOW_HEALTH) -> dict[str, Any]:
+    """``ckpt report --all``: per-run figures, totals, low runs and their shared traits
+    (those at least half of the low runs have and that are rarer among the other runs)."""
+    rows = []
+    for s in runs:
+        rows.append(
+            {
+                "run_id": s["run_id"],
+                "health": s["health"],
+                "mean_score": s["mean_score"],
+                "io_share": s["io_share"],
+                "recovery_success_rate": s["recovery"]["success_rate"],
+                "checkpoints": s["checkpoints"],
+                "corrupted": s["verdicts"].get("corrupted", 0),
+                "traits": traits_of(s),
+            }
+        )
+    starts = sum(s["recovery"]["starts"] for s in runs)
+    ok = sum(s["recovery"]["succeeded"] for s in runs)
+    low_runs = [r for r in rows if r["health"] < low]
+    others = [r for r in rows if r["health"] >= low]
+    common = []
+    for trait, n in Counter(t for r in low_runs for t in r["traits"]).most_common():
+        among_others = sum(1 for r in others if trait in r["traits"])
+        other_share = _ratio(among_others, len(others))
+        # at least half of the low runs have it, and it is rarer among the others
+        if n * 2 >= len(low_runs) and (other_share is None or other_share < n / len(low_runs)):
+            common.append(
+                {
+                    "trait": trait,
+                    "low_runs": n,
+                    "low_share": n / len(low_runs),
+                    "other_share": other_share,
+                }
+            )
+    io = [r["io_share"] for r in rows if r["io_share"] is not None]
+    return {
+        "runs": rows,
+        "mean_health": sum(r["health"] for r in rows) / len(rows) if rows else None,
+        "mean_io_share": sum(io) / len(io) if io else None,
+        "recovery_success_rate": _ratio(ok, starts),
+        "low_threshold": low,
+        "low_runs": [r["run_id"] for r in low_runs],
+        "common_traits": common,
+    }

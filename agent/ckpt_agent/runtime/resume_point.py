@@ -1,0 +1,79 @@
+"""What :meth:`Checkpointer.start` returns (:class:`ResumePoint`) and the candidates a
+resume looks at (:class:`Candidate`, :class:`Rejection`); see :mod:`.restorer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_agent.errors import RejectionKind
+from ckpt_agent.format.heartbeat import Heartbeat
+from ckpt_agent.records import CheckpointRecord, Lineage
+from ckpt_agent.runtime.serialization import LoadedState
+
+__all__ = ["Candidate", "Rejection", "ResumePoint"]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where training continues, as returned by :meth:`Checkpointer.start`."""
+
+    step: int
+    """The next step to run (0 for a fresh start; checkpoint step + 1 after a resume)."""
+    checkpoint_id: str | None = None
+    """The checkpoint restored (None: fresh start)."""
+    checkpoint_step: int | None = None
+    action: str = "fresh"
+    """``fresh``, ``resume``, ``resume_from`` (operator's choice), ``manual`` or
+    ``rebuild_from_heartbeat``."""
+    exact: bool = True
+    """Bit-exact continuation (False: lightweight/approximate source or heartbeat rebuild)."""
+    data_state: object = None
+    """The saved data position (applied to ``dataloader_state`` if it has ``load_state_dict``)."""
+    epoch: int | None = None
+    train_config: dict[str, Any] | None = None
+    """The saved ``train_config.json`` when the source is a full checkpoint."""
+    reason: str = ""
+    rejected: tuple[tuple[str, str], ...] = ()
+    """Checkpoints tried and rejected on the way, with why."""
+    warnings: tuple[str, ...] = ()
+    lineage: Lineage = field(default_factory=Lineage)
+    """The resume lineage the run's next checkpoints carry."""
+
+    @property
+    def resumed(self) -> bool:
+        return self.checkpoint_id is not None
+
+    def event_fields(self) -> dict[str, Any]:
+        """What the ``start`` event of the decision log says about this resume."""
+        return {
+            "action": self.action,
+            "checkpoint": self.checkpoint_id,
+            "next_step": self.step,
+            "exact": self.exact,
+            "reason": self.reason,
+            "rejected": [list(r) for r in self.rejected],
+            "lineage": {"epoch": self.lineage.epoch, "pins": list(self.lineage.pins)},
+        }
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a candidate was not restored: the kind decides, the reason is for people."""
+
+    kind: RejectionKind
+    reason: str
+
+
+@dataclass
+class Candidate:
+    """A checkpoint loaded and checked during :meth:`Checkpointer.start`."""
+
+    record: CheckpointRecord
+    loaded: LoadedState | None = None
+    heartbeat: Heartbeat | None = None
+    manifest_hash: str = ""
+    own: LoadedState | None = None
+    """This rank's own part (rank > 0 of a multi-rank checkpoint): RNG, data position."""
+    checked: bool = False
+    """Decoded in full and checked against the live objects (:mod:`.preflight`)."""

@@ -1,0 +1,126 @@
+"""What a resume writes and reads in storage besides the checkpoint itself.
+
+The pending ``RECOVER.json`` request of ``ckpt recover --manual`` (read, then
+consumed with an audit entry), the verdicts found while resuming (validation
+records and the catalog), and the retirement of checkpoints past the resume
+step (:func:`ckpt_agent.decide.lineage.superseded`). Used by
+:class:`~ckpt_agent.runtime.restorer.Restorer`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from ckpt_agent.decide.lineage import superseded
+from ckpt_agent.errors import NotFoundError, ResumeError, StorageError
+from ckpt_agent.format.layout import recover_request_key, validation_key
+from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.manifest import ValidationRecord
+from ckpt_agent.persist.housekeeping import append_audit, who
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
+from ckpt_agent.runtime.context import Engine
+
+__all__ = ["consume_recover_request", "read_recover_request", "record_verdict", "retire_newer"]
+
+log = logging.getLogger(__name__)
+
+
+def read_recover_request(e: Engine) -> dict[str, Any] | None:
+    """The pending ``RECOVER.json`` of ``ckpt recover --manual`` (None: there is none)."""
+    key = recover_request_key(e.run_id)
+    try:
+        raw = e.storage.read(key)
+    except NotFoundError:
+        return None
+    try:
+        req = json.loads(raw)
+    except ValueError:
+        raise ResumeError(f"{key} is not valid JSON: delete it or rerun `ckpt recover`") from None
+    if not isinstance(req, dict) or not isinstance(req.get("checkpoint_id"), str):
+        raise ResumeError(f"{key} names no checkpoint_id: delete it or rerun `ckpt recover`")
+    return req
+
+
+def consume_recover_request(
+    e: Engine,
+    request: dict[str, Any],
+    checkpoint_id: str | None,
+    next_step: int,
+    *,
+    applied: bool = True,
+) -> None:
+    """Delete the request once applied (or found applied already: its lineage has commits)."""
+    append_audit(
+        e.storage,
+        e.run_id,
+        {
+            "time": time.time(),
+            "who": who(),
+            "what": "manual recovery applied" if applied else "manual recovery already applied",
+            "checkpoint": checkpoint_id,
+            "request": request,
+            "next_step": next_step,
+        },
+    )
+    e.storage.delete(recover_request_key(e.run_id))
+
+
+def record_verdict(
+    e: Engine,
+    rec: CheckpointRecord,
+    status: CheckpointStatus,
+    reason: str,
+    seconds: float,
+    manifest_hash: str | None = None,
+) -> None:
+    """Record a verdict found while resuming (in storage and in the catalog)."""
+    mh = manifest_hash or rec.manifest_hash
+    if mh and e.ranks.coordinator:
+        try:
+            e.storage.commit(
+                validation_key(e.run_id, rec.id),
+                ValidationRecord(
+                    checkpoint_id=rec.id,
+                    commit_sha256=mh,
+                    status=status,
+                    reason=reason,
+                    validated_at=time.time(),
+                    checks=("hashes", "load (resume)", "shapes"),
+                    duration_s=seconds,
+                ).to_bytes(),
+            )
+        except StorageError as err:
+            log.warning("could not record the verdict on %s: %s", rec.id, err)
+    e.catalog.set_status(e.run_id, rec.id, status, reason, validate_s=seconds)
+    e.metrics.checkpoints.labels(tier=rec.tier.value, status=status.value).inc()
+    if status == CheckpointStatus.CORRUPTED:
+        log.error("ALERT checkpoint %s is CORRUPTED: %s", rec.id, reason)
+        e.event("corrupted", checkpoint=rec.id, reason=reason, during="resume")
+
+
+def retire_newer(e: Engine, step: int, resumed_from: str) -> None:
+    """Checkpoints past the resume step belong to an abandoned branch: mark them expired.
+
+    (Otherwise a later crash could resume from the branch this resume
+    deliberately left — e.g. a manual rewind past a loss spike.)
+    """
+    if not e.ranks.coordinator:
+        return
+    listed = list_checkpoints(e.storage, e.run_id, include_heartbeat=False)
+    for r in superseded(listed, step):
+        reason = f"superseded: the run resumed from {resumed_from} (step {step})"
+        e.storage.commit(
+            validation_key(e.run_id, r.id),
+            ValidationRecord(
+                checkpoint_id=r.id,
+                commit_sha256=r.manifest_hash,
+                status=CheckpointStatus.EXPIRED,
+                reason=reason,
+                validated_at=time.time(),
+            ).to_bytes(),
+        )
+        e.catalog.set_status(e.run_id, r.id, CheckpointStatus.EXPIRED, reason)
+        e.event("superseded", checkpoint=r.id, reason=reason)

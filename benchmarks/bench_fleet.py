@@ -1,0 +1,278 @@
+"""The operator at fleet scale (issue #19), on the local real control plane.
+
+What runs: ``ckpt_e2e``'s LocalCluster (kube-apiserver, etcd, kwok nodes, the Kubeflow
+training-operator) with the chart installed and the operator running as its Deployment
+would (``ckpt_e2e.stack``). N opted-in PyTorchJobs are submitted; nothing trains (their
+pods are failed through their status, as a container exit would be reported), so what is
+measured is the operator alone:
+
+* **trickle**: N/2 jobs failed one at a time (``--gap`` seconds apart);
+* **burst**: the other N/2 failed at once;
+
+and for each: restart latency (failure reported → restart job exists) p50/p95/p99/max,
+then for the whole run: the pod webhook's admission latency p99 (the API server's own
+``apiserver_admission_webhook_admission_duration_seconds``, network included), API
+requests per restart (the operator's: the API server's priority-and-fairness dispatch
+count of its ServiceAccount's flow schema; every client's: ``apiserver_request_total``),
+the operator's CPU seconds and peak RSS.
+
+Run (a few minutes at the default N)::
+
+    .venv/bin/python benchmarks/bench_fleet.py --jobs 40 [--write-doc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import re
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+from _common import write_marked
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "e2e"))
+
+from ckpt_e2e.cluster import LocalCluster  # noqa: E402
+from ckpt_e2e.scenario import Scenario  # noqa: E402
+from ckpt_e2e.stack import Stack  # noqa: E402
+from ckpt_e2e.training import Training, list_jobs  # noqa: E402
+
+DOC = ROOT / "docs" / "performance.md"
+MARKER = "<!-- bench_fleet -->"
+JOB_LABEL = "training.kubeflow.org/job-name"
+#: The API server's priority-and-fairness flow schema of ServiceAccounts outside
+#: kube-system: the operator's (the training-operator, kwok and this script use admin
+#: credentials, exempt).
+OPERATOR_FLOW = "service-accounts"
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:]+)\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """``name``'s samples in a Prometheus text exposition."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m["name"] == name:
+            out.append((dict(_LABEL.findall(m["labels"])), float(m["value"])))
+    return out
+
+
+def request_counts(cluster: LocalCluster) -> Counter[tuple[str, str]]:
+    """``apiserver_request_total`` by (verb, resource), plus ``("operator", "")``: the
+    requests the API server dispatched for the operator's flow schema."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    totals: Counter[tuple[str, str]] = Counter()
+    for labels, value in samples(text, "apiserver_request_total"):
+        totals[(labels.get("verb", ""), labels.get("resource", ""))] += int(value)
+    for labels, value in samples(text, "apiserver_flowcontrol_dispatched_requests_total"):
+        if labels.get("flow_schema") == OPERATOR_FLOW:
+            totals[("operator", "")] += int(value)
+    return totals
+
+
+def webhook_p99(cluster: LocalCluster, webhook: str) -> tuple[float, int]:
+    """p99 (upper bucket bound, seconds) and count of the API server's admission calls."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    buckets: dict[float, float] = {}
+    for labels, value in samples(
+        text, "apiserver_admission_webhook_admission_duration_seconds_bucket"
+    ):
+        if labels.get("name") == webhook:
+            le = math.inf if labels["le"] == "+Inf" else float(labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + value
+    if not buckets:
+        return math.nan, 0
+    total = buckets[math.inf]
+    for le in sorted(buckets):
+        if buckets[le] >= 0.99 * total:
+            return le, int(total)
+    return math.inf, int(total)
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+class ProcessTree:
+    """CPU seconds and peak RSS of a process and its children (sampled)."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.cpu0 = self._cpu()
+        self.peak_rss = 0
+
+    def _procs(self) -> list[psutil.Process]:
+        return [self.root, *self.root.children(recursive=True)]
+
+    def _cpu(self) -> float:
+        total = 0.0
+        for p in self._procs():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def sample(self) -> None:
+        rss = 0
+        for p in self._procs():
+            try:
+                rss += p.memory_info().rss
+            except psutil.Error:
+                pass
+        self.peak_rss = max(self.peak_rss, rss)
+
+    def cpu(self) -> float:
+        return self._cpu() - self.cpu0
+
+
+def job_pod(sc: Scenario, job: str) -> str | None:
+    path = f"/api/v1/namespaces/{sc.namespace}/pods?labelSelector={JOB_LABEL}%3D{job}"
+    for pod in sc.cluster.request("GET", path).get("items") or []:
+        return str(pod["metadata"]["name"])
+    return None
+
+
+def wait_restarts(
+    sc: Scenario, failed_at: dict[str, float], expected: int, tree: ProcessTree, timeout: float
+) -> dict[str, float]:
+    """Seconds from each job's failure to its restart's existence (polled every 0.2 s, while
+    ``failed_at`` fills up, until ``expected`` restarts were seen)."""
+    latency: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(latency) < expected and time.monotonic() < deadline:
+        now = time.monotonic()
+        names = {j["metadata"]["name"] for j in list_jobs(sc.cluster, sc.namespace)}
+        for job, t0 in list(failed_at.items()):
+            if job not in latency and f"{job}-r1" in names:
+                latency[job] = now - t0
+        tree.sample()
+        time.sleep(0.2)
+    if len(latency) < expected:
+        missing = sorted(set(failed_at) - set(latency))[:5]
+        raise SystemExit(
+            f"{expected - len(latency)} restarts missing after {timeout:.0f}s: {missing}"
+        )
+    return latency
+
+
+def fail(sc: Scenario, jobs: Sequence[str], pods: dict[str, str]) -> dict[str, float]:
+    """Report every job's pod as exited 137 at once (threads); returns when each was sent."""
+    stamps: dict[str, float] = {}
+
+    def one(job: str) -> None:
+        stamps[job] = time.monotonic()
+        sc.cluster.set_pod_exit(sc.namespace, pods[job], 137)
+
+    with ThreadPoolExecutor(min(32, len(jobs))) as pool:
+        list(pool.map(one, jobs))
+    return stamps
+
+
+def summary(name: str, lat: dict[str, float]) -> tuple[str, str]:
+    xs = list(lat.values())
+    return name, (
+        f"p50 {percentile(xs, 50):.2f} s, p95 {percentile(xs, 95):.2f} s, "
+        f"p99 {percentile(xs, 99):.2f} s, max {max(xs):.2f} s (n={len(xs)})"
+    )
+
+
+def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[tuple[str, str]]:
+    cluster = LocalCluster(startup_timeout=300)
+    cluster.start()
+    try:
+        stack = Stack.up(cluster)
+        ns = cluster.create_namespace(f"bench-fleet-{uuid.uuid4().hex[:5]}")
+        sc = Scenario(cluster, ns, stack.operator)
+        sc.apply_policy("e2e", recovery={"backoffSeconds": 0})
+        sc.runner(decide=lambda pod: "ignore")
+        tree = ProcessTree(stack.operator.pid)
+        names = [f"job-{i:03d}" for i in range(n)]
+        for name in names:
+            sc.submit(name, Training(steps=5))
+        pods: dict[str, str] = {}
+        for name in names:
+            pods[name] = str(cluster.wait_for(functools.partial(job_pod, sc, name), 120))
+        log(f"{n} jobs running (one pod each, injected)")
+        before = request_counts(cluster)
+        cpu0 = tree.cpu()
+
+        trickle, burst = names[: n // 2], names[n // 2 :]
+        with ThreadPoolExecutor(1) as poller:
+            failed: dict[str, float] = {}
+            waiting = poller.submit(wait_restarts, sc, failed, len(trickle), tree, timeout)
+            for job in trickle:
+                failed.update(fail(sc, [job], pods))
+                time.sleep(gap)
+            lat_trickle = waiting.result()
+        log("trickle done")
+        failed = fail(sc, burst, pods)
+        lat_burst = wait_restarts(sc, failed, len(burst), tree, timeout)
+        log("burst done")
+        # the restarts' pods are admitted too; let them all be created
+        for job in names:
+            cluster.wait_for(functools.partial(job_pod, sc, f"{job}-r1"), 120, f"{job}-r1 pod")
+        tree.sample()
+        delta = request_counts(cluster) - before
+        p99, calls = webhook_p99(cluster, "inject.pods.ckpt.dev")
+        ours = delta.pop(("operator", ""), 0)
+        total = sum(delta.values())
+        writes = ", ".join(
+            f"{verb} {res} {delta[(verb, res)] / n:.1f}"
+            for verb, res in (("PATCH", "pytorchjobs"), ("POST", "pytorchjobs"), ("POST", "events"))
+        )
+        return [
+            summary("restart latency, trickle", lat_trickle),
+            summary("restart latency, burst", lat_burst),
+            ("pod admission latency p99 (API server)", f"<= {p99:g} s over {calls} calls"),
+            ("API requests per restart, the operator's", f"{ours / n:.1f}"),
+            ("writes per restart (all clients)", writes),
+            ("API requests per restart, every client", f"{total / n:.1f}"),
+            ("operator CPU", f"{tree.cpu() - cpu0:.1f} s for {n} restarts"),
+            ("operator peak RSS", f"{tree.peak_rss / 2**20:.0f} MiB"),
+        ]
+    finally:
+        cluster.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--jobs", type=int, default=40, help="jobs (half trickle, half burst)")
+    p.add_argument("--gap", type=float, default=0.25, help="seconds between trickle failures")
+    p.add_argument("--timeout", type=float, default=300.0, help="longest wait for restarts")
+    p.add_argument("--write-doc", action="store_true", help=f"write the table into {DOC}")
+    args = p.parse_args(argv)
+    if args.jobs < 2:
+        raise SystemExit("--jobs must be >= 2")
+    rows = run(args.jobs, args.gap, args.timeout, lambda s: print(s, flush=True))
+    lines = [
+        f"`benchmarks/bench_fleet.py --jobs {args.jobs}` ({psutil.cpu_count()} CPUs, "
+        "local control plane, operator and control plane on the same machine):",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        *[f"| {a} | {b} |" for a, b in rows],
+    ]
+    print("\n".join(lines))
+    if args.write_doc:
+        write_marked(DOC, MARKER, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""No silent fresh starts: flag running pods whose training code never started the agent.
+
+Runs with each policy's reconcile pass (:mod:`ckpt_operator.agentcheck` decides): a
+Warning Event ``AgentMissing`` on the job (once per pod) and the policy condition
+``AgentReporting``. For storage the operator cannot read, the pods' termination
+messages are the evidence (:func:`ckpt_operator.agentcheck.unreported_pods`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt_agent.policy import StorageType
+from ckpt_agent.storage import StorageError
+from ckpt_operator import constants as c
+from ckpt_operator.agentcheck import (
+    AGENT_MISSING,
+    SilentPod,
+    running_injected_pods,
+    silent_pods,
+    unreported_pods,
+)
+from ckpt_operator.behaviours.deps import Deps, Obj
+from ckpt_operator.behaviours.guard import storage_call
+from ckpt_operator.behaviours.policies import write_policy_status
+from ckpt_operator.reports import pod_reports
+from ckpt_operator.sources import StorageAccessDeniedError
+from ckpt_operator.status import ConditionStatus, get_condition, set_condition
+from ckpt_operator.validation import parse_policy_spec
+
+__all__ = ["check_agents"]
+
+log = logging.getLogger(__name__)
+
+#: The policy condition this behaviour owns.
+CONDITION = "AgentReporting"
+
+
+async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
+    """Flag the policy's silent pods; returns their names."""
+    meta = policy.get("metadata") or {}
+    name, namespace = str(meta.get("name")), str(meta.get("namespace"))
+    spec, _ = parse_policy_spec(policy.get("spec"))
+    if spec is None or spec.agent.report_deadline_seconds <= 0:
+        return []
+    listed = await deps.api.list_pods(node_name=None, label_selector=f"{c.LABEL_INJECTED}=true")
+    pods = running_injected_pods(listed, namespace, name)
+    if not pods:
+        return []
+    now = deps.clock()
+    deadline = spec.agent.report_deadline_seconds
+    try:
+        source = await deps.sources(namespace, name, spec)
+        if not await storage_call(deps, source.reachable):
+            silent: list[SilentPod] = _blind_verdict(pods, now, deadline)
+        else:
+            activity: dict[str, list[float]] = {}
+            for run_id in sorted(
+                {(p["metadata"].get("annotations") or {})[c.ANN_RUN_ID] for p in pods}
+            ):
+                times = [t for _, t in await storage_call(deps, source.progress, run_id)]
+                records = await storage_call(deps, source.list_checkpoints, run_id)
+                activity[run_id] = times + [r.created_at for r in records]
+            silent = silent_pods(pods, activity, now, deadline)
+    except StorageAccessDeniedError:
+        if spec.storage.type != StorageType.LOCAL:
+            return []
+        silent = _blind_verdict(pods, now, deadline)  # a PVC of the namespace
+    except (StorageError, ValueError) as e:
+        log.info("agent check of %s/%s skipped: %s", namespace, name, e)
+        return []
+    for s in silent:
+        job = await deps.api.get_job(namespace, s.job) if s.job else None
+        ann = ((job or {}).get("metadata") or {}).get("annotations") or {}
+        if job is None or ann.get(c.ANN_AGENT_MISSING) == s.pod:
+            continue
+        deps.events.emit(
+            job,
+            "Warning",
+            "AgentMissing",
+            f"pod {s.pod} has run {s.running_s:.0f}s without a heartbeat, checkpoint or "
+            f"report of run {s.run_id}: {AGENT_MISSING}",
+        )
+        await deps.api.patch_job_annotations(namespace, s.job, {c.ANN_AGENT_MISSING: s.pod})
+    status: ConditionStatus = "False" if silent else "True"
+    reason = "AgentMissing" if silent else "AgentsReporting"
+    message = (
+        f"pod(s) {', '.join(s.pod for s in silent)}: {AGENT_MISSING}"
+        if silent
+        else "every running pod's agent has reported in"
+    )
+
+    def build(current: Mapping[str, Any]) -> Obj:
+        conditions = (current.get("status") or {}).get("conditions")
+        return {
+            "conditions": set_condition(
+                conditions, CONDITION, status, reason, message[:2000], now=now
+            )
+        }
+
+    current = get_condition(((policy.get("status") or {}).get("conditions")), CONDITION)
+    if current is None or current.get("reason") != reason or current.get("message") != message:
+        await write_policy_status(deps, namespace, name, build)
+    return [s.pod for s in silent]
+
+
+def _blind_verdict(pods: list[Any], now: float, deadline_s: float) -> list[SilentPod]:
+    """Storage the operator cannot read: what the pods' termination messages say."""
+    reports, _ = pod_reports(pods)
+    return unreported_pods(pods, {r.pod for r in reports}, now, deadline_s)

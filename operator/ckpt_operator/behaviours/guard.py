@@ -1,0 +1,62 @@
+"""Storage access from the behaviours: bounded in time, and only to runs of the namespace.
+
+:func:`storage_call` runs a blocking :class:`~ckpt_operator.sources.CheckpointSource`
+call in a thread and stops waiting for it after ``config.storage_timeout_s``
+(:class:`~ckpt_operator.sources.StorageTimeoutError`): a stuck storage never
+holds a handler forever. (Python cannot kill the thread; it ends when the
+backend's own timeouts fire — S3 connect/read timeouts are capped at the same
+value — and its result is dropped.)
+
+:func:`run_refusal` claims or reads a run's owner (:mod:`ckpt_agent.format.owner`)
+before anything else touches the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ckpt_agent.format.owner import RunOwner
+from ckpt_operator.behaviours.deps import Deps
+from ckpt_operator.jobs import JobFacts
+from ckpt_operator.sources import CheckpointSource, StorageTimeoutError
+from ckpt_operator.tenancy import owner_refusal
+
+__all__ = ["run_refusal", "storage_call"]
+
+T = TypeVar("T")
+
+
+async def storage_call(
+    deps: Deps,
+    fn: Callable[..., T],
+    /,
+    *args: Any,
+    timeout_s: float | None = None,
+    **kwargs: Any,
+) -> T:
+    """``fn(*args, **kwargs)`` in a thread, waiting at most ``timeout_s`` (default
+    ``config.storage_timeout_s``)."""
+    timeout = deps.config.storage_timeout_s if timeout_s is None else timeout_s
+    try:
+        return await asyncio.wait_for(
+            asyncio.to_thread(functools.partial(fn, *args, **kwargs)), timeout
+        )
+    except TimeoutError:
+        name = getattr(fn, "__name__", "storage call")
+        raise StorageTimeoutError(f"{name} did not return within {timeout:.0f}s") from None
+
+
+async def run_refusal(
+    deps: Deps, source: CheckpointSource, run_id: str, job: JobFacts
+) -> str | None:
+    """Why ``job``'s namespace may not use run ``run_id`` (None: it may).
+
+    A run without an owner record (new, or written before owners existed) is
+    claimed for ``job``'s namespace on first sight.
+    """
+    claim = RunOwner(job.namespace, job.name, job.uid, "operator", deps.clock())
+    owner = await storage_call(deps, source.claim_run, run_id, claim)
+    return owner_refusal(run_id, owner.namespace, job.namespace)

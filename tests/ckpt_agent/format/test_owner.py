@@ -1,0 +1,66 @@
+"""The run's owner record: written once; the agent claims its run at start and refuses a
+run another namespace owns (issue #17)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_agent.errors import RunOwnershipError
+from ckpt_agent.format.owner import (
+    RunOwner,
+    check_owner,
+    claim_owner,
+    owner_from_env,
+    read_owner,
+)
+from ckpt_agent.policy import AgentConfig
+from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_agent.storage.fs import LocalStorage
+
+
+def test_owner_from_env() -> None:
+    assert owner_from_env({}) is None
+    assert owner_from_env({"CKPT_NAMESPACE": "  "}) is None
+    owner = owner_from_env({"CKPT_NAMESPACE": "a", "CKPT_JOB_NAME": "j", "CKPT_JOB_UID": "u"})
+    assert owner is not None and (owner.namespace, owner.job, owner.uid) == ("a", "j", "u")
+    assert owner.claimed_by == "agent" and owner.time > 0
+
+
+def test_check_owner_claims_reads_and_refuses(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    a, b = RunOwner("a", "j"), RunOwner("b", "k")
+    assert check_owner(storage, "r", a, claim=False) == a  # nothing to read: no claim
+    assert read_owner(storage, "r") is None
+    assert check_owner(storage, "r", a, claim=True) == a
+    assert check_owner(storage, "r", RunOwner("a", "other-job"), claim=True) == a
+    with pytest.raises(RunOwnershipError, match="belongs to namespace a, not b"):
+        check_owner(storage, "r", b, claim=True)
+    with pytest.raises(RunOwnershipError):
+        check_owner(storage, "r", b, claim=False)
+    assert read_owner(storage, "r") == a
+
+
+def test_the_agent_claims_its_run_and_refuses_another_namespaces(
+    ck_config: Callable[..., AgentConfig], ck_store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def start(namespace: str) -> None:
+        monkeypatch.setenv("CKPT_NAMESPACE", namespace)
+        monkeypatch.setenv("CKPT_JOB_NAME", f"job-{namespace}")
+        model = torch.nn.Linear(2, 2)
+        ck = Checkpointer(ck_config(), model=model, storage=ck_store)
+        try:
+            ck.start()
+        finally:
+            ck.close()
+
+    start("team-a")
+    owner = read_owner(ck_store, "run1")
+    assert owner is not None and (owner.namespace, owner.job) == ("team-a", "job-team-a")
+    start("team-a")  # its own run again: fine
+    with pytest.raises(RunOwnershipError, match="team-a"):
+        start("team-b")
+    assert claim_owner(ck_store, "run1", RunOwner("x")).namespace == "team-a"

@@ -1,0 +1,196 @@
+"""The termination-message checkpoint report: format, size bound, parse errors, writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckpt_agent.errors import CheckpointFormatError, TerminationReportError
+from ckpt_agent.format.termination import (
+    ENV_PATH,
+    FORMAT,
+    MAX_BYTES,
+    VERSION,
+    CheckpointReport,
+    ReportedCheckpoint,
+    TerminationLog,
+    encode_report,
+    merge_checkpoints,
+    parse_report,
+)
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+
+RUN = "run-0123456789abcdef"
+
+
+def rec(
+    step: int,
+    tier: Tier = Tier.PULSE,
+    status: CheckpointStatus = CheckpointStatus.VALID,
+    **kw: object,
+) -> CheckpointRecord:
+    return CheckpointRecord(
+        id=checkpoint_id(tier, step),
+        step=step,
+        tier=tier,
+        status=status,
+        created_at=1_764_500_000.0 + step,
+        manifest_hash=f"{step:064x}",
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_round_trip_keeps_what_the_ladder_needs() -> None:
+    records = [
+        rec(10, Tier.FULL),
+        rec(20, prev_hash=f"{10:064x}"),
+        rec(25, lightweight=True, approximate=True, emergency=True),
+        rec(26, Tier.HEARTBEAT),
+    ]
+    report = CheckpointReport.from_records(RUN, records, 1_764_500_100.5)
+    data = encode_report(report)
+    assert data.endswith(b"\n") and data.count(b"\n") == 1
+    back = parse_report(data)
+    assert back == report
+    assert back.run_id == RUN and back.written_at == 1_764_500_100.5
+    assert [c.id for c in back.checkpoints] == [
+        "heartbeat_step_000000000026",
+        "pulse_step_000000000025",
+        "pulse_step_000000000020",
+        "full_step_000000000010",
+    ]
+    out = {r.id: r for r in back.records()}
+    assert [r.step for r in back.records()] == [10, 20, 25, 26]  # oldest first, like listing
+    lw = out["pulse_step_000000000025"]
+    assert lw.lightweight and lw.approximate and lw.emergency and lw.status == "valid"
+    # hashes are shortened consistently, so the prev chain still links
+    assert out["pulse_step_000000000020"].prev_hash == out["full_step_000000000010"].manifest_hash
+    assert out["full_step_000000000010"].tier == Tier.FULL
+    assert out["full_step_000000000010"].created_at == 1_764_500_010.0
+
+
+def test_only_verified_checkpoints_are_reported() -> None:
+    records = [
+        rec(1),
+        rec(2, status=CheckpointStatus.PENDING),
+        rec(3, status=CheckpointStatus.CORRUPTED),
+        rec(4, status=CheckpointStatus.EXPIRED),
+    ]
+    report = CheckpointReport.from_records(RUN, records)
+    assert [c.step for c in report.checkpoints] == [1]
+
+
+def test_many_checkpoints_stay_under_the_bound_and_keep_the_newest() -> None:
+    records = [rec(s, prev_hash=f"{s - 1:064x}") for s in range(1, 1001)]
+    report = CheckpointReport.from_records(RUN, records)
+    data = encode_report(report)
+    assert len(data) <= MAX_BYTES < 4096  # the kubelet keeps 4096 bytes per container
+    back = parse_report(data)
+    steps = [c.step for c in back.checkpoints]
+    assert steps[0] == 1000  # the newest survives
+    assert steps == list(range(1000, 1000 - len(steps), -1))  # a contiguous newest run
+    assert len(steps) >= 10
+    # one more entry would not have fitted
+    bigger = CheckpointReport(RUN, report.checkpoints[: len(steps) + 1])
+    assert len(encode_report(bigger, max_bytes=10**6)) > MAX_BYTES
+
+
+def test_smaller_bound_drops_more() -> None:
+    report = CheckpointReport.from_records(RUN, [rec(s) for s in range(50)])
+    small = parse_report(encode_report(report, max_bytes=600))
+    assert 0 < len(small.checkpoints) < 10
+    assert small.checkpoints[0].step == 49
+
+
+def test_a_run_id_too_long_for_the_bound_is_refused_clearly() -> None:
+    with pytest.raises(TerminationReportError, match="shorter run id"):
+        encode_report(CheckpointReport("x" * 3000))
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("", "empty"),
+        ("\n\n", "empty"),
+        ("Error: CUDA out of memory", "not JSON"),
+        ('{"hello": 1}', "no format"),
+        ('["a"]', "no format"),
+        (f'{{"format":"{FORMAT}","v":99,"run":"r","cps":[]}}', "version 99 is not supported"),
+        (f'{{"format":"{FORMAT}","v":{VERSION},"cps":[]}}', "without a run id"),
+        (f'{{"format":"{FORMAT}","v":{VERSION},"run":"r","cps":{{}}}}', "not a list"),
+        (f'{{"format":"{FORMAT}","v":{VERSION},"run":"r","cps":[1]}}', "not a map"),
+        (
+            f'{{"format":"{FORMAT}","v":{VERSION},"run":"r","cps":[{{"s":1,"t":"pulse","at":1}}]}}',
+            "missing field 'st'",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":{VERSION},"run":"r",'
+            '"cps":[{"s":-1,"t":"pulse","st":"valid","at":1}]}',
+            "non-negative",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":{VERSION},"run":"r",'
+            '"cps":[{"s":1,"t":"giant","st":"valid","at":1}]}',
+            "giant",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":{VERSION},"run":"r",'
+            '"cps":[{"s":1,"t":"pulse","st":"valid","at":"noon"}]}',
+            "not a number",
+        ),
+    ],
+)
+def test_parse_errors_say_what_is_wrong(text: str, match: str) -> None:
+    with pytest.raises(TerminationReportError, match=match) as info:
+        parse_report(text)
+    assert isinstance(info.value, CheckpointFormatError)  # one family: decide on types
+
+
+def test_stale_bytes_after_the_first_line_are_ignored() -> None:
+    new = encode_report(CheckpointReport.from_records(RUN, [rec(5)]))
+    old = encode_report(CheckpointReport.from_records(RUN, [rec(s) for s in range(5)]))
+    torn = new + old[len(new) :]  # killed between the write and the truncate
+    assert parse_report(torn).checkpoints[0].step == 5
+    assert len(parse_report(torn).checkpoints) == 1
+
+
+def test_merge_is_a_union_newest_first_later_commit_wins() -> None:
+    a = ReportedCheckpoint(5, Tier.PULSE, CheckpointStatus.VALID, 100.0, "aa")
+    b = ReportedCheckpoint(5, Tier.PULSE, CheckpointStatus.VALID, 200.0, "bb")
+    c = ReportedCheckpoint(7, Tier.HEARTBEAT, CheckpointStatus.VALID, 150.0)
+    d = ReportedCheckpoint(7, Tier.FULL, CheckpointStatus.VALID, 160.0)
+    merged = merge_checkpoints([a, c], [b, d])
+    assert [(m.step, m.tier) for m in merged] == [(7, Tier.FULL), (7, Tier.HEARTBEAT), (5, "pulse")]
+    assert merged[2].manifest_hash == "bb"
+
+
+def test_writer_rewrites_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "termination-log"
+    log = TerminationLog(path)
+    log.write(RUN, [rec(s) for s in range(30)])
+    first = path.read_bytes()
+    log.write(RUN, [rec(40)])
+    second = path.read_bytes()
+    assert len(second) < len(first)  # truncated, not just overwritten
+    assert [c.step for c in parse_report(second).checkpoints] == [40]
+    assert not log.failed
+
+
+def test_writer_failure_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = TerminationLog(tmp_path / "missing" / "termination-log")
+    log.write(RUN, [rec(1)])
+    log.write(RUN, [rec(2)])
+    assert log.failed
+    assert sum("cannot write the checkpoint report" in r.message for r in caplog.records) == 1
+
+
+def test_from_env(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    assert TerminationLog.from_env({ENV_PATH: str(path)}).path == str(path)  # type: ignore[union-attr]
+    assert TerminationLog.from_env({ENV_PATH: ""}) is None
+    # no variable: the Kubernetes default only when the kubelet created it (never created here)
+    default = TerminationLog.from_env({})
+    assert default is None or Path(default.path).is_file()
