@@ -23,7 +23,7 @@ export CGO_ENABLED=0
 # Keep the caller's GOFLAGS (e.g. -buildvcs=false) but force readonly module mode.
 export GOFLAGS="${GOFLAGS:-} -mod=readonly -buildvcs=false"
 
-command -v go >/dev/null || { echo "build-tools: 'go' not found on PATH (need Go >= 1.24)" >&2; exit 3; }
+command -v go >/dev/null || { echo "build-tools: 'go' not found on PATH (need Go >= 1.26: etcd's and promtool's pinned modules say go 1.26)" >&2; exit 3; }
 
 key_of() {
   local dir="$here/tools/$1"

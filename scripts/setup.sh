@@ -6,7 +6,7 @@
 #                               binaries, and headless Chromium (apt) for the report test
 #   scripts/setup.sh --images   ... and the operator image (scripts/build-images.sh: buildah)
 #
-# Needs: python3.11+ and Go >= 1.24 (both on this project's machines). Everything
+# Needs: python3.11+ and Go >= 1.26 (both on this project's machines). Everything
 # else comes from PyPI and the Go module proxy. Re-running is cheap: the venv is
 # reused while pyproject.toml is unchanged and Go binaries are cached by version
 # under ~/.cache/ckpt-operator/tools.
@@ -54,7 +54,7 @@ else
 fi
 
 if [ "$want_tools" = 1 ]; then
-  command -v go >/dev/null || die "Go >= 1.24 is needed to build the test control plane (apt's golang is too old; this project's machines ship Go)"
+  command -v go >/dev/null || die "Go >= 1.26 is needed to build the test control plane (apt's golang is too old; this project's machines ship Go)"
   if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
     # headless Chromium renders `ckpt report` pages in the tests (tests/ckpt_agent/report)
     log "installing chromium (apt) for the report's browser test"

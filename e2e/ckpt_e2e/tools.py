@@ -66,7 +66,7 @@ def tool_dir(module: str, timeout: float = 3600) -> Path:
         raise ToolError(f"cannot run {BUILD_SCRIPT}: {e}") from e
     except subprocess.CalledProcessError as e:
         raise ToolError(
-            f"building e2e/tools/{module} failed (is Go >= 1.24 installed?):\n{e.stderr[-4000:]}"
+            f"building e2e/tools/{module} failed (is Go >= 1.26 installed?):\n{e.stderr[-4000:]}"
         ) from e
     except subprocess.TimeoutExpired as e:
         raise ToolError(f"building e2e/tools/{module} timed out after {timeout}s") from e

@@ -72,7 +72,7 @@ from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = ["app", "main", "recover_app", "recover_main"]
 
-HELP = f"""Look at, verify, recover and clean up a training run's checkpoints.
+HELP = f"""Look at, verify, recover, clean up and report on a training run's checkpoints.
 
 Reads storage directly (the manifests are the truth); never imports torch or
 unpickles anything, and shows what it read as plain text (markup and terminal
@@ -94,6 +94,10 @@ Examples:
   ckpt recover --job train -n ml --step 1200 --reason "loss spike at 1250"
 
   ckpt gc --dry-run
+
+  ckpt report --storage /mnt/ckpt --run-id llama-7b --work-dir /var/run/ckpt/work
+
+  ckpt simulate --mtbf 3600
 
 {EXIT_CODES_HELP}
 """
