@@ -62,6 +62,7 @@ from ckpt_agent.runtime.persister import make_persister
 from ckpt_agent.runtime.restorer import Restorer, ResumePoint
 from ckpt_agent.runtime.saving import SavePath
 from ckpt_agent.runtime.signals import Heartbeats, SignalWatch
+from ckpt_agent.runtime.tensorboard import ScalarWriter
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import gc_grace_for
 
@@ -107,6 +108,9 @@ class Checkpointer:
             GC (default 0 for a single writer, an hour with several ranks).
         dist_timeout_s: timeout of the agent's own gloo groups (agreement, two-phase
             commit): a rank that hangs longer fails the save instead of blocking forever.
+        summary_writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with
+            ``add_scalar``) that gets ``checkpoint/score``, ``checkpoint/interval`` and
+            ``checkpoint/tier`` every step, next to your own curves; never closed here.
 
     Several ranks (``torch.distributed`` initialized, ``world_size > 1``): every
     call of :meth:`step`, :meth:`save_now` and :meth:`close` is collective. The
@@ -140,6 +144,7 @@ class Checkpointer:
         preallocate: bool = True,
         gc_grace_s: float | None = None,
         dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
+        summary_writer: ScalarWriter | None = None,
     ) -> None:
         config = config if config is not None else AgentConfig.from_env()
         encode_train_config(train_config)  # fails before anything is opened
@@ -152,7 +157,9 @@ class Checkpointer:
         self.handle_sigterm = handle_sigterm
         self.exit_on_sigterm = exit_on_sigterm
         grace = gc_grace_s if gc_grace_s is not None else gc_grace_for(ranks.world_size)
-        self._engine = engine = Engine(config, ranks, storage, gc_grace_s=grace)
+        self._engine = engine = Engine(
+            config, ranks, storage, gc_grace_s=grace, summary_writer=summary_writer
+        )
         self._capture = capture = StateCapture(
             engine, model, optimizer, lr_scheduler, grad_scaler, dataloader_state, train_config
         )

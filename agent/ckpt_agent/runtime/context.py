@@ -39,7 +39,7 @@ from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Lineage, Tier
 from ckpt_agent.runtime.sharded import is_dtensor
-from ckpt_agent.runtime.tensorboard import TensorBoard
+from ckpt_agent.runtime.tensorboard import ScalarWriter, TensorBoard
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
 
@@ -124,7 +124,13 @@ class Engine:
     """The services and shared state of one checkpointer (opened here, closed by :meth:`close`)."""
 
     def __init__(
-        self, config: AgentConfig, ranks: Ranks, storage: Storage | None, *, gc_grace_s: float
+        self,
+        config: AgentConfig,
+        ranks: Ranks,
+        storage: Storage | None,
+        *,
+        gc_grace_s: float,
+        summary_writer: ScalarWriter | None = None,
     ) -> None:
         self.config = config
         self.run_id = validate_run_id(config.run_id)
@@ -150,7 +156,7 @@ class Engine:
         self.catalog = self.parts.catalog
         self.finalizer = self.parts.finalizer
         """Validate → verdict → catalog → retention → blob GC (rank 0's validator thread)."""
-        self.tensorboard = TensorBoard(self.work_dir / "tensorboard")
+        self.tensorboard = TensorBoard(self.work_dir / "tensorboard", summary_writer)
         self.scheduler = AdaptiveScheduler(config.scheduler, config.tiers)
         self.apply_run_facts()
         self.stats = Stats()
@@ -186,7 +192,7 @@ class Engine:
         self.decisions.write(logged)
         self.metrics.score.set(decision.score)
         self.metrics.interval.set(decision.interval)
-        self.tensorboard.scalars(step, decision.score, decision.interval)
+        self.tensorboard.scalars(decision)
         if decision.anomaly is None:
             return
         resolved = step + self.config.tiers.pulse.base_interval
