@@ -128,14 +128,17 @@ class ProcessTree:
                 pass
         return total
 
-    def sample(self) -> None:
-        rss = 0
+    def rss(self) -> int:
+        total = 0
         for p in self._procs():
             try:
-                rss += p.memory_info().rss
+                total += p.memory_info().rss
             except psutil.Error:
                 pass
-        self.peak_rss = max(self.peak_rss, rss)
+        return total
+
+    def sample(self) -> None:
+        self.peak_rss = max(self.peak_rss, self.rss())
 
     def cpu(self) -> float:
         return self._cpu() - self.cpu0
@@ -192,7 +195,32 @@ def summary(name: str, lat: dict[str, float]) -> tuple[str, str]:
     )
 
 
-def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[tuple[str, str]]:
+def settled_rss(tree: ProcessTree, seconds: float = 10.0) -> int:
+    """The operator's RSS once it stopped moving (the lowest of a few samples)."""
+    low = tree.rss()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        low = min(low, tree.rss())
+    return low
+
+
+def delete_all(sc: Scenario, names: Sequence[str], timeout: float) -> None:
+    """Delete every job (and restart) of the run; wait until their pods are gone."""
+    sc.cluster.kubectl("delete", "pytorchjobs", "--all", "-n", sc.namespace, "--wait=false")
+
+    def gone() -> bool:
+        path = f"/api/v1/namespaces/{sc.namespace}/pods?labelSelector={JOB_LABEL}"
+        left = sc.cluster.request("GET", path).get("items") or []
+        return not left and not list_jobs(sc.cluster, sc.namespace)
+
+    sc.cluster.wait_for(gone, timeout, f"{len(names)} jobs and their pods deleted")
+
+
+def run(
+    trickle_n: int, burst_n: int, gap: float, timeout: float, log: Callable[[str], None]
+) -> list[tuple[str, str]]:
+    n = trickle_n + burst_n
     cluster = LocalCluster(startup_timeout=300)
     cluster.start()
     try:
@@ -202,9 +230,10 @@ def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[
         sc.apply_policy("e2e", recovery={"backoffSeconds": 0})
         sc.runner(decide=lambda pod: "ignore")
         tree = ProcessTree(stack.operator.pid)
+        baseline = settled_rss(tree)
         names = [f"job-{i:03d}" for i in range(n)]
-        for name in names:
-            sc.submit(name, Training(steps=5))
+        with ThreadPoolExecutor(8) as submitter:
+            list(submitter.map(lambda name: sc.submit(name, Training(steps=5)), names))
         pods: dict[str, str] = {}
         for name in names:
             pods[name] = str(cluster.wait_for(functools.partial(job_pod, sc, name), 120))
@@ -212,7 +241,7 @@ def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[
         before = request_counts(cluster)
         cpu0 = tree.cpu()
 
-        trickle, burst = names[: n // 2], names[n // 2 :]
+        trickle, burst = names[:trickle_n], names[trickle_n:]
         with ThreadPoolExecutor(1) as poller:
             failed: dict[str, float] = {}
             waiting = poller.submit(wait_restarts, sc, failed, len(trickle), tree, timeout)
@@ -223,6 +252,7 @@ def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[
         log("trickle done")
         failed = fail(sc, burst, pods)
         lat_burst = wait_restarts(sc, failed, len(burst), tree, timeout)
+        drain = len(burst) / max(lat_burst.values()) if lat_burst else math.nan
         log("burst done")
         # the restarts' pods are admitted too; let them all be created
         for job in names:
@@ -231,6 +261,10 @@ def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[
         delta = request_counts(cluster) - before
         p99, calls = webhook_p99(cluster, "inject.pods.ckpt.dev")
         ours = delta.pop(("operator", ""), 0)
+        cpu = tree.cpu() - cpu0
+        delete_all(sc, names, timeout)
+        after = settled_rss(tree, 20.0)
+        log("jobs deleted")
         total = sum(delta.values())
         writes = ", ".join(
             f"{verb} {res} {delta[(verb, res)] / n:.1f}"
@@ -239,12 +273,18 @@ def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[
         return [
             summary("restart latency, trickle", lat_trickle),
             summary("restart latency, burst", lat_burst),
+            ("burst drain rate", f"{drain:.1f} restarts/s ({len(burst)} failed at once)"),
             ("pod admission latency p99 (API server)", f"<= {p99:g} s over {calls} calls"),
             ("API requests per restart, the operator's", f"{ours / n:.1f}"),
             ("writes per restart (all clients)", writes),
             ("API requests per restart, every client", f"{total / n:.1f}"),
-            ("operator CPU", f"{tree.cpu() - cpu0:.1f} s for {n} restarts"),
+            ("operator CPU", f"{cpu:.1f} s for {n} restarts"),
             ("operator peak RSS", f"{tree.peak_rss / 2**20:.0f} MiB"),
+            (
+                "operator RSS: baseline → after the jobs are deleted",
+                f"{baseline / 2**20:.0f} MiB → {after / 2**20:.0f} MiB "
+                f"({(after - baseline) / baseline * 100:+.0f} %)",
+            ),
         ]
     finally:
         cluster.stop()
@@ -253,15 +293,20 @@ def run(n: int, gap: float, timeout: float, log: Callable[[str], None]) -> list[
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--jobs", type=int, default=40, help="jobs (half trickle, half burst)")
+    p.add_argument("--trickle", type=int, help="jobs failed one at a time (default: half)")
+    p.add_argument("--burst", type=int, help="jobs failed at once (default: the rest)")
     p.add_argument("--gap", type=float, default=0.25, help="seconds between trickle failures")
     p.add_argument("--timeout", type=float, default=300.0, help="longest wait for restarts")
     p.add_argument("--write-doc", action="store_true", help=f"write the table into {DOC}")
     args = p.parse_args(argv)
-    if args.jobs < 2:
-        raise SystemExit("--jobs must be >= 2")
-    rows = run(args.jobs, args.gap, args.timeout, lambda s: print(s, flush=True))
+    trickle = args.jobs // 2 if args.trickle is None else args.trickle
+    burst = args.jobs - trickle if args.burst is None else args.burst
+    if trickle < 1 or burst < 1:
+        raise SystemExit("at least one job failed each way (--jobs >= 2, --trickle/--burst >= 1)")
+    rows = run(trickle, burst, args.gap, args.timeout, lambda s: print(s, flush=True))
     lines = [
-        f"`benchmarks/bench_fleet.py --jobs {args.jobs}` ({psutil.cpu_count()} CPUs, "
+        f"`benchmarks/bench_fleet.py --trickle {trickle} --burst {burst}` "
+        f"({psutil.cpu_count()} CPUs, "
         "local control plane, operator and control plane on the same machine):",
         "",
         "| measure | value |",

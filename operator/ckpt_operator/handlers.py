@@ -45,7 +45,7 @@ from ckpt_operator.behaviours.admission import (
     validate_policy,
 )
 from ckpt_operator.behaviours.agentcheck import check_agents
-from ckpt_operator.behaviours.deps import Deps
+from ckpt_operator.behaviours.deps import Deps, cached_job
 from ckpt_operator.behaviours.disruption import signal_node, signal_pod
 from ckpt_operator.behaviours.policies import reconcile_policy
 from ckpt_operator.behaviours.recovery import observe_job, recover_job
@@ -82,8 +82,11 @@ def make_runtime(deps: Deps) -> Runtime:
 
     return Runtime(
         deps=deps,
+        # the job as the watch (or the operator's own last write) left it; a GET on a miss
         recovery=RecoveryScheduler(
-            deps.api.get_job, recover, error_backoff_s=deps.config.recovery.error_backoff_s
+            functools.partial(cached_job, deps),
+            recover,
+            error_backoff_s=deps.config.recovery.error_backoff_s,
         ),
         retention=RetentionLoop(reconcile, clock=deps.clock, tick_s=deps.config.retention.tick_s),
     )

@@ -63,10 +63,12 @@ class KubeApi(Protocol):
 
     async def patch_job_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None]
-    ) -> None: ...
+    ) -> Obj | None:
+        """The job as patched (None: this client does not say)."""
+        ...
 
-    async def patch_job(self, namespace: str, name: str, patch: Obj) -> None:
-        """JSON merge patch of a PyTorchJob."""
+    async def patch_job(self, namespace: str, name: str, patch: Obj) -> Obj | None:
+        """JSON merge patch of a PyTorchJob; the job as patched (None: not known)."""
         ...
 
     async def get_policy(self, namespace: str, name: str) -> Obj | None: ...
@@ -219,11 +221,13 @@ class KubernetesApi:
 
     async def patch_job_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None]
-    ) -> None:
-        await self.patch_job(namespace, name, {"metadata": {"annotations": dict(annotations)}})
+    ) -> Obj | None:
+        return await self.patch_job(
+            namespace, name, {"metadata": {"annotations": dict(annotations)}}
+        )
 
-    async def patch_job(self, namespace: str, name: str, patch: Obj) -> None:
-        await self._call(
+    async def patch_job(self, namespace: str, name: str, patch: Obj) -> Obj | None:
+        patched = await self._call(
             self._custom.patch_namespaced_custom_object,
             c.PYTORCHJOB_GROUP,
             c.PYTORCHJOB_VERSION,
@@ -232,6 +236,7 @@ class KubernetesApi:
             name,
             patch,
         )
+        return cast(Obj, patched) if isinstance(patched, dict) else None
 
     # ------------------------------------------------------------------ policies
     async def get_policy(self, namespace: str, name: str) -> Obj | None:

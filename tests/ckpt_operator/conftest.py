@@ -89,6 +89,13 @@ def _merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
             target[k] = copy.deepcopy(v)
 
 
+def _patched(obj: dict[str, Any]) -> dict[str, Any]:
+    """What a server answers a PATCH with: the object, its resourceVersion advanced."""
+    meta = obj["metadata"]
+    meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
+    return copy.deepcopy(obj)
+
+
 class FakeApi:
     """An in-memory API server for the handful of calls the operator makes."""
 
@@ -142,7 +149,7 @@ class FakeApi:
 
     async def patch_job_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None]
-    ) -> None:
+    ) -> dict[str, Any]:
         self.calls.append(("patch_job_annotations", (name, dict(annotations))))
         job = self.jobs.get((namespace, name))
         if job is None:
@@ -153,13 +160,15 @@ class FakeApi:
                 ann.pop(k, None)
             else:
                 ann[k] = v
+        return _patched(job)
 
-    async def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    async def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("patch_job", (name, copy.deepcopy(patch))))
         job = self.jobs.get((namespace, name))
         if job is None:
             raise NotFoundError(404, f"pytorchjobs {name} not found")
         _merge(job, patch)
+        return _patched(job)
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get_policy", name))

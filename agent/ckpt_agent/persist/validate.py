@@ -233,6 +233,7 @@ class LoaderProcess:
 
     def load(self, run_id: str, ckpt_id: str, rank: int, *, timeout: float) -> LoadReport:
         if self._proc is None or self._proc.poll() is not None:
+            self._kill()  # a child that died on its own: reap it and close its pipes
             self._proc = self._spawn()
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None

@@ -16,7 +16,14 @@ from ckpt_operator.kube import KubeApi
 from ckpt_operator.metrics import Metrics
 from ckpt_operator.sources import SourceFactory
 
-__all__ = ["Deps", "Obj", "cached_job", "cached_policy", "set_job_status"]
+__all__ = [
+    "Deps",
+    "Obj",
+    "cached_job",
+    "cached_policy",
+    "patch_job_annotations",
+    "set_job_status",
+]
 
 Obj = dict[str, Any]
 
@@ -84,4 +91,16 @@ async def set_job_status(
     status = JobStatusAnnotation(state, reason, message, format_time(deps.clock(), precise=True))
     annotations: dict[str, str | None] = {c.ANN_STATUS: status.to_json()}
     annotations.update(extra or {})
-    await deps.api.patch_job_annotations(facts.namespace, facts.name, annotations)
+    await patch_job_annotations(deps, facts.namespace, facts.name, annotations)
+
+
+async def patch_job_annotations(
+    deps: Deps, namespace: str, name: str, annotations: Mapping[str, str | None]
+) -> None:
+    """Patch an opted-in job's annotations and remember the patched job in the cache: the
+    recovery loop reads the job from there, and a late watch event of an older version
+    (e.g. of the restart's intent write) then finds the job already handled without a GET.
+    Only a job the cache holds is updated: a deletion seen meanwhile is not undone."""
+    patched = await deps.api.patch_job_annotations(namespace, name, annotations)
+    if patched is not None and deps.jobs.get(namespace, name) is not None:
+        deps.jobs.upsert(patched)

@@ -11,7 +11,13 @@ from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_agent.records import CheckpointRecord
 from ckpt_operator import constants as c
 from ckpt_operator.agentcheck import AGENT_MISSING
-from ckpt_operator.behaviours.deps import Deps, Obj, cached_policy, set_job_status
+from ckpt_operator.behaviours.deps import (
+    Deps,
+    Obj,
+    cached_policy,
+    patch_job_annotations,
+    set_job_status,
+)
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.jobs import JobStatusAnnotation, format_time, inject_label_patch, job_facts
 from ckpt_operator.kube import ApiError, ConflictError
@@ -87,7 +93,7 @@ async def observe_job(deps: Deps, job: Mapping[str, Any]) -> bool:
         body = {**labels, "metadata": {"annotations": patch}} if patch else labels
         await deps.api.patch_job(facts.namespace, facts.name, body)
     elif patch:
-        await deps.api.patch_job_annotations(facts.namespace, facts.name, patch)
+        await patch_job_annotations(deps, facts.namespace, facts.name, patch)
     return facts.needs_recovery or pending_request(facts) is not None
 
 
@@ -159,7 +165,7 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
             deps.events.emit(job, "Warning", "AgentMissing", message)
 
     if pending_reports and not isinstance(outcome, Restart):
-        await deps.api.patch_job_annotations(facts.namespace, facts.name, pending_reports)
+        await patch_job_annotations(deps, facts.namespace, facts.name, pending_reports)
     if isinstance(outcome, Skip):
         return None
     if isinstance(outcome, Wait):
@@ -216,7 +222,7 @@ async def _recover_manually(
         refusal = outcome.message if isinstance(outcome, GiveUp) else None
     if refusal is not None or not isinstance(outcome, Restart):
         deps.events.emit(job, "Warning", "RecoverRefused", f"{asked} refused: {refusal}")
-        await deps.api.patch_job_annotations(facts.namespace, facts.name, handled)
+        await patch_job_annotations(deps, facts.namespace, facts.name, handled)
         return None
     d = outcome.decision
     plan = f"restart as {d.name} from {d.resume_from} (step {d.resume_step})" + (
@@ -225,11 +231,11 @@ async def _recover_manually(
     if request.dry_run:
         deps.events.emit(job, "Normal", "RecoverPlanned", f"{asked}: would {plan}; nothing done")
         handled[c.ANN_RECOVER_PLAN] = d.to_json()
-        await deps.api.patch_job_annotations(facts.namespace, facts.name, handled)
+        await patch_job_annotations(deps, facts.namespace, facts.name, handled)
         return None
     deps.events.emit(job, "Normal", "ManualRecover", f"{asked}: {plan}")
     await _restart(deps, job, outcome)
-    await deps.api.patch_job_annotations(facts.namespace, facts.name, handled)
+    await patch_job_annotations(deps, facts.namespace, facts.name, handled)
     return None
 
 
@@ -320,7 +326,7 @@ async def _take_reports(
     if patch and pending is not None:
         pending.update(patch)
     elif patch:
-        await deps.api.patch_job_annotations(facts.namespace, facts.name, patch)
+        await patch_job_annotations(deps, facts.namespace, facts.name, patch)
     meta = dict(job.get("metadata") or {})
     meta["annotations"] = {**(meta.get("annotations") or {}), c.ANN_CHECKPOINTS: known.annotation}
     return {**job, "metadata": meta}, known
@@ -402,7 +408,7 @@ async def _restart(
             },
         )
     elif extra:  # a replay writes no intent: the reports go alone
-        await deps.api.patch_job_annotations(facts.namespace, facts.name, dict(extra))
+        await patch_job_annotations(deps, facts.namespace, facts.name, dict(extra))
     # born watched (run id copied, status set): its first event needs no bookkeeping write
     now = format_time(deps.clock(), precise=True)
     watching = JobStatusAnnotation("Watching", "PolicyFound", f"using policy {facts.policy}", now)
