@@ -5,12 +5,13 @@ processes in the Deployment's place (its args, ``--peering`` included), each wit
 webhook port behind a small TCP forwarder on the configured webhook port that sends each
 connection to the first replica that accepts it — what the webhook Service does with its
 ready endpoints. Exactly one replica is active (the highest random priority), the other
-stands by. A burst of opted-in jobs fails at once; when the first restart appears the
-active replica is SIGKILLed (mid-restart, intents possibly written, creates possibly in
-flight) and a second wave fails while no replica is active. The survivor takes over once
-the dead peer's peering lifetime runs out and must finish the burst: every failed job
-restarted exactly once (one ``-r1`` each, a restart of its own job, no ``-r2``), all of
-them ``Restarted``. Afterwards the chart and the session's operator are put back.
+stands by. A burst of opted-in jobs fails at once; an admission gate holds the restarts'
+creates on the wire, and once some are in flight (their intents written on the failed
+jobs) the active replica is SIGKILLed; a second wave fails while no replica is active.
+The survivor takes over once the dead peer's peering lifetime runs out and must finish
+the burst: every failed job restarted exactly once (one ``-r1`` each, a restart of its
+own job, no ``-r2``), all of them ``Restarted``. Afterwards the chart and the session's
+operator are put back.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from ckpt_e2e.admission import AdmissionGate
 from ckpt_e2e.api import free_port
 from ckpt_e2e.errors import ApiError
 from ckpt_e2e.scenario import Scenario
@@ -117,9 +119,14 @@ def _peers(scenario: Scenario) -> dict[str, object]:
         return {}
 
 
+def _planned(op: OperatorProcess) -> bool:
+    """This replica planned a restart (its ``JobFailed`` Event lines): the active one."""
+    return "JobFailed PyTorchJob/" in op.log_since(0)
+
+
 def _restarted(op: OperatorProcess) -> int:
     """Restarts this replica made (its ``Restarted`` Event lines)."""
-    return sum(" Restarted PyTorchJob/" in line for line in op.log_since(0).splitlines())
+    return sum("Restarted PyTorchJob/" in line for line in op.log_since(0).splitlines())
 
 
 @contextlib.contextmanager
@@ -181,15 +188,19 @@ def test_one_of_two_replicas_killed_mid_burst_every_job_restarted_once(
             for name in names
         }
         first, second = names[:FIRST_WAVE], names[FIRST_WAVE:]
-        _fail(scenario, pods, first)
-        # the first restart shows which replica is active: kill it now, mid-burst
-        cluster.wait_for(
-            lambda: _restarted(a) + _restarted(b) > 0, timeout=60, what="a first restart"
-        )
-        active, survivor = (a, b) if _restarted(a) else (b, a)
-        active.kill()
-        killed_at = time.monotonic()
-        done_before = {j["metadata"]["name"] for j in list_jobs(cluster, ns)}
+        with AdmissionGate(cluster, ns) as gate:
+            # the restarts' creates are held on the wire: intents written, creates in flight
+            gate.hold(r"job-\d+-r1")
+            _fail(scenario, pods, first)
+            cluster.wait_for(lambda: len(gate.calls) >= 3, 60, "restart creates in flight")
+            active, survivor = (a, b) if _planned(a) else (b, a)
+            active.kill()  # mid-burst, mid-restart
+            killed_at = time.monotonic()
+            in_flight = [
+                n for n in first if operator_status(scenario.job(n)).get("state") == "Restarting"
+            ]
+            assert in_flight, "no restart was in flight when the active replica died"
+            gate.stop_holding()
         _fail(scenario, pods, second)  # the burst goes on with no active replica
 
         def all_restarted() -> bool:
@@ -203,7 +214,8 @@ def test_one_of_two_replicas_killed_mid_burst_every_job_restarted_once(
         time.sleep(3)  # give a duplicate the chance to show up
         jobs = {j["metadata"]["name"]: j for j in list_jobs(cluster, ns)}
         assert survivor.running and not active.running
-        assert _restarted(survivor) >= SECOND_WAVE, survivor.tail()
+        assert _restarted(survivor) >= SECOND_WAVE + len(in_flight), survivor.tail()
+        assert _restarted(active) == 0
         assert not survivor.forbidden_lines(), survivor.forbidden_lines()
 
     assert sorted(jobs) == sorted([*names, *(f"{n}-r1" for n in names)]), sorted(jobs)
@@ -211,8 +223,7 @@ def test_one_of_two_replicas_killed_mid_burst_every_job_restarted_once(
         ann = annotations_of(jobs[f"{name}-r1"])
         assert ann["ckpt.dev/restart-of"] == name
         assert ann["ckpt.dev/restart-count"] == "1"
-    restarted_before_kill = sum(f"{n}-r1" in done_before for n in names)
     print(
-        f"{restarted_before_kill} restart(s) before the kill, the rest by the survivor "
-        f"within {took:.0f}s of it"
+        f"{len(in_flight)} restart(s) in flight at the kill; all {len(names)} done by the "
+        f"survivor within {took:.0f}s of it"
     )
