@@ -517,7 +517,11 @@ def test_gradient_anomaly_takes_a_lightweight_pulse(ck_config: ConfigFactory) ->
 
 def test_retention_runs_after_each_commit(ck_config: ConfigFactory) -> None:
     cfg = ck_config(retention={"routineKeep": 1})
-    _, ckpt = _started(cfg, Trainer(hidden=600), steps=20)
+    t, ckpt = _started(cfg, Trainer(hidden=600), steps=20)
+    # Two pulses for certain (the scheduler's own may coalesce on a slow machine).
+    assert ckpt.save_now("first", tier=Tier.PULSE) is not None
+    t.run(ckpt, 20, 22)
+    assert ckpt.save_now("second", tier=Tier.PULSE) is not None
     ckpt.close()
     store = _store(cfg)
     pulses = [r for r in list_checkpoints(store, "run1") if r.tier == Tier.PULSE]
