@@ -1,8 +1,8 @@
 """What the benchmarks share: the size of the MLP state they measure, medians, the
 machine they ran on, and the results table they write into a doc between two markers.
 
-Not a benchmark: imported by ``bench_engine.py`` and ``bench_distributed.py`` (run as
-scripts, so this folder is on ``sys.path``).
+Not a benchmark: imported by ``bench_engine.py``, ``bench_distributed.py`` and
+``bench_gpu.py`` (run as scripts, so this folder is on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+from ckpt_agent.policy import AgentConfig
 
 MIB = 1024 * 1024
 
@@ -32,6 +36,40 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     for st in opt.state.values():
         n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
     return n
+
+
+def agent_config(root: Path, run_id: str, pulse_every: int, **over: Any) -> AgentConfig:
+    """A benchmark's agent config under ``root``: pulses every ``pulse_every`` steps, no
+    heartbeats, no routine full checkpoint, no risk signals, validation in process."""
+    data: dict[str, Any] = {
+        "runId": run_id,
+        "storageUrl": (root / "store").as_uri(),
+        "workDir": str(root / "work"),
+        "tiers": {
+            "heartbeat": {"enabled": False},
+            "pulse": {
+                "baseInterval": pulse_every,
+                "minInterval": pulse_every,
+                "maxInterval": pulse_every,
+            },
+            "full": {"everySteps": 100000},
+        },
+        "scheduler": {"risk": {"enabled": False}},
+        "validation": {"loadInSubprocess": False},
+        "retention": {"routineKeep": 2, "importantKeep": 2},
+    }
+    data.update(over)
+    return AgentConfig.model_validate(data)
+
+
+def timed_torch_save(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> float:
+    """Seconds of ``torch.save`` of the model and optimizer state + fsync (the baseline)."""
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
 
 
 def median(xs: Sequence[float]) -> float:

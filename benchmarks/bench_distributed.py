@@ -16,6 +16,9 @@ Three measurements:
   with the process unless its persist finished; with the sidecar it survives
   in shared memory and is committed after the death.
 * **agreement cost per step** on a 2-rank gloo job (two small all-gathers).
+* **in-place restart after SIGKILL, 2 ranks** (``--only inplace``, ``--inplace-mb``):
+  both ranks restore from shared memory vs ``torch.load`` + ``load_state_dict`` on
+  both ranks at once, and vs the restore from storage (``_inplace.py``).
 
     python benchmarks/bench_distributed.py --size-mb 300 --write-doc docs/performance.md
 """
@@ -37,7 +40,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import MIB, machine, median, mlp_layers, results_table, state_bytes, write_marked
+from _common import (
+    MIB,
+    agent_config,
+    machine,
+    median,
+    mlp_layers,
+    results_table,
+    state_bytes,
+    timed_torch_save,
+    write_marked,
+)
+from _inplace import bench_inplace
+from _inplace import rows as inplace_rows
 from torch import nn
 
 from ckpt_agent.policy import AgentConfig
@@ -64,21 +79,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, *, noisy: bool = Tr
 
 
 def config(root: Path, **over: Any) -> AgentConfig:
-    data: dict[str, Any] = {
-        "runId": RUN,
-        "storageUrl": (root / "store").as_uri(),
-        "workDir": str(root / "work"),
-        "tiers": {
-            "heartbeat": {"enabled": False},
-            "pulse": {"baseInterval": 10, "minInterval": 10, "maxInterval": 10},
-            "full": {"everySteps": 100000},
-        },
-        "scheduler": {"risk": {"enabled": False}},
-        "validation": {"loadInSubprocess": False},
-        "retention": {"routineKeep": 2, "importantKeep": 2},
-    }
-    data.update(over)
-    return AgentConfig.model_validate(data)
+    return agent_config(root, RUN, 10, **over)
 
 
 # --------------------------------------------------------------------------- 1. stall
@@ -105,12 +106,7 @@ def bench_stall(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for i in range(args.repeat):
         train_step(model, opt)
         path = root / f"torch_{i}.pt"
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        saves.append(time.perf_counter() - t0)
+        saves.append(timed_torch_save(model, opt, path))
         path.unlink()
     out["torch_save"] = saves
 
@@ -341,7 +337,8 @@ def main() -> int:
     p.add_argument("--agree-steps", type=int, default=300)
     p.add_argument("--dir", type=Path, help="work directory (default: a temp dir)")
     p.add_argument("--write-doc", type=Path, help="write the results into this markdown file")
-    p.add_argument("--only", choices=["stall", "lost", "agree"], action="append")
+    p.add_argument("--inplace-mb", type=float, default=288, help="state of the in-place restart")
+    p.add_argument("--only", choices=["stall", "lost", "agree", "inplace"], action="append")
     p.add_argument("--from-results", type=Path, help="render --write-doc from a results.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -359,7 +356,7 @@ def main() -> int:
         return 0
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     root = Path(tempfile.mkdtemp(prefix="bench-dist-", dir=args.dir))
-    only = set(args.only or ["stall", "lost", "agree"])
+    only = set(args.only or ["stall", "lost", "agree", "inplace"])
     res: dict[str, Any] = {}
     if "stall" in only:
         res["stall"] = bench_stall(args, root / "stall")
@@ -369,6 +366,9 @@ def main() -> int:
     if "agree" in only:
         res["agree_s"] = bench_agreement(args.agree_steps)
         print("agreement per step:", res["agree_s"])
+    if "inplace" in only:
+        res["inplace"] = bench_inplace(args.inplace_mb, args.repeat, root / "inplace")
+        print(json.dumps(res["inplace"], indent=1))
     (root / "results.json").write_text(json.dumps(res, indent=1))
     print(f"results: {root / 'results.json'}")
     if args.write_doc:
@@ -423,6 +423,22 @@ def write_doc(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 "on the training thread, every step",
             )
         )
+    if res.get("inplace"):  # its own block: a run of --only inplace leaves the others
+        write_marked(
+            args.write_doc,
+            "<!-- bench_distributed inplace results -->",
+            [
+                f"In-place restart: {args.inplace_mb:.0f} MB state (MLP 2048x2048 layers, fp32 "
+                f"weights + AdamW moments), 2 ranks on this machine, {args.repeat} repetitions "
+                f"interleaved, medians, load average {os.getloadavg()[0]:.1f} at the end. "
+                f"Machine: {machine()}. Run on {time.strftime('%Y-%m-%d')}.",
+                "",
+                *results_table(inplace_rows(res["inplace"])),
+            ],
+        )
+    if not rows:
+        print(f"wrote {args.write_doc}")
+        return
     mb = (st or {}).get("bytes", 0) / MIB
     write_marked(
         args.write_doc,

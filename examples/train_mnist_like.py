@@ -129,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         "--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)"
     )
     p.add_argument("--no-checkpoint", action="store_true", help="train without the agent")
+    p.add_argument(
+        "--on-persist-error",
+        choices=("auto", "raise", "warn"),
+        default="auto",
+        help="a failed background save: auto (default: log storage outages and retry, raise"
+        " permanent failures and outages past 10 min), raise (always) or warn (never)",
+    )
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             dataloader_state=data,
             train_config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             handle_sigterm=True,
+            on_persist_error=args.on_persist_error,
         )
         resume = ckpt.start()
         start_step = resume.step

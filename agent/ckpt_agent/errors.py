@@ -142,18 +142,18 @@ class RejectionKind(enum.StrEnum):
     FORMAT = "format"  # malformed manifest, tree or payload
     INCOMPATIBLE = "incompatible"  # shapes/dtypes/keys do not fit the live model
     MARKED = "marked"  # already marked corrupted/superseded in the catalog
-    STORAGE = "storage"  # the storage failed while reading it
+    STORAGE = "storage"  # the storage refused a read (not the checkpoint's fault: not marked)
     TOO_LARGE = "too_large"  # more than this machine's memory holds (not marked corrupted)
 
     @property
     def corrupted(self) -> bool:
-        """Whether this rejection marks the checkpoint corrupted (its own bytes are bad)."""
-        return self in (
-            RejectionKind.MISSING,
-            RejectionKind.INTEGRITY,
-            RejectionKind.FORMAT,
-            RejectionKind.STORAGE,
-        )
+        """Whether this rejection marks the checkpoint corrupted (its own bytes are bad).
+
+        A storage failure proves nothing about the bytes (an EIO, a refused request):
+        such a checkpoint is never marked; a transient one fails the start instead
+        (:class:`ResumeStorageError`), so a good checkpoint is never given up for it.
+        """
+        return self in (RejectionKind.MISSING, RejectionKind.INTEGRITY, RejectionKind.FORMAT)
 
 
 # --------------------------------------------------------------------------- runtime
@@ -164,11 +164,25 @@ class CheckpointError(CkptError, RuntimeError):
 
 
 class PersistError(CheckpointError):
-    """A background persist failed (raised once, on the next call)."""
+    """A background persist failed (raised once, on the next call).
+
+    :attr:`transient`: every failure behind it was a :class:`RetryableError` (a later
+    save may succeed).
+    """
+
+    transient: bool = False
 
 
 class ResumeError(CheckpointError, PermanentError):
     """The requested/required checkpoint cannot be restored (never a silent fresh start)."""
+
+
+class ResumeStorageError(CheckpointError, RetryableError):
+    """The storage kept failing (transiently) while a checkpoint was read at start.
+
+    The start fails rather than resume from an older checkpoint (a rewind) or mark a
+    good one corrupted; the container's restart (or the operator's) tries again.
+    """
 
 
 class CandidateRejectedError(ResumeError):

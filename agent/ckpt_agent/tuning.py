@@ -23,6 +23,12 @@ VALIDATION_BACKLOG: Final = 4
 #: Largest sample written to measure storage latency for the system signal layer.
 LATENCY_SAMPLE_MAX_BYTES: Final = 1024 * 1024
 
+#: Write throughput (bytes/s) a local/shared filesystem is assumed to take before the
+#: writer measured it (codec ``auto``: "fast", compression rarely pays).
+ASSUMED_WRITE_BPS_LOCAL: Final = 1024.0 * 1024 * 1024
+#: The same for object stores and unknown backends ("slow": compression often pays).
+ASSUMED_WRITE_BPS_REMOTE: Final = 32.0 * 1024 * 1024
+
 #: Deferred tier promotions kept while the persister is busy.
 MAX_PENDING_PROMOTIONS: Final = 3
 
@@ -30,3 +36,15 @@ MAX_PENDING_PROMOTIONS: Final = 3
 def gc_grace_for(world_size: int) -> float:
     """Blob GC grace: none for a single writer, :data:`GC_GRACE_S` when others may write."""
     return 0.0 if world_size == 1 else GC_GRACE_S
+
+
+#: ``on_persist_error="auto"``: how long retryable storage failures may keep every save
+#: from committing before the training thread raises (the job fails visibly instead of
+#: training on without a checkpoint). A 30 s outage is ridden out; ten minutes is not.
+PERSIST_OUTAGE_TOLERANCE_S: Final = 600.0
+
+#: Reads of one candidate checkpoint at start that fail with a retryable storage error
+#: (an EIO, a reset connection) before the start fails (nothing is marked corrupted).
+RESTORE_READ_ATTEMPTS: Final = 3
+#: Pause before the first re-read (doubled each time).
+RESTORE_READ_BACKOFF_S: Final = 0.5

@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ckpt_agent.errors import ForceRequiredError
+from ckpt_agent.errors import ForceRequiredError, RetryableError
 from ckpt_agent.policy.models import RecoverySpec, Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 
@@ -369,7 +369,10 @@ def walk(
     """Try the plan in order: the first step whose checkpoint (and weights source) verifies.
 
     ``verify(checkpoint_id)`` is called at most once per id (results are
-    cached); an exception counts as a failure with its message as the reason.
+    cached); an exception counts as a failure with its message as the reason,
+    except a :class:`~ckpt_agent.errors.RetryableError` (a storage outage says
+    nothing about the checkpoint): it propagates, so the caller retries later
+    instead of walking past a good checkpoint.
     Steps that need force are rejected without calling ``verify``. Returns
     the accepted step (None when none verified) and the rejected ones with
     the reason.
@@ -381,6 +384,8 @@ def walk(
             try:
                 ok = bool(verify(cid))
                 cache[cid] = (ok, "" if ok else f"{cid} failed verification")
+            except RetryableError:
+                raise
             except Exception as exc:
                 cache[cid] = (False, f"{cid} verification raised {type(exc).__name__}: {exc}")
         return cache[cid]

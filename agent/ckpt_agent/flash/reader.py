@@ -3,7 +3,7 @@
 :class:`ShmReader` claims a rank's area, opens complete snapshots under a shared
 lock (never a half-written one), reports what it handled (``persisted.json``) and
 records chunk hashes for in-place restarts; :func:`verify_snapshot` checks a
-snapshot's bytes against them. Torch-free.
+snapshot's bytes (or a copy of them) against them. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,20 +20,23 @@ from pathlib import Path
 from ckpt_agent.errors import ShmError
 from ckpt_agent.flash.protocol import (
     DEFAULT_SLOTS,
+    FAST_SCHEME,
     FORMAT_HASHES,
     HASH_CHUNK_BYTES,
     VERSION,
     Descriptor,
     PersistedMark,
+    RecordedHashes,
     ShmArea,
     atomic_write,
     chunk_hashes,
+    fast_checksums,
     hold_lock,
     read_header,
     try_flock,
 )
 
-__all__ = ["ShmReader", "ShmSnapshot", "verify_snapshot"]
+__all__ = ["ShmReader", "ShmSnapshot", "verify_snapshot", "verify_views"]
 
 
 @dataclass
@@ -96,7 +99,8 @@ class ShmReader(ShmArea):
             if now is None or now.seq != desc.seq or size < desc.data_size:
                 yield None
                 return
-            mm = mmap.mmap(fd, desc.data_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            populate = getattr(mmap, "MAP_POPULATE", 0)  # the reader reads it all: map it now
+            mm = mmap.mmap(fd, desc.data_size, mmap.MAP_SHARED | populate, mmap.PROT_READ)
             view = memoryview(mm)
             try:
                 if read_header(view) != (desc.seq, desc.seq, desc.data_size):
@@ -116,8 +120,14 @@ class ShmReader(ShmArea):
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.persisted_path, mark.to_bytes())
 
-    def write_hashes(self, desc: Descriptor, tensors: Mapping[str, Sequence[str]]) -> None:
-        doc = {
+    def write_hashes(
+        self,
+        desc: Descriptor,
+        tensors: Mapping[str, Sequence[str]],
+        fast: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        """Record the chunk SHA-256s (and fast checksums) of a snapshot for in-place restarts."""
+        doc: dict[str, object] = {
             "format": FORMAT_HASHES,
             "version": VERSION,
             "seq": desc.seq,
@@ -125,19 +135,34 @@ class ShmReader(ShmArea):
             "chunk_bytes": HASH_CHUNK_BYTES,
             "tensors": {k: list(v) for k, v in tensors.items()},
         }
+        if fast is not None:
+            doc["fast"] = {"scheme": FAST_SCHEME, "tensors": {k: list(v) for k, v in fast.items()}}
         atomic_write(self.hashes_path(desc.slot), json.dumps(doc, sort_keys=True).encode())
 
 
-def verify_snapshot(
-    snap: ShmSnapshot, expected: Mapping[str, Sequence[str]], chunk: int = HASH_CHUNK_BYTES
+def verify_views(
+    views: Mapping[str, memoryview], expected: RecordedHashes, chunk: int = HASH_CHUNK_BYTES
 ) -> list[str]:
-    """Problems found comparing a snapshot's bytes with recorded chunk hashes (empty: intact)."""
+    """Problems found comparing bytes (name → view) with recorded hashes (empty: intact).
+
+    The fast checksums are compared where the persister recorded them, else the SHA-256s
+    (the threat model is in :mod:`ckpt_agent.flash.protocol`).
+    """
+    table = expected.fast if expected.fast is not None else expected.sha256
+    digest = fast_checksums if expected.fast is not None else chunk_hashes
     problems: list[str] = []
-    names = set(snap.desc.tensors) | set(snap.desc.files)
-    for name in sorted(names - set(expected)):
+    for name in sorted(set(views) - set(table)):
         problems.append(f"{name}: no recorded hash")
-    for name in sorted(set(expected) & names):
-        view = snap.tensor(name) if name in snap.desc.tensors else snap.file(name)
-        if chunk_hashes(view, chunk) != list(expected[name]):
+    for name in sorted(set(table) & set(views)):
+        if digest(views[name], chunk) != list(table[name]):
             problems.append(f"{name}: bytes differ from the recorded hash")
     return problems
+
+
+def verify_snapshot(
+    snap: ShmSnapshot, expected: RecordedHashes, chunk: int = HASH_CHUNK_BYTES
+) -> list[str]:
+    """Problems found comparing a snapshot's bytes with recorded chunk hashes (empty: intact)."""
+    views = {n: snap.tensor(n) for n in snap.desc.tensors}
+    views.update({n: snap.file(n) for n in snap.desc.files})
+    return verify_views(views, expected, chunk)

@@ -25,6 +25,7 @@ argument.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -43,6 +44,7 @@ __all__ = [
     "CodecSpec",
     "PyShuffler",
     "Shuffler",
+    "check_zstd_frame",
     "decode",
     "encode",
     "zstd_version",
@@ -150,15 +152,35 @@ def zstd_version() -> str:
     return str(zstandard.__version__)
 
 
+_contexts = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compression context for ``level`` (contexts are reused, never shared
+    between threads: one context is not safe to use from two threads at once)."""
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_contexts, "by_level", None)
+    if cache is None:
+        cache = _contexts.by_level = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(
+            level=level, write_content_size=True, write_checksum=False
+        )
+    return cctx
+
+
 def encode(data: memoryview, spec: CodecSpec, shuffler: Shuffler = PY_SHUFFLER) -> Buffer:
-    """Encode raw bytes; returns ``data`` itself for ``none`` (no copy)."""
+    """Encode raw bytes; returns ``data`` itself for ``none`` (no copy).
+
+    Thread-safe (zstd releases the GIL: blobs compress in parallel on the writer's
+    threads); the result is a new buffer, never one the shuffler reuses.
+    """
     if spec.codec == CODEC_NONE:
         return data
     src: Buffer = data
     if spec.shuffle and len(data) >= spec.shuffle:
         src = shuffler.shuffle(data, spec.shuffle)
-    cctx = zstandard.ZstdCompressor(level=spec.level, write_content_size=True, write_checksum=False)
-    return cctx.compress(memoryview(src))
+    return _compressor(spec.level).compress(memoryview(src))
 
 
 def decode(
@@ -189,14 +211,7 @@ def decode(
         return out
     if spec.codec != CODEC_ZSTD:  # pragma: no cover - CodecSpec refuses it
         raise CodecError(f"unknown codec {spec.codec!r}")
-    try:
-        params = zstandard.get_frame_parameters(view)
-    except zstandard.ZstdError as e:
-        raise CodecError(f"not a zstd frame: {e}") from None
-    if params.content_size not in (raw_size, zstandard.CONTENTSIZE_UNKNOWN):
-        raise CodecError(
-            f"zstd frame declares {params.content_size} bytes, manifest says {raw_size}"
-        )
+    check_zstd_frame(view, raw_size)
     try:
         raw = zstandard.ZstdDecompressor().decompress(view, max_output_size=raw_size)
     except zstandard.ZstdError as e:
@@ -209,6 +224,18 @@ def decode(
     else:
         target[:] = raw
     return target
+
+
+def check_zstd_frame(view: memoryview, raw_size: int) -> None:
+    """Refuse (:class:`CodecError`) what is not a zstd frame, or one declaring another size."""
+    try:
+        params = zstandard.get_frame_parameters(view)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"not a zstd frame: {e}") from None
+    if params.content_size not in (raw_size, zstandard.CONTENTSIZE_UNKNOWN):
+        raise CodecError(
+            f"zstd frame declares {params.content_size} bytes, manifest says {raw_size}"
+        )
 
 
 def none_spec() -> CodecSpec:

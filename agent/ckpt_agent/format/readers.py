@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
-from ckpt_agent.format.codec import PY_SHUFFLER, CodecError, Shuffler, decode
+from ckpt_agent.format.chunkread import Scratch, check_inline, read_chunk
+from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
 from ckpt_agent.format.layout import (
     COMMIT_MAX_BYTES,
     MANIFEST_MAX_BYTES,
     VALIDATION_MAX_BYTES,
-    blob_key,
     checkpoint_prefix,
     commit_key,
     sha256_hex,
@@ -150,7 +150,10 @@ def read_tensor_bytes(
 ) -> memoryview:
     """Decode one tensor's raw bytes, checking every hash and size on the way.
 
-    Raises :class:`IntegrityError` (missing/flipped/truncated data) or
+    Chunks are decoded straight into ``out`` and verified there
+    (:func:`~ckpt_agent.format.chunkread.read_chunk`); many tensors at once, on
+    several threads: :mod:`ckpt_agent.format.parallel_read`. Raises
+    :class:`IntegrityError` (missing/flipped/truncated data) or
     :class:`CheckpointFormatError`; never interprets the bytes.
     """
     what = f"{manifest.checkpoint_id}: {name!r}"
@@ -158,16 +161,16 @@ def read_tensor_bytes(
     if len(target) != entry.nbytes:
         raise ValueError(f"{what}: output buffer has {len(target)} bytes, tensor {entry.nbytes}")
     if entry.inline is not None:
-        _check_inline(entry, what)
+        check_inline(entry, what)
         target[:] = entry.inline
         return target
     offset = 0
+    scratch = Scratch()
     for digest in entry.chunks:
-        raw_size = manifest.blobs[digest].raw_size
-        _decode_chunk(
-            storage, run_id, manifest, digest, what, target[offset : offset + raw_size], shuffler
-        )
-        offset += raw_size
+        blob = manifest.blobs[digest]
+        part = target[offset : offset + blob.raw_size]
+        read_chunk(storage, run_id, blob, what, part, shuffler, scratch)
+        offset += blob.raw_size
     return target
 
 
@@ -183,61 +186,21 @@ def check_tensor_bytes(
 ) -> None:
     """Like :func:`read_tensor_bytes`, but keeps nothing: memory stays one chunk.
 
-    Each chunk is decoded into a scratch buffer of at most
+    Each blob's stored bytes are checked against its name, then it is decoded
+    into a scratch buffer of at most
     :data:`~ckpt_agent.format.layout.CHUNK_MAX_BYTES` and its raw hash
     checked; digests in ``seen`` are skipped and the checked ones added (a
     blob referenced many times is decoded once).
     """
     what = f"{manifest.checkpoint_id}: {name!r}"
     if entry.inline is not None:
-        _check_inline(entry, what)
+        check_inline(entry, what)
         return
-    scratch: memoryview | None = None
+    out, scratch = Scratch(), Scratch()  # each at most a chunk: the manifest says so
     for digest in entry.chunks:
         if digest in seen:
             continue
-        if scratch is None:  # the largest chunk (at most CHUNK_MAX_BYTES: the manifest says so)
-            scratch = memoryview(bytearray(max(manifest.blobs[d].raw_size for d in entry.chunks)))
-        raw_size = manifest.blobs[digest].raw_size
-        _decode_chunk(storage, run_id, manifest, digest, what, scratch[:raw_size], shuffler)
+        blob = manifest.blobs[digest]
+        part = out.get(blob.raw_size)
+        read_chunk(storage, run_id, blob, what, part, shuffler, scratch, check_stored=True)
         seen.add(digest)
-
-
-def _check_inline(entry: TensorEntry, what: str) -> None:
-    assert entry.inline is not None
-    if sha256_hex(entry.inline) != entry.inline_sha256:
-        raise IntegrityError(f"{what}: inline data does not match its SHA-256")
-
-
-def _decode_chunk(
-    storage: Storage,
-    run_id: str,
-    manifest: RankManifest,
-    digest: str,
-    what: str,
-    part: memoryview,
-    shuffler: Shuffler,
-) -> None:
-    """Read one blob, check its size and hash, decode it into ``part``, check the raw hash."""
-    blob = manifest.blobs[digest]
-    problem = ""
-    try:
-        with storage.read_view(blob_key(run_id, digest)) as stored:
-            if len(stored) != blob.size:
-                problem = (
-                    f"has {len(stored)} bytes, manifest says {blob.size} (truncated or overwritten)"
-                )
-            elif (got := sha256_hex(stored)) != digest:
-                problem = f"hashes to {got[:16]}… (corrupted bytes)"
-            else:
-                try:
-                    decode(stored, blob.codec, blob.raw_size, out=part, shuffler=shuffler)
-                except CodecError as e:
-                    problem = str(e)  # raised below, once the mapping is released
-    except NotFoundError:
-        problem = "is missing from storage"
-    if problem:
-        raise IntegrityError(f"{what}: blob {digest[:16]}… {problem}")
-    same = blob.codec.codec == "none"  # stored bytes are the raw bytes: already checked
-    if not same and sha256_hex(part) != blob.raw_sha256:
-        raise IntegrityError(f"{what}: blob {digest[:16]}… decodes to the wrong bytes")

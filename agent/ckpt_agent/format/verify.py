@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from ckpt_agent.errors import one_line
+from ckpt_agent.errors import RetryableError, one_line
 from ckpt_agent.format.layout import blob_key, sha256_hex
 from ckpt_agent.format.manifest import BlobEntry
 from ckpt_agent.format.readers import read_commit, read_rank_manifest
@@ -67,12 +67,16 @@ def verify_hashes(
     Checks the COMMIT parses, each rank manifest matches the hash the COMMIT
     records, and every referenced blob exists, has its recorded size and
     hashes to its name. Never raises for bad data: the result says what is
-    wrong. Decoding (codec, raw hashes, shapes) is the loader's job
-    (:mod:`ckpt_agent.persist.validate`).
+    wrong. A transient storage failure (:class:`~ckpt_agent.errors.RetryableError`)
+    is raised, not reported: it says nothing about the checkpoint, and a caller
+    that took it for a failed check would give a good checkpoint up. Decoding
+    (codec, raw hashes, shapes) is the loader's job (:mod:`ckpt_agent.persist.validate`).
     """
     result = VerifyResult(checkpoint_id=ckpt_id)
     try:
         committed = read_commit(storage, run_id, ckpt_id)
+    except RetryableError:
+        raise
     except Exception as e:  # bad data of any kind is a failed check, never a crash
         result.fail(one_line(e))
         return result
@@ -83,6 +87,8 @@ def verify_hashes(
             continue
         try:
             m = read_rank_manifest(storage, run_id, committed, ref.rank)
+        except RetryableError:
+            raise
         except Exception as e:
             result.fail(one_line(e))
             continue
@@ -112,6 +118,8 @@ def verify_hashes(
             result.missing.append(digest)
             result.fail(f"{ckpt_id}: blob {digest[:16]}… is missing from storage")
             continue
+        except RetryableError:
+            raise
         except StorageError as e:
             result.fail(f"{ckpt_id}: blob {digest[:16]}…: {e}")
             continue

@@ -10,41 +10,51 @@ written again, its blob is referenced. Frozen layers, untouched embedding
 chunks and frozen optimizer state therefore cost one hash, not one write.
 Restore is exact because the reference is by content.
 
+Pipeline, two stages: each chunk is hashed, de-duplicated and encoded on a
+pool of CPU threads (``min(parallel_writes, cores)``; SHA-256 and zstd release
+the GIL, so chunks hash and compress in parallel), then written on a pool of
+``parallel_writes`` upload threads (overlapping the storage's latency with the
+next chunks' hashing). The persister thread only submits chunks (at most a
+few per CPU thread ahead) and assembles the manifest in order. Memory: tasks
+read the snapshot's buffers in place; beyond them a save holds at most one
+encoded chunk (and one shuffle scratch buffer) per CPU thread and
+``parallel_writes`` encoded chunks waiting for or in their upload — none with
+raw blobs. The codec of each blob comes from
+:class:`~ckpt_agent.persist.encoding.BlobEncoder` (``auto``: compress where it
+pays, from the storage's measured throughput).
+
 Commit protocol (:meth:`CheckpointWriter.write_rank` then
-:meth:`CheckpointWriter.commit`): blobs (each atomic; a re-used blob is
-first checked to still exist, else written again), then the rank manifest,
-then the ``COMMIT`` listing the rank manifests with their hashes. A re-save of an
-existing checkpoint id first deletes its COMMIT (and verdict), so readers
-never pair an old COMMIT with a new rank manifest.
+:meth:`CheckpointWriter.commit`): blobs (each atomic and durable, e.g. fsynced
+before it is renamed into place; a re-used blob is first checked to still
+exist, else written again), then — after *every* blob write has returned —
+the rank manifest, then the ``COMMIT`` listing the rank manifests with their
+hashes. A re-save of an existing checkpoint id first deletes its COMMIT (and
+verdict), so readers never pair an old COMMIT with a new rank manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
+import os
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ckpt_agent.format.codec import (
     CODEC_NONE,
-    CODEC_ZSTD,
     PY_SHUFFLER,
-    CodecSpec,
     Shuffler,
-    encode,
-    none_spec,
 )
 from ckpt_agent.format.layout import (
     CHUNK_MAX_BYTES,
     DTYPE_ITEMSIZE,
-    FLOAT_DTYPES,
     blob_key,
     checkpoint_prefix,
     commit_key,
@@ -61,7 +71,7 @@ from ckpt_agent.format.manifest import (
     TensorEntry,
     library_versions,
 )
-from ckpt_agent.policy.models import CompressionSpec
+from ckpt_agent.persist.encoding import BlobEncoder, CodecPolicy, Encoded, WriteMeter
 from ckpt_agent.records import Json, rank_name
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import CHUNK_BYTES
@@ -75,19 +85,17 @@ __all__ = [
     "WrittenRank",
 ]
 
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer as Buffer
-
 log = logging.getLogger(__name__)
 
 
 #: Tensors up to this many bytes are stored inline in the manifest (base64).
 INLINE_MAX_BYTES = 8 * 1024
-#: Blob uploads in flight at once (overlaps fsync/network latency with hashing/encoding;
-#: bounds the encoded chunks held in memory to this many).
+#: Blob uploads in flight at once (and encoded chunks waiting for one): overlaps
+#: fsync/network latency with hashing/encoding; also caps the hashing/encoding threads.
 PARALLEL_WRITES = 4
-#: Keep the compressed form only when it saves at least this fraction.
-MIN_SAVING = 0.03
+#: Chunks submitted ahead of the oldest unfinished one, per thread (they hold no memory:
+#: views of the snapshot).
+SUBMIT_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -99,33 +107,6 @@ class TensorSource:
     shape: tuple[int, ...]
     data: memoryview
     """Raw bytes (``len == nbytes``); read only during :meth:`CheckpointWriter.write_rank`."""
-
-
-@dataclass(frozen=True)
-class CodecPolicy:
-    """Which codec each blob gets (from the policy's ``compression`` section)."""
-
-    codec: str = CODEC_ZSTD
-    level: int = 3
-    byte_shuffle: bool = True
-    min_size_bytes: int = 4096
-
-    @classmethod
-    def from_spec(cls, spec: CompressionSpec) -> CodecPolicy:
-        """The codec policy a policy's ``compression`` section asks for."""
-        return cls(
-            codec=spec.codec,
-            level=spec.level,
-            byte_shuffle=spec.byte_shuffle and spec.codec != CODEC_NONE,
-            min_size_bytes=spec.min_size_bytes,
-        )
-
-    def spec_for(self, dtype: str, nbytes: int) -> CodecSpec:
-        if self.codec == CODEC_NONE or nbytes < self.min_size_bytes:
-            return none_spec()
-        itemsize = DTYPE_ITEMSIZE[dtype]
-        shuffle = itemsize if self.byte_shuffle and dtype in FLOAT_DTYPES and itemsize > 1 else 0
-        return CodecSpec(CODEC_ZSTD, self.level, shuffle)
 
 
 class BlobIndex:
@@ -183,7 +164,12 @@ class WrittenRank:
     blobs_new: int = 0
     blobs_reused: int = 0
     raw_bytes: int = 0
+    blobs_compressed: int = 0
+    """New blobs stored compressed (the others raw)."""
     timings: dict[str, float] = field(default_factory=dict)
+    """``hash_s``/``encode_s``/``write_s``: seconds summed over the pool's threads;
+    ``total_s``: wall time; ``write_mib_s``/``compress_mib_s``: the throughputs the
+    ``auto`` codec decided from (when known)."""
 
 
 @dataclass
@@ -196,12 +182,73 @@ class WrittenCheckpoint:
     size_bytes: int
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """What one chunk's hash/encode task did."""
+
+    entry: BlobEntry | None
+    """The blob that holds the chunk (None: the same bytes as chunk ``same_as``)."""
+    same_as: int = -1
+    upload: Future[tuple[bool, float]] | None = None
+    """Its write: (written now — else already in storage —, seconds); None: re-used."""
+    hash_s: float = 0.0
+    encode_s: float = 0.0
+
+
+class _RankWrite:
+    """One :meth:`CheckpointWriter.write_rank` call's chunks in flight (persister thread)."""
+
+    def __init__(self, uploads_ahead: int) -> None:
+        self.futures: list[Future[_Stored]] = []
+        self.claims: dict[str, int] = {}
+        """raw SHA-256 → the chunk that writes it (a repeat within the checkpoint waits)."""
+        self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(uploads_ahead)
+        """Encoded chunks handed to the upload pool and not yet written (back-pressure)."""
+        self.failed = threading.Event()
+        """An upload failed: submit nothing more."""
+        self.done = 0
+        """Chunks from the front whose task has been waited for."""
+        self.error: BaseException | None = None
+
+    def _keep(self, e: BaseException) -> None:
+        self.error = self.error or e
+
+    def wait_front(self) -> None:
+        """Wait for the oldest unfinished chunk task; keep the first failure."""
+        fut = self.futures[self.done]
+        self.done += 1
+        try:
+            fut.result()
+        except BaseException as e:
+            self._keep(e)
+
+    def drain(self) -> None:
+        """Wait for every chunk task, then every upload (no task may outlive the call:
+        they read the caller's buffers); raise the first failure."""
+        while self.done < len(self.futures):
+            self.wait_front()
+        for fut in self.futures:
+            if fut.exception() is not None:
+                continue
+            upload = fut.result().upload
+            if upload is None:
+                continue
+            try:
+                upload.result()
+            except BaseException as e:
+                self._keep(e)
+        if self.error is not None:
+            raise self.error
+
+
 class CheckpointWriter:
     """Writes one rank's part of checkpoints, and commits them.
 
     Multi-rank: every rank calls :meth:`write_rank`; the coordinator verifies
     the rank manifests and calls :meth:`commit` with all the parts
     (:class:`ckpt_agent.runtime.distributed.TwoPhaseCommit`, :mod:`ckpt_agent.flash.sidecar`).
+    One call at a time per writer.
     """
 
     def __init__(
@@ -224,9 +271,10 @@ class CheckpointWriter:
         if parallel_writes < 1:
             raise ValueError("parallel_writes must be >= 1")
         self.parallel_writes = parallel_writes
+        #: Threads that hash and encode (CPU); uploads run on their own ``parallel_writes``.
+        self.cpu_threads = max(1, min(parallel_writes, os.cpu_count() or 1))
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[tuple[Future[bool], int]] = deque()
-        self._this_rank: dict[str, BlobEntry] = {}
+        self._io_pool: ThreadPoolExecutor | None = None
         self.storage = storage
         self.run_id = run_id
         self.codec = codec or CodecPolicy()
@@ -234,6 +282,15 @@ class CheckpointWriter:
         self.shuffler = shuffler
         self.chunk_bytes = chunk_bytes
         self.inline_max_bytes = inline_max_bytes
+        #: The storage's measured write throughput (kept across checkpoints).
+        self.meter = WriteMeter(storage.assumed_write_bps, min_bytes=chunk_bytes // 4)
+        #: Per-blob codec choice (``auto``) and encoding.
+        self.encoder = BlobEncoder(
+            self.codec,
+            self.meter,
+            shuffler=shuffler,
+            threads=self.cpu_threads,
+        )
 
     # ------------------------------------------------------------------ one rank
 
@@ -254,36 +311,35 @@ class CheckpointWriter:
         self.storage.delete(commit_key(self.run_id, ckpt_id))
         self.storage.delete(validation_key(self.run_id, ckpt_id))
         out = WrittenRank(manifest=None, ref=None)  # type: ignore[arg-type]
-        self._this_rank = {}
+        run = _RankWrite(self.parallel_writes)
+        planned: list[tuple[str, TensorEntry, list[int]]] = []
+        sources = [*tensors]
+        sources += [
+            TensorSource(fname, "uint8", (len(payload),), memoryview(payload))
+            for fname, payload in (files or {}).items()
+        ]
+        try:
+            for src in sources:
+                entry, slots = self._plan_tensor(src, run, out)
+                planned.append((src.name, entry, slots))
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the first error is the one to raise
+                run.drain()  # no task may outlive this call: they read the caller's buffers
+            raise
+        run.drain()  # every blob written (durable) before the manifest
         blobs: dict[str, BlobEntry] = {}
         entries: dict[str, TensorEntry] = {}
-        t_hash = t_encode = t_write = 0.0
         file_entries: dict[str, TensorEntry] = {}
-        try:
-            for src in tensors:
-                entries[src.name], th, te, tw = self._write_tensor(src, blobs, out)
-                t_hash += th
-                t_encode += te
-                t_write += tw
-            for fname, payload in (files or {}).items():
-                src = TensorSource(fname, "uint8", (len(payload),), memoryview(payload))
-                file_entries[fname], th, te, tw = self._write_tensor(src, blobs, out)
-        except BaseException:
-            try:  # no upload may outlive this call: they read the caller's buffers
-                self._drain(out)
-            except BaseException:
-                pass
-            raise
-        t0w = time.perf_counter()
-        self._drain(out)
-        t_write += time.perf_counter() - t0w
-        stats = {
-            "bytes_new": out.bytes_new,
-            "bytes_reused": out.bytes_reused,
-            "blobs_new": out.blobs_new,
-            "blobs_reused": out.blobs_reused,
-            "raw_bytes": out.raw_bytes,
-        }
+        stored = [f.result() for f in run.futures]
+        totals = self._account(stored, out)
+        for i, (name, planned_entry, slots) in enumerate(planned):
+            digests = []
+            for slot in slots:
+                blob = self._blob_of(stored, slot)
+                blobs[blob.digest] = blob
+                digests.append(blob.digest)
+            entry = dataclasses.replace(planned_entry, chunks=tuple(digests))
+            (entries if i < len(tensors) else file_entries)[name] = entry
         manifest = RankManifest(
             meta=meta,
             rank=rank,
@@ -291,7 +347,13 @@ class CheckpointWriter:
             tensors=entries,
             blobs=blobs,
             files=file_entries,
-            stats=stats,
+            stats={
+                "bytes_new": out.bytes_new,
+                "bytes_reused": out.bytes_reused,
+                "blobs_new": out.blobs_new,
+                "blobs_reused": out.blobs_reused,
+                "raw_bytes": out.raw_bytes,
+            },
         )
         data = manifest.to_bytes()
         t1 = time.perf_counter()
@@ -301,135 +363,145 @@ class CheckpointWriter:
             rank=rank, key=f"{rank_name(rank)}.json", sha256=sha256_hex(data), size=len(data)
         )
         out.bytes_new += len(data)
-        out.timings = {
-            "hash_s": t_hash,
-            "encode_s": t_encode,
-            "write_s": t_write + (time.perf_counter() - t1),
-            "total_s": time.perf_counter() - t0,
-        }
+        totals["write_s"] += time.perf_counter() - t1
+        totals["total_s"] = time.perf_counter() - t0
+        out.timings = totals | self._throughputs()
         return out
 
-    def _write_tensor(
-        self, src: TensorSource, blobs: dict[str, BlobEntry], out: WrittenRank
-    ) -> tuple[TensorEntry, float, float, float]:
+    def _throughputs(self) -> dict[str, float]:
+        """The measured throughputs ``auto`` decides from (finite ones only)."""
+        out: dict[str, float] = {}
+        if self.meter.measured and math.isfinite(self.meter.bps):
+            out["write_mib_s"] = self.meter.bps / (1 << 20)
+        speed = self.encoder.compress_bps
+        if speed is not None and math.isfinite(speed):
+            out["compress_mib_s"] = speed / (1 << 20)
+        return out
+
+    def _plan_tensor(
+        self, src: TensorSource, run: _RankWrite, out: WrittenRank
+    ) -> tuple[TensorEntry, list[int]]:
+        """The tensor's entry (chunks filled in later) and its chunks' task numbers."""
         nbytes = len(src.data)
         out.raw_bytes += nbytes
         if src.dtype not in DTYPE_ITEMSIZE:
             raise ValueError(f"{src.name}: unsupported dtype {src.dtype!r}")
+        entry = TensorEntry(
+            dtype=src.dtype, shape=src.shape, nbytes=nbytes, byte_order=sys.byteorder
+        )
         if nbytes <= self.inline_max_bytes:
             raw = bytes(src.data)
-            return (
-                TensorEntry(
-                    dtype=src.dtype,
-                    shape=src.shape,
-                    nbytes=nbytes,
-                    byte_order=sys.byteorder,
-                    inline=raw,
-                    inline_sha256=sha256_hex(raw),
-                ),
-                0.0,
-                0.0,
-                0.0,
-            )
-        chunks: list[str] = []
-        t_hash = t_encode = t_write = 0.0
+            return dataclasses.replace(entry, inline=raw, inline_sha256=sha256_hex(raw)), []
+        slots: list[int] = []
         for start in range(0, nbytes, self.chunk_bytes):
+            if run.error is not None or run.failed.is_set():
+                break  # a chunk failed: submit nothing more (drain raises it)
+            while len(run.futures) - run.done >= self.cpu_threads * SUBMIT_AHEAD:
+                run.wait_front()
             part = src.data[start : start + self.chunk_bytes]
-            t0 = time.perf_counter()
-            raw_sha = hashlib.sha256(part).hexdigest()
-            t_hash += time.perf_counter() - t0
-            known = self._this_rank.get(raw_sha)  # a repeat within this checkpoint
-            if known is not None:
-                blobs[known.digest] = known
-                chunks.append(known.digest)
-                continue
-            known = self.index.get(raw_sha)
-            if known is not None and not self.storage.exists(blob_key(self.run_id, known.digest)):
-                # Deleted since it was indexed (retention + GC elsewhere): write it again.
-                self.index.forget({known.digest})
-                known = None
-            if known is not None:
-                blobs[known.digest] = known
-                chunks.append(known.digest)
-                out.bytes_reused += known.size
-                out.blobs_reused += 1
-                continue
-            spec = self.codec.spec_for(src.dtype, len(part))
-            t0 = time.perf_counter()
-            stored = encode(part, spec, self.shuffler)
-            if spec.codec != CODEC_NONE and len(memoryview(stored)) > len(part) * (1 - MIN_SAVING):
-                spec, stored = none_spec(), part  # incompressible: keep it raw (faster to load)
-            t_encode += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            digest = raw_sha if spec.codec == CODEC_NONE else hashlib.sha256(stored).hexdigest()
-            t_hash += time.perf_counter() - t0
-            size = len(memoryview(stored))
-            entry = BlobEntry(
-                digest=digest, size=size, raw_sha256=raw_sha, raw_size=len(part), codec=spec
-            )
-            key = blob_key(self.run_id, digest)
-            t0 = time.perf_counter()
-            self._submit(key, stored, size, out)
-            t_write += time.perf_counter() - t0
-            blobs[digest] = entry
-            self._this_rank[raw_sha] = entry
-            chunks.append(digest)
-        return (
-            TensorEntry(
-                dtype=src.dtype,
-                shape=src.shape,
-                nbytes=nbytes,
-                byte_order=sys.byteorder,
-                chunks=tuple(chunks),
-            ),
-            t_hash,
-            t_encode,
-            t_write,
-        )
+            slot = len(run.futures)
+            run.futures.append(self._executor().submit(self._store, run, slot, part, src.dtype))
+            slots.append(slot)
+        return entry, slots
 
-    # ------------------------------------------------------------------ parallel uploads
-
-    def _submit(self, key: str, stored: Buffer, size: int, out: WrittenRank) -> None:
-        """Write a blob on the upload pool (unless it exists); keeps at most N in flight."""
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
+                max_workers=self.cpu_threads, thread_name_prefix="ckpt-encode"
+            )
+        return self._pool
+
+    def _uploader(self) -> ThreadPoolExecutor:
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(
                 max_workers=self.parallel_writes, thread_name_prefix="ckpt-upload"
             )
-        while len(self._pending) >= self.parallel_writes:
-            self._collect_one(out)
-        self._pending.append((self._pool.submit(self._upload, key, stored), size))
+        return self._io_pool
 
-    def _upload(self, key: str, stored: Buffer) -> bool:
-        if self.storage.exists(key):
-            return False  # same bytes already stored (content-addressed)
-        self.storage.write(key, memoryview(stored))
-        return True
+    def _store(self, run: _RankWrite, slot: int, part: memoryview, dtype: str) -> _Stored:
+        """One chunk: hash; re-use, or encode and hand to the upload pool (a CPU thread)."""
+        t0 = time.perf_counter()
+        raw_sha = hashlib.sha256(part).hexdigest()
+        hash_s = time.perf_counter() - t0
+        with run.lock:
+            first = run.claims.setdefault(raw_sha, slot)
+        if first != slot:  # a repeat within this checkpoint
+            return _Stored(None, same_as=first, hash_s=hash_s)
+        known = self.index.get(raw_sha)
+        if known is not None and not self.storage.exists(blob_key(self.run_id, known.digest)):
+            # Deleted since it was indexed (retention + GC elsewhere): write it again.
+            self.index.forget({known.digest})
+            known = None
+        if known is not None:
+            return _Stored(known, hash_s=hash_s)
+        enc = self.encoder.encode(part, dtype)
+        t1 = time.perf_counter()
+        digest = raw_sha if enc.spec.codec == CODEC_NONE else hashlib.sha256(enc.stored).hexdigest()
+        hash_s += time.perf_counter() - t1
+        entry = BlobEntry(
+            digest=digest,
+            size=len(memoryview(enc.stored)),
+            raw_sha256=raw_sha,
+            raw_size=len(part),
+            codec=enc.spec,
+        )
+        run.slots.acquire()  # at most parallel_writes encoded chunks wait for their upload
+        try:
+            upload = self._uploader().submit(self._upload, run, blob_key(self.run_id, digest), enc)
+        except BaseException:
+            run.slots.release()
+            raise
+        return _Stored(entry, upload=upload, hash_s=hash_s, encode_s=enc.seconds)
 
-    def _collect_one(self, out: WrittenRank) -> None:
-        fut, size = self._pending.popleft()
-        if fut.result():
-            out.bytes_new += size
-            out.blobs_new += 1
-        else:
-            out.bytes_reused += size
-            out.blobs_reused += 1
+    def _upload(self, run: _RankWrite, key: str, enc: Encoded) -> tuple[bool, float]:
+        """Write one blob unless it exists (content-addressed: same bytes already there)."""
+        t0 = time.perf_counter()
+        try:
+            written = not self.storage.exists(key)
+            if written:
+                self.meter.write(self.storage, key, enc.stored)
+        except BaseException:
+            run.failed.set()
+            raise
+        finally:
+            run.slots.release()
+        return written, time.perf_counter() - t0
 
-    def _drain(self, out: WrittenRank) -> None:
-        """Wait for every upload; the first failure is raised after all have finished."""
-        error: BaseException | None = None
-        while self._pending:
-            try:
-                self._collect_one(out)
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
+    @staticmethod
+    def _blob_of(stored: Sequence[_Stored], slot: int) -> BlobEntry:
+        s = stored[slot]
+        entry = s.entry if s.entry is not None else stored[s.same_as].entry
+        assert entry is not None  # a claimed chunk always has its blob
+        return entry
+
+    @staticmethod
+    def _account(stored: Sequence[_Stored], out: WrittenRank) -> dict[str, float]:
+        """Counts into ``out``; the summed per-thread timings."""
+        totals = {"hash_s": 0.0, "encode_s": 0.0, "write_s": 0.0}
+        for s in stored:
+            totals["hash_s"] += s.hash_s
+            totals["encode_s"] += s.encode_s
+            if s.entry is None:
+                continue  # a repeat: counted once, at its first chunk
+            written = False
+            if s.upload is not None:
+                written, seconds = s.upload.result()
+                totals["write_s"] += seconds
+            if written:
+                out.bytes_new += s.entry.size
+                out.blobs_new += 1
+                out.blobs_compressed += s.entry.codec.codec != CODEC_NONE
+            else:
+                out.bytes_reused += s.entry.size
+                out.blobs_reused += 1
+        return totals
 
     def close(self) -> None:
-        """Stop the upload threads."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop the chunk and upload threads."""
+        for pool in (self._pool, self._io_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._io_pool = None
 
     # ------------------------------------------------------------------ commit
 

@@ -389,8 +389,11 @@ class StorageSpec(CamelModel):
 class CompressionSpec(CamelModel):
     """Payload compression."""
 
-    codec: Literal["none", "zstd"] = "zstd"
-    """Codec for tensor payloads."""
+    codec: Literal["auto", "none", "zstd"] = "auto"
+    """Codec for tensor payloads: `auto` compresses a blob only where that makes the save
+    faster (slow storage such as S3 or a network filesystem, or data that compresses well),
+    from the storage's measured write speed and the compressor's speed and ratio on this
+    run's data; `zstd` always; `none` never. Each blob records its codec."""
     level: Annotated[int, Field(ge=1, le=22)] = 3
     """zstd level."""
     byte_shuffle: bool = True

@@ -101,7 +101,10 @@ class Checkpointer:
             whose largest change since the last snapshot is below it are not
             re-copied (their previous blob is re-used); such checkpoints are
             marked approximate. ``None`` (default): exact.
-        on_persist_error: ``raise`` (default) or ``warn``.
+        on_persist_error: ``auto`` (default: retryable storage failures are logged and
+            retried by the next save, permanent ones raise, and so do retryable ones
+            after :data:`~ckpt_agent.tuning.PERSIST_OUTAGE_TOLERANCE_S` without a
+            commit), ``raise`` (every failure raises once) or ``warn`` (log only).
         preallocate: allocate and touch the host buffers in :meth:`start`, so the
             first save stalls no more than the others.
         gc_grace_s: age under which an unreferenced blob is kept by the automatic
@@ -140,7 +143,7 @@ class Checkpointer:
         exit_on_sigterm: bool = True,
         backpressure: Literal["defer", "wait"] = "defer",
         approximate_threshold: float | None = None,
-        on_persist_error: Literal["raise", "warn"] = "raise",
+        on_persist_error: Literal["raise", "warn", "auto"] = "auto",
         preallocate: bool = True,
         gc_grace_s: float | None = None,
         dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
@@ -219,11 +222,13 @@ class Checkpointer:
             if self._group is not None:
                 self._group.setup()
             self._persister.flush_previous()
-            if self._group is not None:
+            shm = self._persister.resume_point(self._restorer)  # collective with several ranks
+            if shm is not None:
+                resume = shm
+            elif self._group is not None:
                 resume = self._group.resume_point(self._restorer)
             else:
-                shm = self._persister.resume_point(self._restorer)
-                resume = shm or self._restorer.resume_point()
+                resume = self._restorer.resume_point()
         except BaseException as err:
             e.event("resume_failed", error=f"{type(err).__name__}: {err}")
             e.metrics.recovered("failed")

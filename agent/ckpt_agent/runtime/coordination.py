@@ -3,10 +3,15 @@
 :class:`RankGroup` creates the agent's own gloo groups (a control group for
 the per-step agreement and broadcasts, a commit group for the two-phase
 commit), runs the per-step agreement, and lets rank 0 choose the resume point
-that every rank then restores (with rank 0's resume lineage).
+that every rank then restores (with rank 0's resume lineage). An in-place
+restart from shared memory agrees over the same control group
+(:meth:`RankGroup.gather`, :meth:`RankGroup.broadcast_tensor`;
+:mod:`~ckpt_agent.runtime.shm_restore`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from ckpt_agent.decide.scheduler import SystemSignals
 from ckpt_agent.errors import CheckpointError, ResumeError
@@ -85,6 +90,16 @@ class RankGroup:
         if self._control is None:
             return value
         return self._control.broadcast_json(value if self.engine.ranks.coordinator else None)
+
+    def gather(self, value: Json) -> list[Json]:
+        """Every rank's ``value``, in rank order (collective, after :meth:`setup`)."""
+        assert self._control is not None
+        return self._control.all_gather_json(value)
+
+    def broadcast_tensor(self, t: torch.Tensor) -> None:
+        """Rank 0's tensor into ``t`` on every rank (same shape and dtype everywhere)."""
+        assert self._control is not None
+        self._control.broadcast_tensor(t)
 
     def resume_point(self, restorer: Restorer) -> ResumePoint:
         """Rank 0 walks the ladder; every rank restores exactly its choice."""

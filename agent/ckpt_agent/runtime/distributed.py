@@ -205,6 +205,10 @@ class Comm:
         rows = self.all_gather_bytes(_dumps(obj), fixed=fixed)
         return [json.loads(r) for r in rows]
 
+    def broadcast_tensor(self, t: torch.Tensor, src: int = 0) -> None:
+        """``src``'s tensor into ``t`` on every rank (same shape and dtype everywhere)."""
+        self._broadcast(t, src)
+
     def broadcast_json(self, obj: Json, src: int = 0) -> Json:
         data = _dumps(obj) if self.rank == src else None
         return json.loads(self.broadcast_bytes(data, src))

@@ -10,9 +10,8 @@ last complete snapshot, and exits.
 The engine (:class:`~ckpt_agent.runtime.checkpointer.Checkpointer`) calls :meth:`write`
 instead of copying into host buffers, reads the persister's results with
 :meth:`poll` (errors, commit hashes, persist times for the scheduler), and
-waits with :meth:`wait` where it used to wait for its persister thread.
-:meth:`restore_candidate` finds a snapshot an in-place restart may load
-straight from memory once its bytes match the hashes the persister recorded.
+waits with :meth:`wait` where it used to wait for its persister thread. An
+in-place restart reads the areas back (:mod:`~ckpt_agent.runtime.shm_restore`).
 """
 
 from __future__ import annotations
@@ -24,20 +23,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from ckpt_agent.flash.protocol import DEFAULT_SLOTS, Descriptor, PersistedMark, read_health
-from ckpt_agent.flash.reader import ShmReader, verify_snapshot
+from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import Json, Tier
-from ckpt_agent.runtime.serialization import torch_dtype
 from ckpt_agent.runtime.shm_writer import ShmWriter
 
-__all__ = ["FlashTarget", "ShmRestore"]
+__all__ = ["FlashTarget"]
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +40,6 @@ PERSISTER_START_TIMEOUT_S = 30.0
 #: How long :meth:`FlashTarget.start` waits for a persister to handle snapshots a
 #: previous trainer left behind.
 DEFAULT_FLUSH_TIMEOUT_S = 120.0
-
-
-@dataclass
-class ShmRestore:
-    """A verified snapshot in shared memory, loaded into CPU tensors."""
-
-    desc: Descriptor
-    arrays: dict[str, Any]
-    """name → torch tensor (copies, not views of shared memory)."""
-    files: dict[str, bytes]
 
 
 class FlashTarget:
@@ -93,8 +77,12 @@ class FlashTarget:
 
     @property
     def reader(self) -> ShmReader:
+        return self.reader_of(self.rank)
+
+    def reader_of(self, rank: int) -> ShmReader:
+        """A reader of ``rank``'s area on this node (it may not exist)."""
         assert self.config.shm_dir
-        return ShmReader(self.config.shm_dir, self.config.run_id, self.rank, slots=self.slots)
+        return ShmReader(self.config.shm_dir, self.config.run_id, rank, slots=self.slots)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -309,41 +297,6 @@ class FlashTarget:
         latency = float(lat) if isinstance(lat, int | float) else None
         self._health = (delta, latency)
         return delta, latency
-
-    # ------------------------------------------------------------------ in-place restart
-
-    def restore_candidate(self, min_step: int = -1) -> ShmRestore | None:
-        """The newest complete snapshot of this rank with ``step >= min_step``, verified.
-
-        Verified means: its bytes hash to what the persister recorded when it
-        wrote them (chunk SHA-256s). Snapshots without recorded hashes are
-        not trusted. The tensors are copied out of shared memory.
-        """
-        r = self.reader
-        for desc in reversed(r.complete()):
-            if desc.step < min_step:
-                return None
-            hashes = r.hashes(desc.slot, desc.seq)
-            if hashes is None:
-                continue
-            with r.open(desc) as snap:
-                if snap is None:
-                    continue
-                problems = verify_snapshot(snap, hashes)
-                if problems:
-                    log.warning(
-                        "shared-memory snapshot of step %d rejected: %s", desc.step, problems[:3]
-                    )
-                    continue
-                arrays: dict[str, Any] = {}
-                for name, t in desc.tensors.items():
-                    buf = torch.empty(t.nbytes, dtype=torch.uint8)
-                    if t.nbytes:
-                        buf.numpy()[:] = memoryview(snap.tensor(name)).cast("B")
-                    arrays[name] = buf.view(torch_dtype(t.dtype)).reshape(t.shape)
-                files = {name: bytes(snap.file(name)) for name in desc.files}
-            return ShmRestore(desc=desc, arrays=arrays, files=files)
-        return None
 
     def __enter__(self) -> FlashTarget:
         return self

@@ -31,7 +31,8 @@ class Persister(Protocol):
         """Before resuming: let snapshots a dead trainer left behind be persisted first."""
 
     def resume_point(self, restorer: Restorer) -> ResumePoint | None:
-        """A resume this persister can serve itself (None: resume from storage as usual)."""
+        """A resume this persister can serve itself (None: resume from storage as usual);
+        collective with several ranks (every rank gets the same answer)."""
 
     def start(self, resume: ResumePoint) -> None:
         """Start the background work (after the resume)."""

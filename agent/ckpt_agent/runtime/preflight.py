@@ -39,6 +39,7 @@ from ckpt_agent.errors import (
     NotFoundError,
     RejectionKind,
     StorageError,
+    UnsafePathError,
     one_line,
 )
 from ckpt_agent.format.manifest import RankManifest
@@ -149,6 +150,8 @@ def rejection_kind(e: Exception) -> RejectionKind:
         return RejectionKind.INTEGRITY
     if isinstance(e, NotFoundError):
         return RejectionKind.MISSING
+    if isinstance(e, UnsafePathError):  # the manifest names a planted non-file: its fault
+        return RejectionKind.FORMAT
     if isinstance(e, StorageError):
         return RejectionKind.STORAGE
     return RejectionKind.FORMAT

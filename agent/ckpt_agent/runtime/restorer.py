@@ -46,6 +46,8 @@ from ckpt_agent.errors import (
     CheckpointNotFoundError,
     RejectionKind,
     ResumeError,
+    ResumeStorageError,
+    RetryableError,
     StorageError,
 )
 from ckpt_agent.format.heartbeat import read_heartbeat
@@ -75,7 +77,11 @@ from ckpt_agent.runtime.resume_records import (
 )
 from ckpt_agent.runtime.serialization import LoadedState, load_tensors, restore_rng
 from ckpt_agent.runtime.sharded import restore_sharded
-from ckpt_agent.tuning import MAX_PENDING_PROMOTIONS
+from ckpt_agent.tuning import (
+    MAX_PENDING_PROMOTIONS,
+    RESTORE_READ_ATTEMPTS,
+    RESTORE_READ_BACKOFF_S,
+)
 
 __all__ = ["Candidate", "Rejection", "Restorer", "ResumePoint"]
 
@@ -127,6 +133,14 @@ class _Attempts:
         rec = self.by_id.get(err.checkpoint_id)
         if rec is not None and err.kind.corrupted:
             record_verdict(self.restorer.engine, rec, CheckpointStatus.CORRUPTED, err.reason, 0.0)
+
+
+class _TransientReadError(Exception):
+    """A retryable storage error while a candidate was read (retried by :meth:`Restorer.load`)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class Restorer:
@@ -247,7 +261,7 @@ class Restorer:
             cand = attempts.get(r.id)
             status = CheckpointStatus.VALID if cand is not None else CheckpointStatus.CORRUPTED
             rejection = attempts.rejected.get(r.id)
-            if rejection is not None and rejection.kind == RejectionKind.INCOMPATIBLE:
+            if rejection is not None and not rejection.kind.corrupted:
                 status = CheckpointStatus.PENDING  # not its fault: leave it for the operator
             attempts.by_id[r.id] = r.with_status(status)
         attempts.records = sorted(attempts.by_id.values(), key=lambda r: (r.step, r.tier.value))
@@ -316,8 +330,30 @@ class Restorer:
         Everything a candidate raises while it is read, decoded and checked is a
         rejection, never a crash (``KeyboardInterrupt``/``SystemExit`` excepted):
         its :class:`~ckpt_agent.errors.RejectionKind` is recorded and, when the
-        checkpoint itself is at fault, it is marked corrupted.
+        checkpoint itself is at fault, it is marked corrupted. A transient storage
+        failure is not the checkpoint's fault: the read is retried
+        (:data:`~ckpt_agent.tuning.RESTORE_READ_ATTEMPTS`), and when the storage keeps
+        failing the start fails (:class:`~ckpt_agent.errors.ResumeStorageError`) instead
+        of giving the checkpoint up for an older one.
         """
+        delay = RESTORE_READ_BACKOFF_S
+        for attempt in range(1, RESTORE_READ_ATTEMPTS + 1):
+            try:
+                return self._load_once(rec, rejected)
+            except _TransientReadError as err:
+                if attempt == RESTORE_READ_ATTEMPTS:
+                    raise ResumeStorageError(
+                        f"the storage kept failing while {rec.id} was read "
+                        f"({RESTORE_READ_ATTEMPTS} attempts; last: {err.cause}); nothing was "
+                        "marked and no older checkpoint was chosen: the start fails so the "
+                        "restart tries again — check the storage"
+                    ) from err.cause
+                log.warning("reading %s failed (%s); retrying in %.1fs", rec.id, err.cause, delay)
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load_once(self, rec: CheckpointRecord, rejected: dict[str, Rejection]) -> Candidate | None:
         e = self.engine
         e.metrics.recovery_attempts.inc()
         live = self.live()
@@ -354,6 +390,8 @@ class Restorer:
             rejected[rec.id] = Rejection(RejectionKind.MISSING, str(err))
             return None
         except Exception as err:  # anything the candidate makes the readers raise
+            if isinstance(err, StorageError) and isinstance(err, RetryableError):
+                raise _TransientReadError(err) from err
             kind = rejection_kind(err)
             reason = f"{type(err).__name__}: {err}"
             if isinstance(err, CandidateRejectedError):

@@ -6,6 +6,13 @@ is told, the decision log says so); emergency saves, forced saves and
 ``backpressure="wait"`` wait for the persister instead. Failures of the
 background work come back through :meth:`SavePath.collect_errors`: each is
 logged, counted in ``ckpt_persist_errors_total``, and its tier is due again.
+
+What the training thread then does is ``on_persist_error``: ``raise`` raises a
+:class:`~ckpt_agent.errors.PersistError` once, ``warn`` only logs, and ``auto``
+(the default) logs retryable failures (a storage outage, a reset connection: the
+next save retries) and raises permanent ones, and raises the retryable ones too
+once no save has committed for :data:`~ckpt_agent.tuning.PERSIST_OUTAGE_TOLERANCE_S`
+(an outage that long is not riding out anymore; the job should fail visibly).
 """
 
 from __future__ import annotations
@@ -14,8 +21,9 @@ import logging
 import time
 from typing import Literal
 
+from ckpt_agent import tuning
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
-from ckpt_agent.errors import PersistError
+from ckpt_agent.errors import PersistError, RetryableError
 from ckpt_agent.runtime.capture import StateCapture
 from ckpt_agent.runtime.context import Engine
 from ckpt_agent.runtime.persister import Persister
@@ -34,13 +42,16 @@ class SavePath:
         capture: StateCapture,
         persister: Persister,
         backpressure: Literal["defer", "wait"],
-        on_persist_error: Literal["raise", "warn"],
+        on_persist_error: Literal["raise", "warn", "auto"],
     ) -> None:
         self.engine = engine
         self.capture = capture
         self.persister = persister
         self.backpressure = backpressure
         self.on_persist_error = on_persist_error
+        #: ``auto``: when the current run of retryable failures began, and the commit
+        #: count then (a commit since ends the outage).
+        self._outage: tuple[float, int] | None = None
 
     def save(
         self, decision: Decision, *, force: bool = False, busy: bool | None = None
@@ -93,14 +104,32 @@ class SavePath:
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         out = PersistError(f"background checkpointing failed: {first.what}: {first.error}{more}")
         out.__cause__ = first.error
+        out.transient = all(isinstance(x.error, RetryableError) for x in errs)
         return out
 
     def raise_errors(self) -> None:
-        """Raise (or, with ``on_persist_error="warn"``, log) what :meth:`collect_errors` finds."""
+        """Raise or log what :meth:`collect_errors` finds (``on_persist_error``: module doc)."""
         err = self.collect_errors()
         if err is None:
             return
-        if self.on_persist_error == "warn":
-            log.warning("%s", err)
+        if self._tolerated(err):
+            log.warning("%s (training goes on; the save is retried)", err)
             return
         raise err
+
+    def _tolerated(self, err: PersistError) -> bool:
+        if self.on_persist_error != "auto":
+            return self.on_persist_error == "warn"
+        if not err.transient:
+            return False
+        now, committed = time.monotonic(), self.engine.stats.committed
+        if self._outage is None or self._outage[1] != committed:
+            self._outage = (now, committed)
+        elapsed = now - self._outage[0]
+        if elapsed < tuning.PERSIST_OUTAGE_TOLERANCE_S:
+            return True
+        err.add_note(
+            f"no checkpoint committed for {elapsed:.0f}s of retryable storage failures "
+            f"(tolerated up to {tuning.PERSIST_OUTAGE_TOLERANCE_S:.0f}s): check the storage"
+        )
+        return False

@@ -19,11 +19,9 @@ The torch side of the format (the byte-level side is :mod:`ckpt_agent.format.rea
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -35,6 +33,7 @@ from ckpt_agent.format import jsontree
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE
 from ckpt_agent.format.manifest import RankManifest, TensorEntry
 from ckpt_agent.format.manifest import library_versions as format_library_versions
+from ckpt_agent.format.parallel_read import Target, read_into
 from ckpt_agent.format.readers import read_tensor_bytes
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
 from ckpt_agent.format.statecheck import check_rng, scalar_value
@@ -319,20 +318,31 @@ class LoadedState:
         return self._decoded[name]
 
 
-def load_entry(
-    storage: Storage, run_id: str, manifest: RankManifest, entry: TensorEntry, name: str
-) -> torch.Tensor:
-    """Decode one tensor (hash-checked) into a new CPU tensor."""
-    dtype = torch_dtype(entry.dtype)
+def _staging(entry: TensorEntry) -> tuple[torch.Tensor, memoryview]:
+    """A fresh byte tensor for ``entry`` and its writable view (checks the dtype first)."""
+    torch_dtype(entry.dtype)
     buf = torch.empty(entry.nbytes, dtype=torch.uint8)
-    view = buf.numpy().data if entry.nbytes else memoryview(bytearray(0))
-    read_tensor_bytes(storage, run_id, manifest, entry, name, out=view, shuffler=NUMPY_SHUFFLER)
+    return buf, buf.numpy().data if entry.nbytes else memoryview(bytearray(0))
+
+
+def _as_loaded(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The decoded bytes as the entry's dtype and shape (byte-swapped if saved elsewhere)."""
+    dtype = torch_dtype(entry.dtype)
     itemsize = DTYPE_ITEMSIZE[entry.dtype]
     if entry.byte_order != sys.byteorder and itemsize > 1:
         as_int = buf.view(_INT_OF_SIZE.get(itemsize, torch.uint8))
         swapped = torch.from_numpy(as_int.numpy().byteswap())
         buf = swapped.view(torch.uint8)
     return buf.view(dtype).reshape(entry.shape)
+
+
+def load_entry(
+    storage: Storage, run_id: str, manifest: RankManifest, entry: TensorEntry, name: str
+) -> torch.Tensor:
+    """Decode one tensor (hash-checked) into a new CPU tensor."""
+    buf, view = _staging(entry)
+    read_tensor_bytes(storage, run_id, manifest, entry, name, out=view, shuffler=NUMPY_SHUFFLER)
+    return _as_loaded(buf, entry)
 
 
 def load_tensors(
@@ -346,31 +356,27 @@ def load_tensors(
 ) -> LoadedState:
     """Decode the manifest's tensors (all, or ``names``) and files.
 
-    Tensors are read, hashed and decoded on ``workers`` threads (default: the
-    CPU count, at most 8; hashing and zstd release the GIL). The first error
-    is raised once every started read has finished.
+    Each tensor is decoded straight into a fresh tensor (staging, never a live
+    one): every chunk of every tensor is read, decoded and verified on
+    ``workers`` threads (default: the usable CPUs, at most 8;
+    :func:`~ckpt_agent.format.parallel_read.read_into`). Nothing is returned
+    before every chunk is verified; the first error is raised once the chunks
+    already running have finished.
     """
     wanted = list(manifest.tensors) if names is None else list(names)
     for name in wanted:
         if name not in manifest.tensors:
             raise CheckpointFormatError(f"{manifest.checkpoint_id}: no tensor {name!r}")
-    n = workers if workers is not None else min(8, os.cpu_count() or 1)
+    bufs: dict[str, torch.Tensor] = {}
+    targets: list[Target] = []
+    for name in wanted:
+        entry = manifest.tensors[name]
+        bufs[name], view = _staging(entry)
+        targets.append(Target(name, entry, view))
+    read_into(storage, run_id, manifest, targets, shuffler=NUMPY_SHUFFLER, workers=workers)
     arrays: dict[str, torch.Tensor] = {}
-
-    def one(name: str) -> torch.Tensor:
-        return load_entry(storage, run_id, manifest, manifest.tensors[name], name)
-
-    if n <= 1 or len(wanted) <= 1:
-        results = [one(name) for name in wanted]
-    else:
-        # biggest first, so the pool stays busy to the end
-        order = sorted(wanted, key=lambda k: -manifest.tensors[k].nbytes)
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckpt-load") as pool:
-            futures = {name: pool.submit(one, name) for name in order}
-        loaded = {name: f.result() for name, f in futures.items()}
-        results = [loaded[name] for name in wanted]
-    for name, tensor in zip(wanted, results, strict=True):
-        arrays[name] = tensor
+    for name in wanted:
+        arrays[name] = _as_loaded(bufs.pop(name), manifest.tensors[name])
         if on_tensor is not None:
             on_tensor(name, manifest.tensors[name].nbytes)
     files: dict[str, bytes] = {}

@@ -5,38 +5,29 @@ used with ``config.shm_dir`` (``CKPT_SHM_DIR``): the training thread copies
 the state into a shared-memory slot (:class:`~ckpt_agent.runtime.flash.FlashTarget`);
 the pod's sidecar — or a local subprocess — writes, validates and records it.
 Its results (persist times, commit hashes, errors) come back through
-:meth:`ShmPersister.poll`. An in-place restart may resume straight from a
-verified shared-memory snapshot (:meth:`ShmPersister.resume_point`).
+:meth:`ShmPersister.poll`. An in-place restart may resume straight from
+checked shared-memory snapshots, on every rank alike (:meth:`ShmPersister.resume_point`,
+:mod:`~ckpt_agent.runtime.shm_restore`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import replace
 
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
-from ckpt_agent.errors import CandidateRejectedError
-from ckpt_agent.format.manifest import (
-    CheckpointMeta,
-    RankManifest,
-    TensorEntry,
-    lineage_from_json,
-    lineage_to_json,
-)
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.format.manifest import lineage_to_json
+from ckpt_agent.records import Tier, checkpoint_id
 from ckpt_agent.runtime.capture import StateCapture
 from ckpt_agent.runtime.context import Engine
 from ckpt_agent.runtime.coordination import RankGroup
-from ckpt_agent.runtime.flash import FlashTarget, ShmRestore
-from ckpt_agent.runtime.restorer import Candidate, Restorer, ResumePoint
-from ckpt_agent.runtime.serialization import LoadedState, library_versions
+from ckpt_agent.runtime.flash import FlashTarget
+from ckpt_agent.runtime.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.serialization import library_versions
+from ckpt_agent.runtime.shm_restore import InPlaceRestore
 from ckpt_agent.runtime.snapshot import JobError
 
 __all__ = ["ShmPersister"]
-
-log = logging.getLogger(__name__)
 
 #: How long :meth:`ShmPersister.close` waits for a local persister by default.
 CLOSE_TIMEOUT_S = 300.0
@@ -211,75 +202,14 @@ class ShmPersister:
     # ------------------------------------------------------------------ in-place restart
 
     def resume_point(self, restorer: Restorer) -> ResumePoint | None:
-        """In-place restart: restore the newest verified shared-memory snapshot when it is at
-        least as new as anything in storage (None: resume from storage as usual)."""
-        e = self.engine
-        if e.config.resume_from:
-            return None
-        records = e.catalog.rebuild_from_storage(e.storage, e.run_id)
-        bad = (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED)
-        newest = max((r.step for r in records if r.has_weights and r.status not in bad), default=-1)
-        if restorer.recover_request() is not None:
-            return None  # a person asked for a specific checkpoint
-        found = self.flash.restore_candidate(min_step=max(newest, 0))
-        if found is None:
-            return None
-        desc = found.desc
-        mark = self.flash.reader.persisted()
-        committed_hash = (
-            mark.manifest_hash
-            if mark is not None and mark.seq == desc.seq and mark.committed
-            else None
-        )
-        prev = desc.meta.get("prev_hash")
-        manifest = self._manifest(found, str(prev) if prev else None)
-        problems = restorer.compat(manifest)
-        if problems:
-            log.warning("shared-memory snapshot does not fit the live model: %s", problems[:3])
-            return None
-        rec = CheckpointRecord(
-            id=desc.checkpoint_id,
-            step=desc.step,
-            tier=desc.tier,
-            status=CheckpointStatus.VALID,
-            manifest_hash=committed_hash or "",
-            lightweight=bool(desc.meta.get("lightweight")),
-            reason="shared-memory snapshot",
-            lineage=lineage_from_json(desc.meta.get("lineage"), "snapshot lineage"),
-        )
-        loaded = LoadedState(manifest=manifest, arrays=found.arrays, files=found.files)
-        cand = Candidate(record=rec, loaded=loaded, manifest_hash=committed_hash or "")
-        try:
-            point = restorer.restore(cand, action="resume_shm", weights=None, rejected={})
-        except CandidateRejectedError as err:  # storage's ladder overwrites whatever it applied
-            log.warning("shared-memory snapshot of step %d rejected: %s", desc.step, err)
-            return None
-        if not committed_hash:
-            e.prev_hash = str(prev) if prev else None
-        return replace(
-            point,
-            reason=f"in-place restart: {desc.checkpoint_id} from shared memory "
-            f"(verified against the persister's hashes; storage newest step {newest})",
-        )
-
-    def _manifest(self, found: ShmRestore, prev_hash: str | None) -> RankManifest:
-        """A rank manifest describing a shared-memory snapshot (no blobs: the bytes are here)."""
-        desc = found.desc
-        meta = CheckpointMeta(
-            run_id=self.engine.run_id,
-            step=desc.step,
-            tier=desc.tier,
-            lightweight=bool(desc.meta.get("lightweight")),
-            sections=tuple(desc.tree),
-            prev_hash=prev_hash,
-        )
-        return RankManifest(
-            meta=meta,
-            rank=self.engine.ranks.rank,
-            state=desc.tree,
-            tensors={
-                n: TensorEntry(dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
-                for n, t in desc.tensors.items()
-            },
-            blobs={},
-        )
+        """In-place restart: every rank restores the newest save all ranks hold in shared
+        memory (checked) when it is at least as new as anything in storage; None on every
+        rank: resume from storage as usual (collective with several ranks;
+        :mod:`~ckpt_agent.runtime.shm_restore`)."""
+        rank = self.engine.ranks.rank
+        areas = {rank: self.flash.reader}
+        if rank != 0:
+            zero = self.flash.reader_of(0)
+            if zero.dir.is_dir():  # rank 0 on this node: read its shared state here
+                areas[0] = zero
+        return InPlaceRestore(self.engine, restorer, self.group, areas).run()

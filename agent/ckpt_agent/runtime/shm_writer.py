@@ -36,6 +36,7 @@ from ckpt_agent.flash.protocol import (
     try_flock,
 )
 from ckpt_agent.records import Json, Tier
+from ckpt_agent.runtime.devices import synchronize_copies
 from ckpt_agent.runtime.serialization import LiveArray, flatten
 
 __all__ = ["ShmWriter"]
@@ -213,12 +214,9 @@ class ShmWriter(ShmArea):
             mm = self._map(s, size + reserve)
             seq = self._seq + 1
             HEADER.pack_into(mm, 0, MAGIC, seq, 0, size)
-            cuda = False
             for a in live.values():
-                t = layout[a.name]
-                cuda = self._copy(mm, t, a.value) or cuda
-            if cuda:
-                torch.cuda.synchronize()
+                self._copy(mm, layout[a.name], a.value)
+            synchronize_copies(a.value for a in live.values())  # every device a copy is on
             for fname, payload in (files or {}).items():
                 t = flayout[fname]
                 mm[t.offset : t.offset + t.nbytes] = payload
@@ -249,21 +247,19 @@ class ShmWriter(ShmArea):
             fcntl.flock(s.fd, fcntl.LOCK_UN)
 
     @staticmethod
-    def _copy(mm: mmap.mmap, t: ShmTensor, value: torch.Tensor | np.ndarray) -> bool:
+    def _copy(mm: mmap.mmap, t: ShmTensor, value: torch.Tensor | np.ndarray) -> None:
         if t.nbytes == 0:
-            return False
+            return
         if isinstance(value, np.ndarray):
             dst_np = np.frombuffer(mm, dtype=value.dtype, count=value.size, offset=t.offset)
             np.copyto(dst_np.reshape(value.shape), value)
             del dst_np
-            return False
+            return
         raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
         dst = raw.view(value.dtype).view(value.shape)
         src = value.detach()
-        cuda = src.device.type == "cuda"
-        dst.copy_(src, non_blocking=cuda)
+        dst.copy_(src, non_blocking=src.device.type == "cuda")
         del raw, dst
-        return cuda
 
     def wait_persisted(self, seq: int, timeout: float | None = None) -> PersistedMark | None:
         """Wait until the persister handled snapshot ``seq`` (or a newer one); None on timeout."""

@@ -34,6 +34,7 @@ from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
 from ckpt_agent.format.layout import heartbeat_key
 from ckpt_agent.persist.writer import TensorSource
 from ckpt_agent.records import Json, Tier
+from ckpt_agent.runtime.devices import synchronize_copies
 from ckpt_agent.runtime.serialization import LiveArray, flatten, raw_bytes
 from ckpt_agent.storage.base import Storage
 
@@ -185,10 +186,7 @@ def take_snapshot(
     for name, value in sections.items():
         tree[name] = flatten(value, name, live)
     items = [arena.copy_in(a, approx_threshold) for a in live.values()]
-    if any(
-        isinstance(a.value, torch.Tensor) and a.value.device.type == "cuda" for a in live.values()
-    ):
-        torch.cuda.synchronize()
+    synchronize_copies(a.value for a in live.values())  # every device, not just the current
     stall = time.perf_counter() - t0
     return Snapshot(
         step=step,

@@ -48,6 +48,7 @@ from ckpt_agent.errors import (
     RetryableStorageError,
     StorageError,
 )
+from ckpt_agent.tuning import ASSUMED_WRITE_BPS_REMOTE
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -274,6 +275,9 @@ class Storage(abc.ABC):
     #: Called after each completed write/commit with its latency in seconds (from the
     #: writing thread; keep it cheap, exceptions are logged and ignored).
     on_write_latency: WriteLatencyHook | None = None
+    #: Write throughput (bytes/s) to assume before the writer has timed a write of its
+    #: own (codec ``auto``): "slow" unless a backend knows better (a local filesystem).
+    assumed_write_bps: float = ASSUMED_WRITE_BPS_REMOTE
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions | None = None) -> Storage:

@@ -80,6 +80,7 @@ from ckpt_agent.storage.confined import (
     unsafe,
 )
 from ckpt_agent.storage.options import StorageOptions
+from ckpt_agent.tuning import ASSUMED_WRITE_BPS_LOCAL
 
 __all__ = ["LocalStorage"]
 
@@ -88,6 +89,10 @@ log = logging.getLogger(__name__)
 
 class LocalStorage(Storage):
     """Objects as files under a root directory (see the module docstring)."""
+
+    #: Assumed fast until measured (a network filesystem is measured slow within a few
+    #: writes, and codec ``auto`` compresses from then on).
+    assumed_write_bps = ASSUMED_WRITE_BPS_LOCAL
 
     def __init__(self, root: str | os.PathLike[str], options: StorageOptions | None = None) -> None:
         given = Path(os.path.abspath(os.fspath(root)))

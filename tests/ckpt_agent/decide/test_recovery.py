@@ -16,6 +16,7 @@ from ckpt_agent.decide.recovery import (
     plan_recovery,
     walk,
 )
+from ckpt_agent.errors import RetryableStorageError
 from ckpt_agent.policy.models import RecoverySpec, Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 
@@ -369,6 +370,18 @@ def test_walk_never_tries_blocked_steps_and_reports_exceptions() -> None:
     step, rej = walk(plan, verifier(set()))
     assert step is not None and step.checkpoint_id == "p1"
     assert "raised OSError: disk on fire" in rej[0][1]
+
+
+def test_walk_lets_a_storage_outage_through_instead_of_skipping_the_checkpoint() -> None:
+    """A transient storage error says nothing about the checkpoint: walking past it to an
+    older one would rewind the job (and poison a good checkpoint)."""
+    plan = plan_recovery([*chain("p100", "p200")])
+
+    def flaky(cid: str) -> bool:
+        raise RetryableStorageError("injected: connection reset")
+
+    with pytest.raises(RetryableStorageError):
+        walk(plan, flaky)
 
 
 @pytest.mark.parametrize(

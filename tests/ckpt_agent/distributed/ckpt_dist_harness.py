@@ -111,6 +111,17 @@ def launch(
     return [p.exitcode for p in procs]
 
 
+def losses(out: Path, rank: int) -> dict[int, str]:
+    """step → loss (hex) of ``losses.rank<r>.txt``; a resumed run's later lines win."""
+    got: dict[int, str] = {}
+    path = out / f"losses.rank{rank}.txt"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            step, loss = line.split()
+            got[int(step)] = loss
+    return got
+
+
 def codes_ok(codes: Sequence[int | None], out: Path) -> None:
     if any(c != 0 for c in codes):
         errs = "\n".join(p.read_text() for p in sorted(out.glob("error.rank*.txt")))

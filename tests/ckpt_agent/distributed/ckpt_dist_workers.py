@@ -190,8 +190,9 @@ class MlpRun:
         ckpt: Checkpointer | None,
         die: Callable[[int, Any], bool],
     ) -> None:
-        """Steps ``start`` .. ``steps - 1``; SIGKILL itself after a step where
-        ``die(step, decision)`` (the step is written to ``died_after.txt`` first)."""
+        """Steps ``start`` .. ``steps - 1``; SIGKILL itself after a step that took a snapshot
+        and where ``die(step, decision)`` (the step is written to ``died_after.txt`` first).
+        A save deferred by back-pressure (a loaded machine) took none: not that step."""
         rank, out = self.rank, self.out
         with open(out / f"losses.rank{rank}.txt", "a") as log:
             for step in range(start, steps):
@@ -206,7 +207,11 @@ class MlpRun:
                 self.pos.pos = step + 1
                 log.write(f"{step} {loss.item().hex()}\n")
                 log.flush()
-                if ckpt is not None and die(step, ckpt.step(step, loss.item())):
+                if ckpt is None:
+                    continue
+                taken = ckpt.stats.saves
+                decision = ckpt.step(step, loss.item())
+                if ckpt.stats.saves > taken and die(step, decision):
                     Path(out, "died_after.txt").write_text(str(step))
                     os.kill(os.getpid(), signal.SIGKILL)
         if ckpt is not None:
@@ -228,19 +233,27 @@ def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]
         over = dict(opts.get("config", {}))
         if opts.get("shm"):  # flash checkpoints: every rank's own local persister
             over["shmDir"] = str(out.parent / "shm")
+            if opts.get("shm_per_rank"):  # as if every rank ran on its own node
+                over["shmDir"] = str(out.parent / f"shm.rank{rank}")
         storage = store(
             out,
             opts.get("kill_suffix") if rank == opts.get("kill_rank") else None,
             int(opts.get("kill_after", 0)),
         )
         ckpt, start = run.checkpointer(
-            config(out, **over), world, storage, opts, ("exact", "warnings"), dist_timeout_s=30.0
+            config(out, **over),
+            world,
+            storage,
+            opts,
+            ("exact", "warnings", "action"),
+            dist_timeout_s=30.0,
         )
         assert run.pos.pos == start, (run.pos.pos, start)
     die_at = opts.get("die_after_save_at")
 
     def die(step: int, d: Any) -> bool:
-        return die_at is not None and rank == opts.get("die_rank") and step >= die_at and _saved(d)
+        dies = opts.get("die_rank") in (rank, "all")
+        return die_at is not None and dies and step >= die_at and _saved(d)
 
     run.train(start, steps, ckpt, die)
 
@@ -467,11 +480,11 @@ def shm_half_write(rank: int, world: int, out: Path, shm: str) -> None:
     calls = {"n": 0}
     original = ShmWriter._copy
 
-    def dying_copy(mm: Any, t: Any, value: Any) -> bool:
+    def dying_copy(mm: Any, t: Any, value: Any) -> None:
         calls["n"] += 1
         if calls["n"] == 2:  # the first tensor is in, the second is not
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(mm, t, value)
+        original(mm, t, value)
 
     ShmWriter._copy = staticmethod(dying_copy)  # type: ignore[method-assign]
     state2 = {"a": torch.full((4096,), 7.0), "b": torch.full((4096,), 9.0)}

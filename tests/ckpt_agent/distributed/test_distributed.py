@@ -30,15 +30,7 @@ def _storage(root: Path) -> LocalStorage:
     return LocalStorage(root / "store")
 
 
-def _losses(out: Path, rank: int) -> dict[int, str]:
-    """step → loss (hex); a resumed run's later lines win."""
-    got: dict[int, str] = {}
-    path = out / f"losses.rank{rank}.txt"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            step, loss = line.split()
-            got[int(step)] = loss
-    return got
+_losses = h.losses
 
 
 @pytest.fixture(scope="module")

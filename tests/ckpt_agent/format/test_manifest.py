@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
@@ -38,7 +39,7 @@ from ckpt_agent.format.schema import digest_field
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.records import CheckpointStatus, Lineage, Tier, checkpoint_id
-from ckpt_agent.storage.base import NotFoundError, Storage
+from ckpt_agent.storage.base import NotFoundError, RetryableStorageError, Storage
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"
@@ -328,6 +329,18 @@ def test_verify_hashes_ok_with_progress(ck_store: LocalStorage) -> None:
     assert res.ok, res.errors
     assert res.blobs_checked == 3  # 3 chunks (train_config.json is small: inline)
     assert seen and seen[-1][0] == seen[-1][1]
+
+
+def test_verify_hashes_raises_a_transient_storage_error(ck_store: LocalStorage) -> None:
+    """An outage is not damage: reported as a failed check, a good checkpoint is given up."""
+    _write(ck_store, 10, {"model/w": _floats(3000, 1)})
+
+    class Outage(LocalStorage):
+        def open_read(self, key: str) -> BinaryIO:
+            raise RetryableStorageError("injected: connection reset")
+
+    with pytest.raises(RetryableStorageError):
+        verify_hashes(Outage(ck_store.root), RUN, checkpoint_id(Tier.PULSE, 10))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest", "commit"])

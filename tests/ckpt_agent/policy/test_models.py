@@ -48,7 +48,7 @@ def test_defaults_follow_the_design() -> None:
     assert s.tiers.full.every_steps == 1000
     assert s.tiers.full.long_run_every_steps == 500
     assert s.tiers.full.long_run_after_hours == 15 * 24
-    assert s.compression.codec == "zstd" and s.compression.level == 3
+    assert s.compression.codec == "auto" and s.compression.level == 3
     assert (s.retention.critical_score, s.retention.important_score) == (0.8, 0.5)
     assert (s.retention.important_keep, s.retention.routine_keep) == (3, 1)
     assert s.recovery.max_chain_links == 5

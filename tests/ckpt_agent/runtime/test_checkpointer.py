@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from ckpt_agent import tuning
 from ckpt_agent.format.heartbeat import read_heartbeat
 from ckpt_agent.format.layout import audit_key, blob_key, recover_request_key, validation_key
 from ckpt_agent.format.listing import list_checkpoints
@@ -249,20 +250,26 @@ class FlakyStorage(LocalStorage):
     """The first blob write after ``arm()`` fails."""
 
     armed = False
+    permanent = False
 
     def write(self, key: str, data: bytes | memoryview) -> None:
         if self.armed and "/blobs/" in key:
             self.armed = False
-            from ckpt_agent.storage.base import RetryableStorageError
+            from ckpt_agent.storage.base import PermanentStorageError, RetryableStorageError
 
+            if self.permanent:
+                raise PermanentStorageError("injected: access denied")
             raise RetryableStorageError("injected: connection reset")
         super().write(key, data)
 
 
-def _failing_save(cfg: AgentConfig, steps: int) -> tuple[Trainer, Checkpointer, FlakyStorage]:
+def _failing_save(
+    cfg: AgentConfig, steps: int, *, permanent: bool = False, **kw: Any
+) -> tuple[Trainer, Checkpointer, FlakyStorage]:
     """``steps`` steps in, a ``save_now`` (not waited for) whose first blob write fails."""
     store = _store_for(cfg, FlakyStorage)
-    t, ckpt = _started(cfg, steps=steps, storage=store)
+    t, ckpt = _started(cfg, steps=steps, storage=store, **kw)
+    store.permanent = permanent
     store.armed = True
     ckpt.save_now("will fail", wait=False)
     return t, ckpt, store
@@ -287,7 +294,7 @@ def test_backpressure_when_a_persist_is_still_running(ck_config: ConfigFactory, 
 
 def test_persist_error_is_reported_once(ck_config: ConfigFactory) -> None:
     cfg = ck_config()
-    t, ckpt, store = _failing_save(cfg, steps=2)
+    t, ckpt, store = _failing_save(cfg, steps=2, on_persist_error="raise")
     ckpt._persister.wait_persisted(30)
     with pytest.raises(PersistError, match="injected: connection reset"):
         t.run(ckpt, 2, 3)
@@ -298,6 +305,39 @@ def test_persist_error_is_reported_once(ck_config: ConfigFactory) -> None:
         "RetryableStorageError: injected: connection reset"
     ]
     assert any(r.status == CheckpointStatus.VALID for r in list_checkpoints(store, "run1"))
+
+
+def test_auto_rides_out_a_storage_outage(ck_config: ConfigFactory) -> None:
+    cfg = ck_config()
+    t, ckpt, store = _failing_save(cfg, steps=2)  # default: on_persist_error="auto"
+    ckpt._persister.wait_persisted(30)
+    t.run(ckpt, 2, 12)  # logged, not raised: the next saves retry and commit
+    ckpt.close()
+    assert ckpt.metrics.value("ckpt_persist_errors_total") == 1
+    assert [e["error"] for e in _events(cfg, "error")] == [
+        "RetryableStorageError: injected: connection reset"
+    ]
+    assert any(r.status == CheckpointStatus.VALID for r in list_checkpoints(store, "run1"))
+
+
+def test_auto_raises_a_permanent_failure(ck_config: ConfigFactory) -> None:
+    t, ckpt, _ = _failing_save(ck_config(), steps=2, permanent=True)
+    ckpt._persister.wait_persisted(30)
+    with pytest.raises(PersistError, match="injected: access denied"):
+        t.run(ckpt, 2, 3)
+    ckpt.close()
+
+
+def test_auto_raises_an_outage_past_the_tolerance(
+    ck_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "PERSIST_OUTAGE_TOLERANCE_S", 0.0)
+    t, ckpt, _ = _failing_save(ck_config(), steps=2)
+    ckpt._persister.wait_persisted(30)
+    with pytest.raises(PersistError, match="connection reset") as info:
+        t.run(ckpt, 2, 3)
+    assert any("no checkpoint committed" in n for n in getattr(info.value, "__notes__", []))
+    ckpt.close()
 
 
 def test_close_reports_a_pending_error(ck_config: ConfigFactory) -> None:

@@ -234,6 +234,32 @@ def test_hash_mismatch_is_never_loaded(ck_store: LocalStorage) -> None:
         load_tensors(ck_store, RUN, manifest)
 
 
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_multi_chunk_tensors_of_every_width_load_bit_exact(
+    ck_store: LocalStorage, codec: str, workers: int
+) -> None:
+    torch.manual_seed(3)
+    tensors = {
+        "bf16": torch.randn(5000).to(torch.bfloat16),  # 10 chunks of 1024 bytes (last partial)
+        "f16": torch.randn(77, 61).half(),
+        "f64": torch.randn(1100, dtype=torch.float64),
+        "i64": torch.randint(-(1 << 50), 1 << 50, (1200,)),
+        "flag": torch.rand(9001) > 0.5,
+        "small": torch.randn(10),  # inline
+        "empty": torch.zeros(0, 4),
+    }
+    cid = _save(ck_store, 1, {"model": tensors}, codec=codec, min_size_bytes=0)
+    _, manifest = read_checkpoint(ck_store, RUN, cid)
+    assert len(manifest.tensors["model/bf16"].chunks) == 10
+    loaded = load_tensors(ck_store, RUN, manifest, workers=workers).section("model")
+    assert isinstance(loaded, dict)
+    for k, v in tensors.items():
+        got = loaded[k]
+        assert got.dtype == v.dtype and got.shape == v.shape, k
+        assert torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
 # --------------------------------------------------------------------------- malicious files
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.errors import CheckpointFormatError
-from ckpt_agent.flash.protocol import HASH_CHUNK_BYTES, Descriptor, chunk_hashes
+from ckpt_agent.flash.protocol import HASH_CHUNK_BYTES, Descriptor, chunk_hashes, fast_checksums
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.format.layout import sha256_hex
 from ckpt_agent.format.listing import list_checkpoints
@@ -121,12 +121,15 @@ class PartWriter:
                 for name, t in desc.tensors.items()
             ]
             files = {name: bytes(snap.file(name)) for name in desc.files}
+            views = {s.name: s.data for s in sources}
+            views.update({name: snap.file(name) for name in desc.files})
             try:
                 written = self.writer.write_rank(meta, desc.rank, desc.tree, sources, files)
             except BaseException:
-                self._record_hashes(reader, desc, snap_views=sources)
+                self._record_hashes(reader, desc, views)
                 raise
-            self._record_hashes(reader, desc, written=written.manifest)
+            self._record_hashes(reader, desc, views, written=written.manifest)
+            del views
             del sources
         token = str(desc.meta.get("token") or "")
         return Handled(desc, written, time.perf_counter() - t0, token)
@@ -135,11 +138,12 @@ class PartWriter:
         self,
         reader: ShmReader,
         desc: Descriptor,
+        views: Mapping[str, memoryview],
         *,
         written: RankManifest | None = None,
-        snap_views: Sequence[TensorSource] = (),
     ) -> None:
-        """Chunk hashes of the snapshot (for an in-place restart that loads it from memory)."""
+        """Chunk hashes and fast checksums of the snapshot (the snapshot is still open), for
+        an in-place restart that loads it from memory."""
         try:
             out: dict[str, list[str]] = {}
             if written is not None:
@@ -151,10 +155,11 @@ class PartWriter:
                             sha256_hex(b"")
                         ]
             else:
-                for src in snap_views:
-                    out[src.name] = chunk_hashes(src.data)
+                for name, view in views.items():
+                    out[name] = chunk_hashes(view)
             if written is not None and self.writer.chunk_bytes != HASH_CHUNK_BYTES:
                 return  # hashes only comparable at the standard chunk size
-            reader.write_hashes(desc, out)
+            fast = {name: fast_checksums(view) for name, view in views.items()}
+            reader.write_hashes(desc, out, fast)
         except (OSError, ValueError):
             log.warning("could not record the hashes of %s", desc.checkpoint_id, exc_info=True)

@@ -1,0 +1,156 @@
+"""One chunk of a tensor: read from storage straight into its destination, verified there.
+
+The restore side of :mod:`ckpt_agent.format.codec`, without intermediate
+buffers: a ``none`` blob is copied from the storage's view into the
+destination block by block, each block hashed while it is in the cache; a
+``zstd`` blob is decompressed into the destination (or, when the bytes were
+shuffled, into a per-worker :class:`Scratch` of one chunk and unshuffled into
+the destination). Then the destination's SHA-256 is compared with the raw
+hash the manifest records.
+
+What is verified is what is used: the hash is taken of the destination's
+bytes after the last write into it, so a blob changed while it is read (a
+torn or concurrent write, a mapping whose file is replaced) cannot slip
+unverified bytes in. The stored bytes of a compressed blob are not hashed
+again on this path (the raw hash over the decoded bytes decides; the
+validator checks that every blob hashes to its name); they are hashed when a
+chunk fails, to say whether the blob itself is corrupted. See
+``docs/security.md`` (integrity) for the threat model.
+
+Torch-free and numpy-free (the operator imports :mod:`ckpt_agent.format.readers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+import zstandard
+
+from ckpt_agent.errors import CodecError, IntegrityError
+from ckpt_agent.format.codec import CODEC_NONE, CodecSpec, Shuffler, check_zstd_frame
+from ckpt_agent.format.layout import blob_key, sha256_hex
+from ckpt_agent.format.manifest import BlobEntry, TensorEntry
+from ckpt_agent.storage.base import NotFoundError, Storage
+
+__all__ = ["BLOCK_BYTES", "Scratch", "check_inline", "copy_hashed", "decode_into", "read_chunk"]
+
+#: Copy-and-hash granularity: a block is hashed while it is still in the CPU cache.
+BLOCK_BYTES: Final = 1 << 20
+
+
+class Scratch:
+    """One reusable buffer of at most a chunk (one per worker thread), grown on demand."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def get(self, n: int) -> memoryview:
+        if len(self._buf) < n:
+            self._buf = bytearray(n)
+        return memoryview(self._buf)[:n]
+
+
+def copy_hashed(src: memoryview, out: memoryview) -> str:
+    """Copy ``src`` into ``out`` (same length) and return the SHA-256 of ``out``'s bytes."""
+    h = hashlib.sha256()
+    for start in range(0, len(out), BLOCK_BYTES):
+        block = out[start : start + BLOCK_BYTES]
+        block[:] = src[start : start + BLOCK_BYTES]
+        h.update(block)  # releases the GIL: other workers copy meanwhile
+    return h.hexdigest()
+
+
+def _decompress_into(stored: memoryview, dest: memoryview) -> None:
+    """Decompress one zstd frame into exactly ``dest``; refuse a frame holding more or less."""
+    got = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(stored) as reader:
+            while got < len(dest):
+                n = reader.readinto(dest[got:])
+                if not n:
+                    break
+                got += n
+            more = reader.read(1)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"corrupt zstd data: {e}") from None
+    if got != len(dest) or more:
+        have = f"{got}" if not more else f"more than {len(dest)}"
+        raise CodecError(f"decompressed {have} bytes, manifest says {len(dest)}")
+
+
+def decode_into(
+    stored: memoryview,
+    spec: CodecSpec,
+    out: memoryview,
+    shuffler: Shuffler,
+    scratch: Scratch,
+) -> str:
+    """Decode ``stored`` into ``out`` (the raw size) and return the SHA-256 of ``out``.
+
+    Raises :class:`CodecError` for a malformed frame or a size mismatch; never
+    writes past ``out`` (nor past one chunk of ``scratch``).
+    """
+    raw_size = len(out)
+    view = stored.cast("B") if stored.format != "B" else stored
+    if spec.codec == CODEC_NONE:
+        if len(view) != raw_size:
+            raise CodecError(f"stored size {len(view)} != declared raw size {raw_size}")
+        return copy_hashed(view, out)
+    check_zstd_frame(view, raw_size)
+    shuffled = bool(spec.shuffle) and raw_size >= spec.shuffle
+    dest = scratch.get(raw_size) if shuffled else out
+    _decompress_into(view, dest)
+    if shuffled:
+        shuffler.unshuffle(dest, spec.shuffle, out)
+    return sha256_hex(out)
+
+
+def read_chunk(
+    storage: Storage,
+    run_id: str,
+    blob: BlobEntry,
+    what: str,
+    part: memoryview,
+    shuffler: Shuffler,
+    scratch: Scratch,
+    *,
+    check_stored: bool = False,
+) -> None:
+    """Read ``blob`` into ``part`` (its raw size) and verify ``part``'s bytes.
+
+    With ``check_stored`` the stored bytes are first checked against the
+    blob's name (the validator's check); without, only on failure, to name
+    the fault. Raises :class:`IntegrityError`.
+    """
+    digest = blob.digest
+    problem = ""
+    got = ""
+    try:
+        with storage.read_view(blob_key(run_id, digest)) as stored:
+            if len(stored) != blob.size:
+                problem = (
+                    f"has {len(stored)} bytes, manifest says {blob.size} (truncated or overwritten)"
+                )
+            elif check_stored and (h := sha256_hex(stored)) != digest:
+                problem = f"hashes to {h[:16]}… (corrupted bytes)"
+            else:
+                try:
+                    got = decode_into(stored, blob.codec, part, shuffler, scratch)
+                except CodecError as e:
+                    problem = str(e)  # raised below, once the mapping is released
+                if (problem or got != blob.raw_sha256) and (h := sha256_hex(stored)) != digest:
+                    problem = f"hashes to {h[:16]}… (corrupted bytes)"
+    except NotFoundError:
+        problem = "is missing from storage"
+    if problem:
+        raise IntegrityError(f"{what}: blob {digest[:16]}… {problem}")
+    if got != blob.raw_sha256:
+        raise IntegrityError(f"{what}: blob {digest[:16]}… decodes to the wrong bytes")
+
+
+def check_inline(entry: TensorEntry, what: str) -> None:
+    """Refuse (:class:`IntegrityError`) inline data that does not match its SHA-256."""
+    assert entry.inline is not None
+    if sha256_hex(entry.inline) != entry.inline_sha256:
+        raise IntegrityError(f"{what}: inline data does not match its SHA-256")

@@ -1,0 +1,394 @@
+"""In-place restarts from shared memory, on one rank or many: :class:`InPlaceRestore`.
+
+After a process crash on a node that survives, every rank's shared-memory area
+(:mod:`ckpt_agent.flash.protocol`) may still hold its newest snapshots, already
+hashed by the persister. A restart restores them — no storage read — when all
+of this holds, agreed by every rank (three small all-gathers on the agent's
+control group; none with a single rank):
+
+1. *offers*: each rank lists its complete snapshots with recorded hashes; rank 0
+   adds storage's newest usable step and whether a resume source was requested
+   (``CKPT_RESUME_FROM``, ``RECOVER.json``: then never memory).
+   :func:`~ckpt_agent.decide.inplace.choose_inplace` picks the newest save (one
+   save token) that every rank holds, at least as new as storage's newest.
+2. *checks*: each rank copies its snapshot out of shared memory (one copy per
+   section, never a view of the area) and checks the copy against the recorded
+   checksums; rank > 0 needs rank 0's shared state too: it copies and checks it
+   from rank 0's area when that is on the same node, else rank 0 broadcasts its
+   checked copy (tensor broadcasts, nothing pickled) and the rank checks what it
+   received. Rank 0's snapshot must also fit the live model. One failure
+   anywhere: every rank resumes from storage.
+3. *apply*: each rank applies the state (:meth:`Restorer.restore`); if that
+   fails anywhere, every rank resumes from storage, whose restore overwrites
+   whatever was applied.
+
+Exactly once, never a mix: every rank restores the same save from memory, or
+every rank goes to storage.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ckpt_agent.decide.inplace import InplaceChoice, ShmOffer, all_usable, choose_inplace
+from ckpt_agent.errors import CandidateRejectedError, CheckpointFormatError
+from ckpt_agent.flash.protocol import Descriptor, RecordedHashes
+from ckpt_agent.flash.reader import ShmReader, ShmSnapshot, verify_views
+from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, TensorEntry, lineage_from_json
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json
+from ckpt_agent.runtime.context import Engine
+from ckpt_agent.runtime.coordination import RankGroup
+from ckpt_agent.runtime.restorer import Candidate, Restorer
+from ckpt_agent.runtime.resume_point import ResumePoint
+from ckpt_agent.runtime.serialization import LoadedState, torch_dtype
+
+__all__ = ["InPlaceRestore", "ShmCopy", "copy_snapshot", "shm_offers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShmCopy:
+    """A checked copy of one rank's snapshot: per-section buffers and tensor views of them."""
+
+    desc: Descriptor
+    hashes: RecordedHashes
+    buffers: list[torch.Tensor]
+    """One uint8 buffer per section region (:func:`regions`), in order."""
+    arrays: dict[str, torch.Tensor]
+    files: dict[str, bytes]
+
+
+def shm_offers(reader: ShmReader) -> list[ShmOffer]:
+    """This rank's complete snapshots whose hashes the persister recorded (not checked yet)."""
+    out = []
+    for desc in reader.complete():
+        if reader.hashes(desc.slot, desc.seq) is None:
+            continue
+        token = desc.meta.get("token")
+        try:
+            epoch = lineage_from_json(desc.meta.get("lineage"), "snapshot lineage").epoch
+        except CheckpointFormatError:
+            continue
+        if isinstance(token, str) and token:
+            out.append(ShmOffer(desc.step, token, desc.seq, desc.world_size, epoch))
+    return out
+
+
+def regions(desc: Descriptor) -> list[tuple[int, int, list[str]]]:
+    """(start, end, tensor names) of each section's bytes in the slot (sections are laid out
+    one after the other): one copy per region, and the buffer freed with its last tensor."""
+    groups: dict[str, list[str]] = {}
+    for name in desc.tensors:
+        groups.setdefault(name.split("/", 1)[0], []).append(name)
+    out = []
+    for names in groups.values():
+        lo = min(desc.tensors[n].offset for n in names)
+        hi = max(desc.tensors[n].offset + desc.tensors[n].nbytes for n in names)
+        out.append((lo, hi, names))
+    return out
+
+
+def _arrays(desc: Descriptor, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    arrays: dict[str, torch.Tensor] = {}
+    for (lo, _, names), buf in zip(regions(desc), buffers, strict=True):
+        for name in names:
+            t = desc.tensors[name]
+            raw = buf[t.offset - lo : t.offset - lo + t.nbytes]
+            arrays[name] = raw.view(torch_dtype(t.dtype)).reshape(t.shape)
+    return arrays
+
+
+def _check(copy: ShmCopy) -> list[str]:
+    """Problems of the copy (its bytes against the recorded checksums)."""
+    views: dict[str, memoryview] = {}
+    for (lo, _, names), buf in zip(regions(copy.desc), copy.buffers, strict=True):
+        mv = buf.numpy().data if buf.numel() else memoryview(b"")
+        for name in names:
+            t = copy.desc.tensors[name]
+            views[name] = mv[t.offset - lo : t.offset - lo + t.nbytes]
+    views.update({name: memoryview(data) for name, data in copy.files.items()})
+    return verify_views(views, copy.hashes)
+
+
+def copy_snapshot(reader: ShmReader, desc: Descriptor) -> tuple[ShmCopy | None, str]:
+    """Copy ``desc`` out of shared memory and check the copy; (None, why) when unusable."""
+    hashes = reader.hashes(desc.slot, desc.seq)
+    if hashes is None:
+        return None, f"no recorded hashes for snapshot {desc.seq} of rank {desc.rank}"
+    with reader.open(desc) as snap:
+        if snap is None:
+            return None, f"snapshot {desc.seq} of rank {desc.rank} is gone or being rewritten"
+        buffers = _copy_regions(snap)
+        files = {name: bytes(snap.file(name)) for name in desc.files}
+    copy = ShmCopy(desc, hashes, buffers, _arrays(desc, buffers), files)
+    problems = _check(copy)
+    if problems:
+        return None, f"snapshot of step {desc.step} (rank {desc.rank}): " + "; ".join(problems[:3])
+    return copy, ""
+
+
+def _copy_regions(snap: ShmSnapshot) -> list[torch.Tensor]:
+    out = []
+    for lo, hi, _ in regions(snap.desc):
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        if hi > lo:
+            src = np.frombuffer(snap.view, dtype=np.uint8, count=hi - lo, offset=lo)
+            np.copyto(buf.numpy(), src)
+            del src
+        out.append(buf)
+    return out
+
+
+def _manifest(engine: Engine, desc: Descriptor) -> RankManifest:
+    """A rank manifest describing a snapshot (no blobs: the bytes are in memory)."""
+    prev = desc.meta.get("prev_hash")
+    meta = CheckpointMeta(
+        run_id=engine.run_id,
+        step=desc.step,
+        tier=desc.tier,
+        world_size=desc.world_size,
+        lightweight=bool(desc.meta.get("lightweight")),
+        sections=tuple(desc.tree),
+        prev_hash=str(prev) if prev else None,
+    )
+    return RankManifest(
+        meta=meta,
+        rank=desc.rank,
+        state=desc.tree,
+        tensors={
+            n: TensorEntry(dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
+            for n, t in desc.tensors.items()
+        },
+        blobs={},
+    )
+
+
+def _loaded(engine: Engine, copy: ShmCopy) -> LoadedState:
+    return LoadedState(manifest=_manifest(engine, copy.desc), arrays=copy.arrays, files=copy.files)
+
+
+class InPlaceRestore:
+    """The in-place restart protocol of one rank (see the module doc; collective)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        restorer: Restorer,
+        group: RankGroup | None,
+        areas: dict[int, ShmReader],
+    ) -> None:
+        """``areas``: this node's readers by rank (this rank's own; rank 0's when visible)."""
+        self.engine = engine
+        self.restorer = restorer
+        self.group = group
+        self.areas = areas
+        self.rank = engine.ranks.rank
+
+    def _gather(self, value: Json) -> list[Json]:
+        return self.group.gather(value) if self.group is not None else [value]
+
+    def _event(self, outcome: str, reason: str, step: int | None = None) -> None:
+        self.engine.event("inplace_restore", outcome=outcome, step=step, reason=reason)
+        log.info("in-place restart from shared memory: %s (%s)", outcome, reason)
+
+    # ------------------------------------------------------------------ round 1: offers
+
+    def _coordinator_view(self) -> dict[str, Json]:
+        """Rank 0: storage's newest usable step, and whether memory may be used at all."""
+        e = self.engine
+        if e.config.resume_from:
+            return {"allowed": False, "why_not": "CKPT_RESUME_FROM names the checkpoint"}
+        records = e.catalog.rebuild_from_storage(e.storage, e.run_id)
+        bad = (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED)
+        newest = max((r.step for r in records if r.has_weights and r.status not in bad), default=-1)
+        if self.restorer.recover_request() is not None:
+            return {"allowed": False, "why_not": "a manual recovery request (RECOVER.json)"}
+        return {"allowed": True, "storage_step": newest}
+
+    def _local_view(self) -> dict[str, Json]:
+        """What this rank brings to round 1 (an error here: no offer, never a hang)."""
+        try:
+            info: dict[str, Json] = {
+                "offers": [o.to_json() for o in shm_offers(self.areas[self.rank])]
+            }
+            if self.engine.ranks.coordinator:
+                info.update(self._coordinator_view())
+        except Exception as err:
+            log.warning("looking at the shared-memory snapshots failed", exc_info=True)
+            return {"offers": [], "allowed": False, "why_not": f"{type(err).__name__}: {err}"}
+        return info
+
+    def choose(self) -> InplaceChoice:
+        table = self._gather(self._local_view())
+        head = table[0]
+        assert isinstance(head, dict)
+        offers = []
+        for row in table:
+            assert isinstance(row, dict)
+            raw = row.get("offers")
+            offers.append([ShmOffer.from_json(o) for o in raw] if isinstance(raw, list) else [])
+        step = head.get("storage_step")
+        return choose_inplace(
+            offers,
+            storage_step=int(step) if isinstance(step, int) else -1,
+            world_size=self.engine.ranks.live_world_size,
+            allowed=bool(head.get("allowed")),
+            why_not=str(head.get("why_not") or ""),
+        )
+
+    # ------------------------------------------------------------------ round 2: checks
+
+    def _find(self, rank: int, seq: int, token: str) -> Descriptor | None:
+        area = self.areas.get(rank)
+        if area is None:
+            return None
+        for desc in area.complete():
+            if desc.seq == seq and desc.meta.get("token") == token:
+                return desc
+        return None
+
+    def _copy(self, rank: int, choice: InplaceChoice) -> tuple[ShmCopy | None, str]:
+        assert choice.token is not None
+        desc = self._find(rank, choice.seqs[rank], choice.token)
+        if desc is None:
+            return None, f"rank {rank}'s snapshot {choice.seqs[rank]} is not in this node's memory"
+        return copy_snapshot(self.areas[rank], desc)
+
+    def _checks(self, choice: InplaceChoice) -> tuple[ShmCopy | None, ShmCopy | None, str]:
+        """This rank's copy and rank 0's (the same on rank 0), or why this rank cannot."""
+        try:
+            own, why = self._copy(self.rank, choice)
+            if own is None:
+                return None, None, why
+            shared: ShmCopy | None = own
+            if self.rank != 0:  # rank 0's area not on this node: rank 0 broadcasts its copy
+                shared, _ = self._copy(0, choice)
+            if shared is not None:
+                problems = self.restorer.compat(_manifest(self.engine, shared.desc))
+                if problems:
+                    return None, None, "does not fit the live model: " + "; ".join(problems[:3])
+        except Exception as err:  # never leave the other ranks waiting in the next round
+            log.warning("checking the shared-memory snapshot failed", exc_info=True)
+            return None, None, f"{type(err).__name__}: {err}"
+        return own, shared, ""
+
+    def _committed_hash(self, desc: Descriptor) -> str:
+        """Rank 0: the COMMIT hash of this snapshot when its persister committed it."""
+        mark = self.areas[0].persisted()
+        ok = mark is not None and mark.seq == desc.seq and mark.committed and mark.manifest_hash
+        return str(mark.manifest_hash) if ok and mark is not None else ""
+
+    def _receive_shared(self, shared: ShmCopy | None) -> ShmCopy | None:
+        """Rank 0 broadcasts its checked copy; ranks without rank 0's area check what they got."""
+        assert self.group is not None
+        head = None
+        if self.rank == 0:
+            assert shared is not None
+            h = shared.hashes
+            head = {
+                "desc": shared.desc.to_bytes().decode(),
+                "sha256": h.sha256,
+                "fast": h.fast,
+                "files": {k: v.hex() for k, v in shared.files.items()},
+            }
+        msg = self.group.broadcast(head)
+        assert isinstance(msg, dict)
+        desc = Descriptor.from_bytes(str(msg["desc"]).encode(), "rank 0's snapshot descriptor")
+        buffers = (
+            shared.buffers
+            if self.rank == 0 and shared is not None
+            else [torch.empty(hi - lo, dtype=torch.uint8) for lo, hi, _ in regions(desc)]
+        )
+        for buf in buffers:
+            self.group.broadcast_tensor(buf)
+        if shared is not None:
+            return shared  # rank 0, or a rank that read rank 0's area itself
+        fast = msg.get("fast")
+        raw_sha, raw_files = msg.get("sha256"), msg.get("files")
+        assert isinstance(raw_sha, dict) and isinstance(raw_files, dict)
+        hashes = RecordedHashes(
+            {str(k): [str(x) for x in v] for k, v in raw_sha.items() if isinstance(v, list)},
+            {str(k): [str(x) for x in v] for k, v in fast.items() if isinstance(v, list)}
+            if isinstance(fast, dict)
+            else None,
+        )
+        files = {str(k): bytes.fromhex(str(v)) for k, v in raw_files.items()}
+        got = ShmCopy(desc, hashes, buffers, _arrays(desc, buffers), files)
+        problems = _check(got)
+        return None if problems else got
+
+    # ------------------------------------------------------------------ the protocol
+
+    def run(self) -> ResumePoint | None:
+        """Restore every rank from memory, or None on every rank (resume from storage)."""
+        if self.engine.ranks.sharded or self.rank not in self.areas:
+            return None  # sharded state is resharded from storage (every rank alike)
+        choice = self.choose()
+        if choice.token is None:
+            self._event("storage", choice.reason)
+            return None
+        own, shared, why = self._checks(choice)
+        committed = self._committed_hash(own.desc) if own is not None and self.rank == 0 else ""
+        reports = self._gather(
+            {"ok": own is not None, "why": why, "shared": shared is not None, "hash": committed}
+        )
+        ok, why_all = all_usable([r for r in reports if isinstance(r, dict)])
+        if not ok:
+            self._event("storage", f"step {choice.step} not usable everywhere: {why_all}")
+            return None
+        if not all(isinstance(r, dict) and r.get("shared") for r in reports):
+            shared = self._receive_shared(shared)
+        head = reports[0]
+        assert isinstance(head, dict) and own is not None
+        point, why = self._apply(own, shared, str(head.get("hash") or ""))
+        results = self._gather({"ok": point is not None, "why": why})
+        ok, why_all = all_usable([r for r in results if isinstance(r, dict)])
+        if not ok:  # storage's restore overwrites whatever was applied here
+            self._event("storage", f"step {choice.step} failed to apply: {why_all}")
+            return None
+        self._event("memory", choice.reason, choice.step)
+        return point
+
+    def _apply(
+        self, own: ShmCopy, shared: ShmCopy | None, committed_hash: str
+    ) -> tuple[ResumePoint | None, str]:
+        if shared is None:
+            return None, "rank 0's shared state did not arrive intact"
+        desc = shared.desc
+        try:
+            rec = CheckpointRecord(
+                id=desc.checkpoint_id,
+                step=desc.step,
+                tier=desc.tier,
+                status=CheckpointStatus.VALID,
+                manifest_hash=committed_hash,
+                lightweight=bool(desc.meta.get("lightweight")),
+                reason="shared-memory snapshot",
+                lineage=lineage_from_json(desc.meta.get("lineage"), "snapshot lineage"),
+            )
+            cand = Candidate(
+                record=rec,
+                loaded=_loaded(self.engine, shared),
+                manifest_hash=committed_hash,
+                own=_loaded(self.engine, own) if own is not shared else None,
+            )
+            point = self.restorer.restore(cand, action="resume_shm", weights=None, rejected={})
+        except CandidateRejectedError as err:
+            log.warning("shared-memory snapshot of step %d rejected: %s", desc.step, err)
+            return None, err.reason
+        except Exception as err:  # the other ranks wait for this rank's answer
+            log.warning("applying the shared-memory snapshot failed", exc_info=True)
+            return None, f"{type(err).__name__}: {err}"
+        if not committed_hash:
+            prev = desc.meta.get("prev_hash")
+            self.engine.prev_hash = str(prev) if prev else None
+        reason = (
+            f"in-place restart: {desc.checkpoint_id} from shared memory (every rank's copy "
+            "checked against the persister's checksums)"
+        )
+        return replace(point, reason=reason), ""
