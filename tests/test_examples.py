@@ -37,3 +37,17 @@ def test_the_quickstart_claim_is_the_one_the_policy_names() -> None:
     policy = CheckpointPolicy.model_validate(yaml.safe_load((root / "policy.yaml").read_text()))
     assert claim["kind"] == "PersistentVolumeClaim"
     assert policy.spec.storage.local.pvc_name == claim["metadata"]["name"]
+
+
+def test_the_trainjob_example_is_opted_in_and_names_the_torch_runtime() -> None:
+    """examples/trainjob.yaml: a Trainer v2 TrainJob with the two annotations (issue #15)."""
+    root = Path(__file__).resolve().parents[1] / "examples"
+    job = yaml.safe_load((root / "trainjob.yaml").read_text())
+    policy = CheckpointPolicy.model_validate(yaml.safe_load((root / "policy.yaml").read_text()))
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    annotations = job["metadata"]["annotations"]
+    assert annotations["ckpt.dev/policy"] == policy.metadata.name
+    assert annotations["ckpt.dev/auto-resume"] == "true"
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    # the operator adds its own runtime patch (and mounts the policy's claim): none needed
+    assert "runtimePatches" not in job["spec"]

@@ -9,7 +9,8 @@ Modules: ``cluster`` (LocalCluster), ``bootstrap`` (starting the components), ``
 container as a local process), ``podspec`` (pod spec → process, pure), ``volumes``
 (a pod's volumes as local folders), ``podstatus`` (reporting pod status), ``procs``
 (child processes), ``tools`` (the pinned Go binaries), ``pki``, ``errors``; the operator
-scenarios: ``stack``, ``training``, ``kubelet``, ``scenario``, ``admission``, ``demo``.
+scenarios: ``stack``, ``training``, ``kubelet``, ``scenario``, ``admission``, ``demo``;
+TrainJobs (on demand): ``trainer_v2`` (JobSet + Kubeflow Trainer v2), ``trainjob``.
 """
 
 from __future__ import annotations

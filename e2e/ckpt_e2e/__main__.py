@@ -1,7 +1,8 @@
 """Command line: ``python -m ckpt_e2e {up,build,paths}`` (with ``e2e/`` on PYTHONPATH).
 
 * ``up``: start a LocalCluster, print the ``export KUBECONFIG=...`` line, stay up until
-  Ctrl-C (or SIGTERM), then tear down.
+  Ctrl-C (or SIGTERM), then tear down. ``--trainer-v2`` adds the JobSet and Kubeflow
+  Trainer v2 controllers, their CRDs and the torch runtime (``ckpt_e2e.trainer_v2``).
   With ``--detach``: print the exports and return, leaving the cluster running; stop it
   later with ``down``.
 * ``down WORKDIR [--keep]``: stop a detached cluster (its processes are listed in
@@ -23,6 +24,7 @@ from . import tools
 from .cluster import LocalCluster
 from .errors import ClusterError
 from .procs import stop_workdir
+from .trainer_v2 import TrainerV2
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -41,7 +43,11 @@ def _up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start()
-    except ClusterError as e:
+        if args.trainer_v2:
+            cluster.timings["trainer-v2"] = TrainerV2(cluster).start().timings["total"]
+    except (ClusterError, tools.ToolError, TimeoutError) as e:
+        cluster.mark_failed()  # keep the logs
+        cluster.stop()
         print(f"cluster failed to start:\n{e}", file=sys.stderr)
         return 1
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in cluster.timings.items())
@@ -78,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--nodes", type=int, default=1, help="number of kwok nodes")
     up.add_argument("--no-scheduler", action="store_true")
     up.add_argument("--no-training-operator", action="store_true")
+    up.add_argument(
+        "--trainer-v2", action="store_true", help="also run JobSet + Kubeflow Trainer v2"
+    )
     up.add_argument("--timeout", type=float, default=180.0, help="readiness timeout per component")
     up.add_argument("-v", type=int, default=1, help="klog verbosity of the components")
     up.add_argument("--detach", action="store_true", help="leave it running and return")

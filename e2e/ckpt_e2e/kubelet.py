@@ -1,7 +1,8 @@
 """The container runtime for kwok pods: every training pod that becomes Running is run.
 
 kwok marks pods Running but runs nothing. :class:`PodRunner` watches one namespace for
-pods created by the training-operator (label ``training.kubeflow.org/job-name``) and,
+pods created by the training-operator (label ``training.kubeflow.org/job-name``; another
+``job_label``, e.g. JobSet's ``jobset.sigs.k8s.io/jobset-name`` for TrainJobs) and,
 like a kubelet would, starts the ``pytorch`` container of each new Running pod as a
 local process (:class:`ckpt_e2e.localpod.LocalPod`: the env, volumes and config the
 webhook injected, read back from the API server; the exit reported as the pod status).
@@ -60,6 +61,8 @@ class PodRunner:
     """Runs the training pods of ``namespace`` as local processes (see the module docstring).
 
     ``localpod_kwargs`` go to every :class:`LocalPod` (``extra_env``, ``exe_map``, ...).
+    ``job_label``: the pod label that names the pod's job (the runner runs only pods that
+    carry it); e.g. ``jobset.sigs.k8s.io/jobset-name`` for TrainJob pods (``ckpt_e2e.trainjob``).
     """
 
     def __init__(
@@ -70,9 +73,11 @@ class PodRunner:
         decide: Callable[[dict[str, Any]], Decision] | None = None,
         crash_after: float = 0.3,
         poll_interval: float = 0.3,
+        job_label: str = JOB_NAME_LABEL,
         **localpod_kwargs: Any,
     ) -> None:
         self.cluster = cluster
+        self.job_label = job_label
         self.namespace = namespace
         self.decide = decide or (lambda pod: "run")
         self.crash_after = crash_after
@@ -138,7 +143,7 @@ class PodRunner:
         run = wait_until(
             found,
             timeout,
-            f"a Running pod of PyTorchJob {self.namespace}/{job} started locally",
+            f"a Running pod of job {self.namespace}/{job} ({self.job_label}) started locally",
             interval=0.2,
             on_poll=self._poll_checks,
         )
@@ -151,7 +156,7 @@ class PodRunner:
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        path = f"/api/v1/namespaces/{self.namespace}/pods?labelSelector=" + JOB_NAME_LABEL.replace(
+        path = f"/api/v1/namespaces/{self.namespace}/pods?labelSelector=" + self.job_label.replace(
             "/", "%2F"
         )
         while not self._stop.is_set():
@@ -175,7 +180,7 @@ class PodRunner:
         ):
             return
         self._seen.add(uid)
-        job = str((meta.get("labels") or {}).get(JOB_NAME_LABEL, ""))
+        job = str((meta.get("labels") or {}).get(self.job_label, ""))
         decision = self.decide(dict(pod))
         run = PodRun(str(meta.get("name")), uid, job, decision, dict(pod))
         try:

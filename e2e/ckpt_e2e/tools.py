@@ -30,6 +30,8 @@ BINARIES: dict[str, str] = {
     "kwok": "kwok",
     "helm": "helm",
     "training-operator.v1": "training-operator",
+    "jobset": "jobset",
+    "trainer-controller-manager": "trainer",
 }
 # Go names a binary after the last element of its package path (before a /vN suffix).
 _GO_OUTPUT_NAME = {"etcd": "server"}

@@ -186,6 +186,46 @@ def policy_manifest(
     }
 
 
+def opt_in_annotations(
+    policy: str | None, auto_resume: bool = True, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """A job's annotations: ``extra``, plus the opt-in (``ckpt.dev/policy`` and
+    ``ckpt.dev/auto-resume``) when ``policy``."""
+    ann = dict(extra or {})
+    if policy is not None:
+        ann[POLICY_ANNOTATION] = policy
+        if auto_resume:
+            ann[AUTO_RESUME_ANNOTATION] = "true"
+    return ann
+
+
+TRAIN_COMMAND = ("python", f"{CODE_MOUNT}/{TRAIN_SCRIPT.name}")
+
+
+def trainer_env() -> list[dict[str, Any]]:
+    """The env the trainer's container needs (its outputs are named after the pod)."""
+    return [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def trainer_volumes(results_dir: Path) -> list[dict[str, Any]]:
+    """The code (this checkout's examples) and results ``hostPath`` volumes of a trainer pod."""
+    return [
+        {"name": "code", "hostPath": {"path": str(EXAMPLES_DIR), "type": "Directory"}},
+        {"name": "results", "hostPath": {"path": str(results_dir), "type": "DirectoryOrCreate"}},
+    ]
+
+
+def trainer_mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": "code", "mountPath": CODE_MOUNT, "readOnly": True},
+        {"name": "results", "mountPath": RESULTS_MOUNT},
+    ]
+
+
 def pytorchjob_manifest(
     name: str,
     training: Training,
@@ -198,11 +238,7 @@ def pytorchjob_manifest(
     termination_grace_seconds: int = 30,
 ) -> dict[str, Any]:
     """A one-master PyTorchJob running the example script (opted in when ``policy``)."""
-    ann = dict(annotations or {})
-    if policy is not None:
-        ann[POLICY_ANNOTATION] = policy
-        if auto_resume:
-            ann[AUTO_RESUME_ANNOTATION] = "true"
+    ann = opt_in_annotations(policy, auto_resume, annotations)
     results_dir.mkdir(parents=True, exist_ok=True)
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": termination_grace_seconds,
@@ -210,27 +246,14 @@ def pytorchjob_manifest(
             {
                 "name": "pytorch",
                 "image": IMAGE,
-                "command": ["python", f"{CODE_MOUNT}/{TRAIN_SCRIPT.name}"],
+                "command": list(TRAIN_COMMAND),
                 "args": training.container_args(),
-                "env": [
-                    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                    {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-                    {"name": "PYTHONUNBUFFERED", "value": "1"},
-                ],
+                "env": trainer_env(),
                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
-                "volumeMounts": [
-                    {"name": "code", "mountPath": CODE_MOUNT, "readOnly": True},
-                    {"name": "results", "mountPath": RESULTS_MOUNT},
-                ],
+                "volumeMounts": trainer_mounts(),
             }
         ],
-        "volumes": [
-            {"name": "code", "hostPath": {"path": str(EXAMPLES_DIR), "type": "Directory"}},
-            {
-                "name": "results",
-                "hostPath": {"path": str(results_dir), "type": "DirectoryOrCreate"},
-            },
-        ],
+        "volumes": trainer_volumes(results_dir),
     }
     if node_selector:
         pod_spec["nodeSelector"] = dict(node_selector)

@@ -149,6 +149,13 @@ def test_valid_policy_is_accepted_and_gets_a_status(scenario: Scenario) -> None:
 #: What the operator needs (docs/operator.md, "RBAC"): exactly these, nothing else.
 EXPECTED_RULES = {
     "pytorchjobs.kubeflow.org": {"get", "list", "watch", "create", "patch"},
+    # Kubeflow Trainer v2 (issue #15): TrainJobs as PyTorchJobs (patch also suspends one the
+    # operator gave up on), the runtime a TrainJob names (label-trainjob webhook), JobSets'
+    # restart attempts (watched, and read when a TrainJob pod failed)
+    "trainjobs.trainer.kubeflow.org": {"get", "list", "watch", "create", "patch"},
+    "clustertrainingruntimes.trainer.kubeflow.org": {"get"},
+    "trainingruntimes.trainer.kubeflow.org": {"get"},
+    "jobsets.jobset.x-k8s.io": {"get", "list", "watch"},
     "checkpointpolicies.ckpt.dev": {"get", "list", "watch", "patch"},
     "checkpointpolicies.ckpt.dev/status": {"get", "patch"},
     "pods": {"get", "list", "watch", "patch"},
@@ -158,6 +165,20 @@ EXPECTED_RULES = {
     "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},
     "secrets": {"get"},  # rbac.readStorageSecrets (default): S3 credentials of policies
 }
+
+
+def may(cluster: LocalCluster, user: str, verb: str, group: str, resource: str) -> bool:
+    """What ``kubectl auth can-i`` asks, as a SubjectAccessReview (no discovery needed)."""
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": user,
+            "resourceAttributes": {"verb": verb, "group": group, "resource": resource},
+        },
+    }
+    out = cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(review)).stdout
+    return bool(json.loads(out)["status"].get("allowed"))
 
 
 def test_helm_install_creates_crd_rbac_webhooks_and_a_valid_deployment(
@@ -230,6 +251,29 @@ def test_helm_install_creates_crd_rbac_webhooks_and_a_valid_deployment(
         assert not can_i(cluster, sa, verb, resource, "-A"), f"{sa} may {verb} {resource}"
     assert can_i(cluster, sa, "patch", "pods", "-A")
     assert can_i(cluster, sa, "create", "pytorchjobs.kubeflow.org", "-A")
+    # Trainer v2 / JobSet (issue #15): their CRDs need not be installed here, and
+    # `kubectl auth can-i` resolves a resource through discovery, so these ask the API server
+    # the same question directly (a SubjectAccessReview, group and resource spelled out).
+    for verb, group, resource in [
+        ("delete", "trainer.kubeflow.org", "trainjobs"),
+        ("update", "trainer.kubeflow.org", "trainjobs"),
+        ("create", "jobset.x-k8s.io", "jobsets"),
+        ("patch", "jobset.x-k8s.io", "jobsets"),
+        ("delete", "jobset.x-k8s.io", "jobsets"),
+        ("list", "trainer.kubeflow.org", "clustertrainingruntimes"),
+        ("patch", "trainer.kubeflow.org", "clustertrainingruntimes"),
+        ("create", "trainer.kubeflow.org", "trainingruntimes"),
+    ]:
+        assert not may(cluster, sa, verb, group, resource), f"{sa} may {verb} {resource}"
+    for verb, group, resource in [
+        ("create", "trainer.kubeflow.org", "trainjobs"),
+        ("patch", "trainer.kubeflow.org", "trainjobs"),
+        ("watch", "jobset.x-k8s.io", "jobsets"),
+        ("get", "jobset.x-k8s.io", "jobsets"),
+        ("get", "trainer.kubeflow.org", "clustertrainingruntimes"),
+        ("get", "trainer.kubeflow.org", "trainingruntimes"),
+    ]:
+        assert may(cluster, sa, verb, group, resource), f"{sa} may not {verb} {resource}"
     # a real request as the ServiceAccount is refused, worded as the log check expects
     denied = cluster.kubectl("get", "secrets", "-A", f"--as={sa}", check=False)
     assert denied.returncode != 0 and RBAC_DENIED.search(denied.stderr), denied.stderr

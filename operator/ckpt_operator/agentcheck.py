@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_operator import constants as c
+from ckpt_operator.jobkinds import PYTORCHJOB, JobKind, owner_of
 from ckpt_operator.jobs import parse_time
 
 __all__ = [
@@ -47,6 +48,8 @@ class SilentPod:
     job: str
     run_id: str
     running_s: float
+    kind: JobKind = PYTORCHJOB
+    """The job's kind (a TrainJob's pods name it by their JobSet)."""
 
 
 def running_injected_pods(
@@ -78,8 +81,10 @@ def _overdue(
     run_id = (meta.get("annotations") or {}).get(c.ANN_RUN_ID)
     if deadline_s <= 0 or started is None or not run_id or now - started < deadline_s:
         return None
-    job = (meta.get("labels") or {}).get(c.LABEL_TO_JOB_NAME) or ""
-    return SilentPod(str(meta.get("name")), str(job), str(run_id), now - started), started
+    owner = owner_of(pod)
+    kind, job = owner if owner is not None else (PYTORCHJOB, "")
+    silent = SilentPod(str(meta.get("name")), job, str(run_id), now - started, kind)
+    return silent, started
 
 
 def silent_pods(

@@ -49,6 +49,11 @@ ANN_RESTART_DECISION: Final = f"{PREFIX}/restart-decision"
 ANN_RESTART_OF: Final = f"{PREFIX}/restart-of"
 #: The operator's view of the job, as JSON ``{"state", "reason", "message", "time"}``.
 ANN_STATUS: Final = f"{PREFIX}/status"
+#: On a TrainJob (operator): the JobSet restart attempt the operator planned last; pods of a
+#: newer attempt are refused until it has planned theirs (their resume point).
+ANN_RESTART_ATTEMPT: Final = f"{PREFIX}/restart-attempt"
+#: On a TrainJob (operator): when that attempt was planned (its crash-loop reference time).
+ANN_ATTEMPT_STARTED_AT: Final = f"{PREFIX}/attempt-started-at"
 
 # --------------------------------------------------------------------------- manual recovery
 #: On a failed job (set by a person, ``ckpt recover --job``): restart from this step, even
@@ -117,6 +122,8 @@ OPERATOR_JOB_ANNOTATIONS: Final = frozenset(
         ANN_RECOVER_HANDLED,
         ANN_RECOVER_PLAN,
         ANN_AGENT_MISSING,
+        ANN_RESTART_ATTEMPT,
+        ANN_ATTEMPT_STARTED_AT,
     }
 )
 #: kopf's peering object (``ClusterKopfPeering``/``KopfPeering``) replicas elect a leader in.
@@ -133,6 +140,35 @@ PYTORCHJOB_KIND: Final = "PyTorchJob"
 LABEL_TO_JOB_NAME: Final = "training.kubeflow.org/job-name"
 LABEL_TO_REPLICA_TYPE: Final = "training.kubeflow.org/replica-type"
 LABEL_TO_REPLICA_INDEX: Final = "training.kubeflow.org/replica-index"
+
+# --------------------------------------------------------------------------- Kubeflow Trainer v2
+#: ``TrainJob`` (Trainer v2, built on JobSet): the JobSet it creates has the TrainJob's name
+#: and a controller owner reference to it; JobSet labels every Job and pod.
+TRAINJOB_GROUP: Final = "trainer.kubeflow.org"
+TRAINJOB_VERSION: Final = "v1alpha1"
+TRAINJOB_PLURAL: Final = "trainjobs"
+TRAINJOB_KIND: Final = "TrainJob"
+#: The runtimes a TrainJob's ``spec.runtimeRef`` names (``kind``; default the cluster one).
+CLUSTER_TRAINING_RUNTIME_KIND: Final = "ClusterTrainingRuntime"
+TRAINING_RUNTIME_KIND: Final = "TrainingRuntime"
+CLUSTER_TRAINING_RUNTIME_PLURAL: Final = "clustertrainingruntimes"
+TRAINING_RUNTIME_PLURAL: Final = "trainingruntimes"
+#: Label on a runtime's replicated Job template naming the TrainJob step it runs
+#: (``trainer``, ``dataset-initializer``, ``model-initializer``).
+LABEL_TRAINER_ANCESTOR: Final = "trainer.kubeflow.org/trainjob-ancestor-step"
+TRAINER_ANCESTOR_TRAINER: Final = "trainer"
+#: Trainer v2's training container (``node``) in its torch runtimes.
+TRAINJOB_CONTAINER: Final = "node"
+#: ``spec.runtimePatches[].manager`` of the patch that labels an opted-in TrainJob's pods.
+RUNTIME_PATCH_MANAGER: Final = f"{PREFIX}/operator"
+JOBSET_GROUP: Final = "jobset.x-k8s.io"
+JOBSET_VERSION: Final = "v1alpha2"
+JOBSET_PLURAL: Final = "jobsets"
+#: Label (and annotation) JobSet puts on every Job and pod: the JobSet's (= TrainJob's) name.
+LABEL_JOBSET_NAME: Final = "jobset.sigs.k8s.io/jobset-name"
+#: Label (and annotation) JobSet puts on every Job and pod: the JobSet's ``status.restarts``
+#: when they were created (each JobSet restart recreates every pod with the next number).
+LABEL_JOBSET_RESTART_ATTEMPT: Final = "jobset.sigs.k8s.io/restart-attempt"
 
 # --------------------------------------------------------------------------- injected pod layout
 VOL_CONFIG: Final = "ckpt-config"
@@ -172,3 +208,7 @@ WEBHOOK_VALIDATE_ID: Final = "validate-policy"
 WEBHOOK_VALIDATE_JOB_ID: Final = "validate-job"
 #: Adds :data:`LABEL_INJECT` to the pod templates of opted-in PyTorchJobs at creation.
 WEBHOOK_LABEL_JOB_ID: Final = "label-job"
+#: The TrainJob counterparts: the runtime patch that labels its trainer pods, and the
+#: ``ckpt.dev`` annotation checks.
+WEBHOOK_LABEL_TRAINJOB_ID: Final = "label-trainjob"
+WEBHOOK_VALIDATE_TRAINJOB_ID: Final = "validate-trainjob"

@@ -15,6 +15,12 @@ PyTorchJob (opted in)       every watch event → bookkeeping (run id, missing p
                             Failed, the recovery scheduler (plan → Events → recreate)
 PyTorchJob (mutating)       ``label-job``: CREATE of an opted-in job → ``ckpt.dev/inject`` on its
                             pod templates, so every pod of it carries the label
+TrainJob (webhooks)         ``label-trainjob``: CREATE of an opted-in TrainJob → the operator's
+                            ``spec.runtimePatches`` entry labelling its trainer pods;
+                            ``validate-trainjob`` as ``validate-job``
+TrainJob (opted in)         as a PyTorchJob, plus each JobSet restart attempt planned
+                            (:mod:`ckpt_operator.behaviours.attempts`)
+JobSet (events)             the JobSet cache (its restart attempt) → the TrainJob's planning
 Pod (mutating webhook)      ``inject-pods``: CREATE of labelled pods → JSON Patch (from the watch
                             caches, within ``--webhook-budget``; fails closed)
 Pod (training, events)      pod index for recovery; reports opted-in pods running uninjected
@@ -31,7 +37,8 @@ import asyncio
 import copy
 import functools
 import logging
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import kopf
@@ -41,25 +48,58 @@ from ckpt_operator.behaviours.admission import (
     inject_pod,
     label_job,
     report_unprotected,
+    trainjob_label_targets,
     validate_job,
     validate_policy,
 )
 from ckpt_operator.behaviours.agentcheck import check_agents
+from ckpt_operator.behaviours.attempts import attempt_due, observe_trainjob, recover_trainjob
 from ckpt_operator.behaviours.deps import Deps, cached_job
 from ckpt_operator.behaviours.disruption import signal_node, signal_pod
 from ckpt_operator.behaviours.policies import reconcile_policy
 from ckpt_operator.behaviours.recovery import observe_job, recover_job
 from ckpt_operator.behaviours.retention import reconcile_retention
+from ckpt_operator.caches import ObjectCache, PodIndex
+from ckpt_operator.jobkinds import TRAINJOB
 from ckpt_operator.jsonpatch import JSONPatchOp, apply_patch_in_place
-from ckpt_operator.loops import RecoveryScheduler, RetentionLoop
+from ckpt_operator.kube import NotFoundError
+from ckpt_operator.loops import MemoryReturn, RecoveryScheduler, RetentionLoop
+from ckpt_operator.trainjob import add_inject_patch, jobset_trainjob, pod_ended_at
 
-__all__ = ["Runtime", "make_runtime", "register"]
+__all__ = ["EVENT_ONLY_KINDS", "DiffBaseForChanges", "Runtime", "make_runtime", "register"]
 
 POLICY = ("ckpt.dev", "v1alpha1", "checkpointpolicies")
 PYTORCHJOB = (c.PYTORCHJOB_GROUP, c.PYTORCHJOB_VERSION, c.PYTORCHJOB_PLURAL)
+TRAINJOBS = (c.TRAINJOB_GROUP, c.TRAINJOB_VERSION, c.TRAINJOB_PLURAL)
+JOBSETS = (c.JOBSET_GROUP, c.JOBSET_VERSION, c.JOBSET_PLURAL)
 MEMO_KEY = "ckpt"
 
 log = logging.getLogger(__name__)
+
+#: Kinds that :func:`register` gives watch-event handlers only (no create/update/resume/
+#: field/delete handlers): kopf never reads their diff base.
+EVENT_ONLY_KINDS = frozenset({"Pod", "Node", c.PYTORCHJOB_KIND, c.TRAINJOB_KIND, "JobSet"})
+
+
+class DiffBaseForChanges(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base (the object's "essence", stored in an annotation), for the kinds
+    that have change-detection handlers only.
+
+    kopf builds the essence (a deep copy of the body, then cleaned and diffed) on every
+    watch event of every watched object, although only change-detection handlers read it;
+    for the pods, jobs and nodes (:data:`EVENT_ONLY_KINDS`) it was the operator's largest
+    CPU cost at fleet scale (issue #19). For them there is no diff base (``None``: kopf's
+    "never handled", which only change-detection handlers would look at)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        if body.get("kind") in EVENT_ONLY_KINDS:
+            return None
+        return super().build(body=body, extra_fields=extra_fields)
+
+    def fetch(self, *, body: kopf.Body) -> Any:
+        if body.get("kind") in EVENT_ONLY_KINDS:
+            return None
+        return super().fetch(body=body)
 
 
 @dataclass
@@ -69,6 +109,10 @@ class Runtime:
     deps: Deps
     recovery: RecoveryScheduler
     retention: RetentionLoop
+    trainjob_recovery: RecoveryScheduler
+    """TrainJobs' recoveries and JobSet restart attempts."""
+    memory: MemoryReturn = field(default_factory=MemoryReturn)
+    """Deleted jobs' and pods' memory back to the OS (their ``DELETED`` events)."""
 
 
 def make_runtime(deps: Deps) -> Runtime:
@@ -80,6 +124,9 @@ def make_runtime(deps: Deps) -> Runtime:
         await check_agents(deps, policy)
         return status
 
+    async def recover_train(trainjob: dict[str, Any]) -> float | None:
+        return await recover_trainjob(deps, trainjob)
+
     return Runtime(
         deps=deps,
         # the job as the watch (or the operator's own last write) left it; a GET on a miss
@@ -89,6 +136,11 @@ def make_runtime(deps: Deps) -> Runtime:
             error_backoff_s=deps.config.recovery.error_backoff_s,
         ),
         retention=RetentionLoop(reconcile, clock=deps.clock, tick_s=deps.config.retention.tick_s),
+        trainjob_recovery=RecoveryScheduler(
+            functools.partial(cached_job, deps, kind=TRAINJOB),
+            recover_train,
+            error_backoff_s=deps.config.recovery.error_backoff_s,
+        ),
     )
 
 
@@ -111,8 +163,10 @@ async def on_startup(memo: kopf.Memo, **_: Any) -> None:
 
 async def on_cleanup(memo: kopf.Memo, **_: Any) -> None:
     rt = _rt(memo)
+    rt.memory.stop()
     await rt.retention.stop()
     await rt.recovery.stop()
+    await rt.trainjob_recovery.stop()
 
 
 def on_probe(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
@@ -121,7 +175,7 @@ def on_probe(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
         "policies": len(rt.retention.policies),
         "retentionPasses": rt.retention.passes,
         "retentionLastError": rt.retention.last_error,
-        "activeRecoveries": len(rt.recovery.active),
+        "activeRecoveries": len(rt.recovery.active) + len(rt.trainjob_recovery.active),
     }
 
 
@@ -156,7 +210,8 @@ def on_validate_policy(spec: kopf.Spec, **_: Any) -> None:
 def on_validate_job(body: kopf.Body, old: kopf.Body | None = None, **_: Any) -> None:
     errors = validate_job(_raw(body), _raw(old) if old is not None else None)
     if errors:
-        raise kopf.AdmissionError("invalid PyTorchJob: " + "; ".join(errors), code=422)
+        kind = str(body.get("kind") or c.PYTORCHJOB_KIND)
+        raise kopf.AdmissionError(f"invalid {kind}: " + "; ".join(errors), code=422)
 
 
 # --------------------------------------------------------------------------- pods: injection
@@ -193,9 +248,22 @@ async def on_mutate_pod(
             "training-operator retries it. Check the ckpt-operator's logs.",
             code=503,
         ) from None
+    if outcome.result == "deferred":  # a TrainJob restart attempt not planned yet
+        deps.metrics.injections.labels("deferred").inc()
+        raise kopf.AdmissionError(f"ckpt-operator: {outcome.refusal}", code=503)
     warnings.extend(outcome.warnings)
     if outcome.ops:
-        patch.fns.append(functools.partial(_apply, outcome.ops))
+        _answer_with(patch, outcome.ops)
+
+
+def _answer_with(patch: kopf.Patch, ops: list[JSONPatchOp]) -> None:
+    """Answer the admission request with ``ops`` themselves (RFC 6902 against the request's
+    object, which is what they were built from). kopf would apply them to a deep copy of
+    the pod and diff the two to find them again: the webhook's largest cost at fleet scale
+    (issue #19). ``patch.fns`` still carries them, should kopf build the answer otherwise."""
+    patch.fns.append(functools.partial(_apply, ops))
+    answer = [cast(dict[str, Any], dict(op)) for op in ops]
+    setattr(patch, "as_json_patch", lambda body=None: answer)  # noqa: B010
 
 
 def _label_templates(body: Any) -> None:
@@ -208,21 +276,71 @@ def on_label_job(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         patch.fns.append(_label_templates)
 
 
+def _runtime_patch(targets: list[str], body: Any) -> None:
+    add_inject_patch(cast(dict[str, Any], body), targets)
+
+
+async def on_label_trainjob(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """``label-trainjob``: an opted-in TrainJob's trainer pods get ``ckpt.dev/inject``
+    through the operator's ``spec.runtimePatches`` entry (see handlers doc)."""
+    targets = await trainjob_label_targets(_rt(memo).deps, _raw(body))
+    if targets:
+        patch.fns.append(functools.partial(_runtime_patch, targets))
+
+
 # --------------------------------------------------------------------------- jobs
+
+
+async def _track_job(
+    type: str | None,
+    job: dict[str, Any],
+    cache: ObjectCache,
+    scheduler: RecoveryScheduler,
+    observe: Callable[[dict[str, Any]], Awaitable[bool]],
+) -> None:
+    """An opted-in job's watch event: its cache entry, bookkeeping, recovery when due."""
+    meta = job.get("metadata") or {}
+    ns, name = str(meta.get("namespace")), str(meta.get("name"))
+    if type == "DELETED":
+        scheduler.cancel(ns, name)
+        cache.remove(ns, name)
+        return
+    cache.upsert(job)
+    if await observe(job):
+        scheduler.schedule(ns, name)
 
 
 async def on_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     rt = _rt(memo)
-    job = _raw(body)
-    meta = job.get("metadata") or {}
+    observe = functools.partial(observe_job, rt.deps)
+    await _track_job(type, _raw(body), rt.deps.jobs, rt.recovery, observe)
+    if type == "DELETED":
+        rt.memory.evicted()
+
+
+async def on_trainjob_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    rt = _rt(memo)
+    observe = functools.partial(observe_trainjob, rt.deps)
+    await _track_job(type, _raw(body), rt.deps.trainjobs, rt.trainjob_recovery, observe)
+    if type == "DELETED":
+        rt.memory.evicted()
+
+
+async def on_jobset_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A TrainJob's JobSet: its ``status.restarts`` is the restart attempt to plan."""
+    rt = _rt(memo)
+    jobset = _raw(body)
+    meta = jobset.get("metadata") or {}
     ns, name = str(meta.get("namespace")), str(meta.get("name"))
     if type == "DELETED":
-        rt.recovery.cancel(ns, name)
-        rt.deps.jobs.remove(ns, name)
+        rt.deps.jobsets.remove(ns, name)
         return
-    rt.deps.jobs.upsert(job)
-    if await observe_job(rt.deps, job):
-        rt.recovery.schedule(ns, name)
+    if jobset_trainjob(jobset) != name:  # not a TrainJob's (Trainer names it after it)
+        return
+    rt.deps.jobsets.upsert(jobset)
+    trainjob = rt.deps.trainjobs.get(ns, name)
+    if trainjob is not None and attempt_due(rt.deps, trainjob) is not None:
+        rt.trainjob_recovery.schedule(ns, name)
 
 
 # --------------------------------------------------------------------------- disruption
@@ -231,22 +349,51 @@ async def on_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
 async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if type == "DELETED":
         return
-    await signal_pod(_rt(memo).deps, _raw(body))
+    try:
+        await signal_pod(_rt(memo).deps, _raw(body))
+    except NotFoundError:  # deleted meanwhile (e.g. its job's deletion): nothing to ask
+        log.debug("pod %s went before its save-now request", body.get("metadata", {}).get("name"))
+
+
+async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: PodIndex) -> None:
+    """A training pod's watch event: the pod index (recovery reads it instead of listing),
+    and a report of an opted-in pod that runs without the agent."""
+    if type == "DELETED":
+        index.remove(pod)
+        deps.reported_pods.discard(str((pod.get("metadata") or {}).get("uid") or ""))
+        return
+    index.upsert(pod)
+    await report_unprotected(deps, pod)
 
 
 async def on_training_pod_event(
     type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> None:
-    """Every training-operator pod: the pod index (recovery reads it instead of listing),
-    and a report of opted-in pods that run without the agent."""
-    deps = _rt(memo).deps
-    pod = _raw(body)
+    """Every training-operator pod (see :func:`_index_pod`)."""
+    rt = _rt(memo)
+    await _index_pod(type, _raw(body), rt.deps, rt.deps.pods)
     if type == "DELETED":
-        deps.pods.remove(pod)
-        deps.reported_pods.discard(str((pod.get("metadata") or {}).get("uid") or ""))
+        rt.memory.evicted()
+
+
+async def on_trainjob_pod_event(
+    type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    """Opted-in TrainJobs' pods (labelled through the runtime patch; see
+    :func:`_index_pod`): their reports, and pods of earlier attempts still terminating."""
+    rt = _rt(memo)
+    pod = _raw(body)
+    await _index_pod(type, pod, rt.deps, rt.deps.trainjob_pods)
+    if type == "DELETED":
+        rt.memory.evicted()
         return
-    deps.pods.upsert(pod)
-    await report_unprotected(deps, pod)
+    # a pod that failed or is terminating: its JobSet is about to restart (the JobSet watch
+    # may be silent, see behaviours.attempts.recover_trainjob)
+    name = TRAINJOB.job_name_of_pod(pod)
+    if name and pod_ended_at(pod) is not None:
+        ns = str((pod.get("metadata") or {}).get("namespace"))
+        if rt.deps.trainjobs.get(ns, name) is not None:
+            rt.trainjob_recovery.schedule(ns, name)
 
 
 async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -282,6 +429,20 @@ def register(registry: kopf.OperatorRegistry, *, webhooks: bool = True) -> kopf.
     kopf.on.event(
         "v1", "pods", labels={c.LABEL_TO_JOB_NAME: kopf.PRESENT}, registry=registry, id="pods"
     )(on_training_pod_event)
+    kopf.on.event(
+        *TRAINJOBS,
+        annotations={c.ANN_POLICY: kopf.PRESENT},
+        registry=registry,
+        id="trainjob",
+    )(on_trainjob_event)
+    kopf.on.event(*JOBSETS, registry=registry, id="jobset")(on_jobset_event)
+    kopf.on.event(
+        "v1",
+        "pods",
+        labels={c.LABEL_JOBSET_NAME: kopf.PRESENT, c.LABEL_INJECT: "true"},
+        registry=registry,
+        id="trainjob-pods",
+    )(on_trainjob_pod_event)
     kopf.on.event("v1", "nodes", registry=registry, id="drain")(on_node_event)
 
     if webhooks:
@@ -311,6 +472,19 @@ def register(registry: kopf.OperatorRegistry, *, webhooks: bool = True) -> kopf.
         kopf.on.validate(
             *PYTORCHJOB,
             id=c.WEBHOOK_VALIDATE_JOB_ID,
+            operations=["CREATE", "UPDATE"],
+            registry=registry,
+        )(on_validate_job)
+        kopf.on.mutate(
+            *TRAINJOBS,
+            id=c.WEBHOOK_LABEL_TRAINJOB_ID,
+            operations=["CREATE"],
+            annotations={c.ANN_POLICY: kopf.PRESENT},
+            registry=registry,
+        )(on_label_trainjob)
+        kopf.on.validate(
+            *TRAINJOBS,
+            id=c.WEBHOOK_VALIDATE_TRAINJOB_ID,
             operations=["CREATE", "UPDATE"],
             registry=registry,
         )(on_validate_job)

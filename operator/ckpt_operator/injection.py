@@ -153,6 +153,9 @@ class InjectionContext:
     """The PyTorchJob's uid (the run's owner record)."""
     run_env: Mapping[str, str] = field(default_factory=dict)
     """The run's facts from the job (:func:`ckpt_operator.runfacts.agent_run_env`)."""
+    default_container: str | None = None
+    """The job kind's training container, used when the pod has none named
+    ``spec.agent.containerName`` (a TrainJob's ``node``; :mod:`ckpt_operator.jobkind`)."""
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,11 @@ def build_pod_patch(
         return InjectionResult(ops=[], skipped="the object has no pod spec")
     containers = spec_obj.get("containers") or []
     target_name = policy_spec.agent.container_name
-    index = next((i for i, ctr in enumerate(containers) if ctr.get("name") == target_name), None)
+    names_in_pod = [ctr.get("name") for ctr in containers]
+    fallback = ctx.default_container
+    if target_name not in names_in_pod and fallback is not None and fallback in names_in_pod:
+        target_name = fallback
+    index = next((i for i, n in enumerate(names_in_pod) if n == target_name), None)
     if index is None:
         names = ", ".join(str(ctr.get("name")) for ctr in containers) or "none"
         return InjectionResult(

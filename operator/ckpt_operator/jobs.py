@@ -232,7 +232,8 @@ def job_facts(job: Mapping[str, Any]) -> JobFacts:
         status=JobStatusAnnotation.parse(ann.get(c.ANN_STATUS)),
         created_at=parse_time(meta.get("creationTimestamp")),
         deleting=bool(meta.get("deletionTimestamp")),
-        succeeded=_is_true(job, "Succeeded"),
+        # Trainer v2's TrainJob says ``Complete`` (JobSet's ``Completed``)
+        succeeded=_is_true(job, "Succeeded") or _is_true(job, "Complete"),
         failed=_is_true(job, "Failed"),
         failed_at=parse_time((failed_cond or {}).get("lastTransitionTime")),
         failure_message=str((failed_cond or {}).get("message") or ""),

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from concurrent.futures import Executor
 from typing import Any, Protocol, cast
 
-from ckpt_operator import constants as c
+from ckpt_operator.jobkind import JobKind
+from ckpt_operator.pytorchjob import PYTORCHJOB
 
 __all__ = ["ApiError", "ConflictError", "KubeApi", "KubernetesApi", "NotFoundError"]
 
@@ -53,22 +54,39 @@ class ConflictError(ApiError):
 class KubeApi(Protocol):
     """The calls the handlers make (all async, all raw JSON)."""
 
-    async def get_job(self, namespace: str, name: str) -> Obj | None: ...
+    # Jobs: a PyTorchJob unless ``kind`` says otherwise (:mod:`ckpt_operator.jobkinds`).
+    async def get_job(
+        self, namespace: str, name: str, *, kind: JobKind = PYTORCHJOB
+    ) -> Obj | None: ...
 
-    async def list_jobs(self, namespace: str) -> list[Obj]: ...
+    async def list_jobs(self, namespace: str, *, kind: JobKind = PYTORCHJOB) -> list[Obj]: ...
 
-    async def create_job(self, namespace: str, body: Obj) -> Obj:
+    async def create_job(self, namespace: str, body: Obj, *, kind: JobKind = PYTORCHJOB) -> Obj:
         """Raises :class:`ConflictError` when a job of that name exists."""
         ...
 
     async def patch_job_annotations(
-        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+        self,
+        namespace: str,
+        name: str,
+        annotations: Mapping[str, str | None],
+        *,
+        kind: JobKind = PYTORCHJOB,
     ) -> Obj | None:
         """The job as patched (None: this client does not say)."""
         ...
 
-    async def patch_job(self, namespace: str, name: str, patch: Obj) -> Obj | None:
-        """JSON merge patch of a PyTorchJob; the job as patched (None: not known)."""
+    async def patch_job(
+        self, namespace: str, name: str, patch: Obj, *, kind: JobKind = PYTORCHJOB
+    ) -> Obj | None:
+        """JSON merge patch of a job; the job as patched (None: not known)."""
+        ...
+
+    async def get_custom(
+        self, group: str, version: str, plural: str, namespace: str | None, name: str
+    ) -> Obj | None:
+        """Any other custom object the operator reads (a JobSet, a Trainer runtime);
+        ``namespace`` None: cluster-scoped. None when missing."""
         ...
 
     async def get_policy(self, namespace: str, name: str) -> Obj | None: ...
@@ -133,16 +151,26 @@ class KubernetesApi:
 
     @classmethod
     def from_environment(
-        cls, *, executor: Executor | None = None, timeout_s: float = 30.0
+        cls,
+        *,
+        executor: Executor | None = None,
+        timeout_s: float = 30.0,
+        connections: int = 0,
     ) -> KubernetesApi:
-        """In-cluster service account, else ``$KUBECONFIG`` / ``~/.kube/config``."""
+        """In-cluster service account, else ``$KUBECONFIG`` / ``~/.kube/config``.
+
+        ``connections``: keep at least that many connections open (the threads that call
+        at once); beyond the pool's size every call opens a connection (TLS handshake) and
+        drops it (the client's default is 5 per CPU the machine has, not the pod)."""
         from kubernetes import client, config
 
         try:
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
             config.load_kube_config()  # type: ignore[no-untyped-call]
-        return cls(client.ApiClient(), executor=executor, timeout_s=timeout_s)
+        settings = client.Configuration.get_default_copy()
+        settings.connection_pool_maxsize = max(settings.connection_pool_maxsize or 0, connections)
+        return cls(client.ApiClient(settings), executor=executor, timeout_s=timeout_s)
 
     def with_executor(self, executor: Executor, *, timeout_s: float | None = None) -> KubernetesApi:
         """The same client (connection pool, credentials) on another executor."""
@@ -167,23 +195,27 @@ class KubernetesApi:
         return cast(Obj, json.loads(resp.data))
 
     # ------------------------------------------------------------------ PyTorchJobs
-    async def get_job(self, namespace: str, name: str) -> Obj | None:
+    async def get_job(self, namespace: str, name: str, *, kind: JobKind = PYTORCHJOB) -> Obj | None:
+        return await self.get_custom(kind.group, kind.version, kind.plural, namespace, name)
+
+    async def get_custom(
+        self, group: str, version: str, plural: str, namespace: str | None, name: str
+    ) -> Obj | None:
         try:
-            return cast(
-                Obj,
-                await self._call(
+            if namespace is None:
+                got = await self._call(
+                    self._custom.get_cluster_custom_object, group, version, plural, name
+                )
+            else:
+                got = await self._call(
                     self._custom.get_namespaced_custom_object,
-                    c.PYTORCHJOB_GROUP,
-                    c.PYTORCHJOB_VERSION,
-                    namespace,
-                    c.PYTORCHJOB_PLURAL,
-                    name,
-                ),
-            )
+                    *(group, version, namespace, plural, name),
+                )
+            return cast(Obj, got)
         except NotFoundError:
             return None
 
-    async def list_jobs(self, namespace: str) -> list[Obj]:
+    async def list_jobs(self, namespace: str, *, kind: JobKind = PYTORCHJOB) -> list[Obj]:
         items: list[Obj] = []
         token: str | None = None
         while True:
@@ -194,10 +226,10 @@ class KubernetesApi:
                 Obj,
                 await self._call(
                     self._custom.list_namespaced_custom_object,
-                    c.PYTORCHJOB_GROUP,
-                    c.PYTORCHJOB_VERSION,
+                    kind.group,
+                    kind.version,
                     namespace,
-                    c.PYTORCHJOB_PLURAL,
+                    kind.plural,
                     **kwargs,
                 ),
             )
@@ -206,33 +238,40 @@ class KubernetesApi:
             if not token:
                 return items
 
-    async def create_job(self, namespace: str, body: Obj) -> Obj:
+    async def create_job(self, namespace: str, body: Obj, *, kind: JobKind = PYTORCHJOB) -> Obj:
         return cast(
             Obj,
             await self._call(
                 self._custom.create_namespaced_custom_object,
-                c.PYTORCHJOB_GROUP,
-                c.PYTORCHJOB_VERSION,
+                kind.group,
+                kind.version,
                 namespace,
-                c.PYTORCHJOB_PLURAL,
+                kind.plural,
                 body,
             ),
         )
 
     async def patch_job_annotations(
-        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+        self,
+        namespace: str,
+        name: str,
+        annotations: Mapping[str, str | None],
+        *,
+        kind: JobKind = PYTORCHJOB,
     ) -> Obj | None:
         return await self.patch_job(
-            namespace, name, {"metadata": {"annotations": dict(annotations)}}
+            namespace, name, {"metadata": {"annotations": dict(annotations)}}, kind=kind
         )
 
-    async def patch_job(self, namespace: str, name: str, patch: Obj) -> Obj | None:
+    async def patch_job(
+        self, namespace: str, name: str, patch: Obj, *, kind: JobKind = PYTORCHJOB
+    ) -> Obj | None:
         patched = await self._call(
             self._custom.patch_namespaced_custom_object,
-            c.PYTORCHJOB_GROUP,
-            c.PYTORCHJOB_VERSION,
+            kind.group,
+            kind.version,
             namespace,
-            c.PYTORCHJOB_PLURAL,
+            kind.plural,
             name,
             patch,
         )

@@ -1,4 +1,5 @@
-"""Background work without finalizers: the recovery scheduler and the retention loop.
+"""Background work without finalizers: the recovery scheduler and the retention loop
+(and :class:`MemoryReturn`, which hands the memory of deleted objects back to the OS).
 
 kopf daemons and timers put a finalizer on every object they run for; on a
 user's PyTorchJob (or on policies when the chart is uninstalled) a finalizer
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -20,7 +22,7 @@ from typing import Any
 
 from ckpt_agent.policy import RetentionSpec
 
-__all__ = ["RecoveryScheduler", "RetentionLoop"]
+__all__ = ["MemoryReturn", "RecoveryScheduler", "RetentionLoop", "malloc_trim"]
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +195,46 @@ class RetentionLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+def malloc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)``; None where the C library has none (musl, macOS)."""
+    try:
+        return functools.partial(ctypes.CDLL("libc.so.6").malloc_trim, 0)
+    except (OSError, AttributeError):
+        return None
+
+
+class MemoryReturn:
+    """Hands the heap memory of deleted objects back to the OS, shortly after they went.
+
+    CPython gives freed objects back to the C allocator, and glibc keeps what it gets
+    back in its arenas (one per thread that allocated) rather than returning it to the
+    OS: after a wave of deleted jobs and pods the operator's RSS stayed near its peak.
+    ``evicted()`` (the handlers of ``DELETED`` events call it) schedules one ``trim``
+    ``delay_s`` later unless one is pending: a wave costs a trim every ``delay_s`` (a few
+    milliseconds each) and one after its end; nothing happens without deletions.
+    """
+
+    def __init__(self, *, delay_s: float = 5.0, trim: Callable[[], object] | None = None) -> None:
+        self.delay_s = delay_s
+        self._trim = trim if trim is not None else malloc_trim()
+        self._pending: asyncio.TimerHandle | None = None
+        self.trims = 0
+
+    def evicted(self) -> None:
+        """Cached state of a deleted object was dropped (call from the event loop)."""
+        if self._trim is None or self._pending is not None:
+            return
+        self._pending = asyncio.get_running_loop().call_later(self.delay_s, self._run)
+
+    def _run(self) -> None:
+        self._pending = None
+        if self._trim is not None:
+            self._trim()
+        self.trims += 1
+
+    def stop(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None

@@ -21,7 +21,7 @@ from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.certs import write_webhook_certs
 from ckpt_operator.config import OperatorConfig, parse_config
 from ckpt_operator.events import KopfEvents
-from ckpt_operator.handlers import MEMO_KEY, make_runtime, register
+from ckpt_operator.handlers import MEMO_KEY, DiffBaseForChanges, make_runtime, register
 from ckpt_operator.kube import KubernetesApi
 from ckpt_operator.metrics import Metrics
 from ckpt_operator.sources import StorageSourceFactory
@@ -60,7 +60,7 @@ def build_settings(cfg: OperatorConfig, metrics: Metrics) -> kopf.OperatorSettin
     """kopf settings: our annotation prefix, quiet Event posting, the webhook server."""
     settings = kopf.OperatorSettings()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = DiffBaseForChanges(
         prefix=c.KOPF_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{c.KOPF_PREFIX}/finalizer"
@@ -104,7 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_format=kopf.LogFormat.JSON if cfg.log_format == "json" else kopf.LogFormat.PLAIN,
     )
     reconcile_pool, webhook_pool = executors(cfg)
-    api = KubernetesApi.from_environment(executor=reconcile_pool, timeout_s=cfg.api_timeout_s)
+    api = KubernetesApi.from_environment(
+        executor=reconcile_pool,
+        timeout_s=cfg.api_timeout_s,
+        connections=cfg.workers + cfg.webhook.workers,  # both pools share the client
+    )
     # the webhook's fallback reads must answer within its budget
     admission_api = api.with_executor(webhook_pool, timeout_s=cfg.webhook.budget_s)
     metrics = Metrics()

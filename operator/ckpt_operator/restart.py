@@ -31,7 +31,8 @@ from ckpt_agent.decide.recovery import is_poisoned, plan_recovery, walk
 from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord
 from ckpt_operator import constants as c
-from ckpt_operator.jobs import JobFacts, job_facts, label_templates_in_place, parse_time
+from ckpt_operator.jobkinds import kind_of
+from ckpt_operator.jobs import JobFacts, job_facts, parse_time
 from ckpt_operator.runfacts import estimate_mtbf, run_started_at
 
 __all__ = [
@@ -256,7 +257,8 @@ RestartOutcome = Skip | Wait | GiveUp | Restart
 
 
 def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict[str, Any]:
-    """The new PyTorchJob: same spec, labels and user annotations, the restart recorded."""
+    """The new job (PyTorchJob or TrainJob): same spec, labels and user annotations, the
+    restart recorded."""
     facts = job_facts(job)
     meta = job.get("metadata") or {}
     annotations = {
@@ -307,7 +309,7 @@ def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict
         "spec": copy.deepcopy(job.get("spec") or {}),
     }
     # its pods must reach the (fail-closed) injection webhook whatever the old job carried
-    label_templates_in_place(body)
+    kind_of(body).label_in_place(body)
     return body
 
 

@@ -25,6 +25,7 @@ from ckpt_operator import constants as c
 from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.config import OperatorConfig
 from ckpt_operator.events import RecordedEvents
+from ckpt_operator.jobkinds import PYTORCHJOB, TRAINJOB, JobKind, kind_of
 from ckpt_operator.kube import ConflictError, NotFoundError
 from ckpt_operator.metrics import Metrics
 from ckpt_operator.sources import VerificationFailedError
@@ -101,6 +102,9 @@ class FakeApi:
 
     def __init__(self) -> None:
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.trainjobs: dict[tuple[str, str], dict[str, Any]] = {}
+        #: other custom objects by (plural, namespace or "", name): JobSets, runtimes
+        self.custom: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.policies: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.config_maps: dict[tuple[str, str], dict[str, Any]] = {}
@@ -109,11 +113,25 @@ class FakeApi:
         self.fail_create: Exception | None = None
         self.fail_get_job: Exception | None = None
 
+    def _store(self, kind: JobKind) -> dict[tuple[str, str], dict[str, Any]]:
+        return self.trainjobs if kind is TRAINJOB else self.jobs
+
     def add_job(self, job: Mapping[str, Any]) -> dict[str, Any]:
         obj = copy.deepcopy(dict(job))
         m = obj["metadata"]
-        self.jobs[(m["namespace"], m["name"])] = obj
+        self._store(kind_of(obj))[(m["namespace"], m["name"])] = obj
         return obj
+
+    def add_custom(self, plural: str, obj: Mapping[str, Any]) -> None:
+        m = obj["metadata"]
+        self.custom[(plural, m.get("namespace") or "", m["name"])] = copy.deepcopy(dict(obj))
+
+    async def get_custom(
+        self, group: str, version: str, plural: str, namespace: str | None, name: str
+    ) -> dict[str, Any] | None:
+        self.calls.append(("get_custom", (plural, name)))
+        got = self.custom.get((plural, namespace or "", name))
+        return copy.deepcopy(got) if got is not None else None
 
     def add_policy(self, policy: Mapping[str, Any]) -> None:
         m = policy["metadata"]
@@ -123,35 +141,48 @@ class FakeApi:
         m = pod["metadata"]
         self.pods[(m["namespace"], m["name"])] = copy.deepcopy(dict(pod))
 
-    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_job(
+        self, namespace: str, name: str, *, kind: JobKind = PYTORCHJOB
+    ) -> dict[str, Any] | None:
         self.calls.append(("get_job", name))
         if self.fail_get_job is not None:
             raise self.fail_get_job
-        job = self.jobs.get((namespace, name))
+        job = self._store(kind).get((namespace, name))
         return copy.deepcopy(job) if job is not None else None
 
-    async def list_jobs(self, namespace: str) -> list[dict[str, Any]]:
+    async def list_jobs(
+        self, namespace: str, *, kind: JobKind = PYTORCHJOB
+    ) -> list[dict[str, Any]]:
         self.calls.append(("list_jobs", namespace))
-        return [copy.deepcopy(j) for (ns, _), j in sorted(self.jobs.items()) if ns == namespace]
+        store = self._store(kind)
+        return [copy.deepcopy(j) for (ns, _), j in sorted(store.items()) if ns == namespace]
 
-    async def create_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def create_job(
+        self, namespace: str, body: dict[str, Any], *, kind: JobKind = PYTORCHJOB
+    ) -> dict[str, Any]:
         self.calls.append(("create_job", body["metadata"]["name"]))
         if self.fail_create is not None:
             raise self.fail_create
         key = (namespace, body["metadata"]["name"])
-        if key in self.jobs:
-            raise ConflictError(409, f"pytorchjobs {key[1]} already exists")
+        store = self._store(kind)
+        if key in store:
+            raise ConflictError(409, f"{kind.plural} {key[1]} already exists")
         obj = copy.deepcopy(body)
         obj["metadata"]["uid"] = f"uid-{key[1]}"
         obj["metadata"]["creationTimestamp"] = "2024-05-02T11:02:30Z"
-        self.jobs[key] = obj
+        store[key] = obj
         return copy.deepcopy(obj)
 
     async def patch_job_annotations(
-        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+        self,
+        namespace: str,
+        name: str,
+        annotations: Mapping[str, str | None],
+        *,
+        kind: JobKind = PYTORCHJOB,
     ) -> dict[str, Any]:
         self.calls.append(("patch_job_annotations", (name, dict(annotations))))
-        job = self.jobs.get((namespace, name))
+        job = self._store(kind).get((namespace, name))
         if job is None:
             raise NotFoundError(404, f"pytorchjobs {name} not found")
         ann = job["metadata"].setdefault("annotations", {})
@@ -162,9 +193,11 @@ class FakeApi:
                 ann[k] = v
         return _patched(job)
 
-    async def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    async def patch_job(
+        self, namespace: str, name: str, patch: dict[str, Any], *, kind: JobKind = PYTORCHJOB
+    ) -> dict[str, Any]:
         self.calls.append(("patch_job", (name, copy.deepcopy(patch))))
-        job = self.jobs.get((namespace, name))
+        job = self._store(kind).get((namespace, name))
         if job is None:
             raise NotFoundError(404, f"pytorchjobs {name} not found")
         _merge(job, patch)

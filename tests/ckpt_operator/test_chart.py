@@ -191,6 +191,12 @@ def rules(objs: Rendered) -> set[tuple[str, str, tuple[str, ...]]]:
 def test_rbac_is_least_privilege(default: Rendered) -> None:
     assert rules(default) == {
         ("kubeflow.org", "pytorchjobs", ("create", "get", "list", "patch", "watch")),
+        # Kubeflow Trainer v2 (issue #15): TrainJobs as PyTorchJobs; the label-trainjob
+        # webhook reads the runtime; JobSets are watched for their restart attempt
+        ("trainer.kubeflow.org", "trainjobs", ("create", "get", "list", "patch", "watch")),
+        ("trainer.kubeflow.org", "clustertrainingruntimes", ("get",)),
+        ("trainer.kubeflow.org", "trainingruntimes", ("get",)),
+        ("jobset.x-k8s.io", "jobsets", ("get", "list", "watch")),
         ("ckpt.dev", "checkpointpolicies", ("get", "list", "patch", "watch")),
         ("ckpt.dev", "checkpointpolicies/status", ("get", "patch")),
         ("", "pods", ("get", "list", "patch", "watch")),
@@ -221,7 +227,7 @@ def test_rbac_options() -> None:
 
 def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> None:
     mutating = only(default, "MutatingWebhookConfiguration")
-    hook, lhook = mutating["webhooks"]
+    hook, lhook, thook = mutating["webhooks"]
     # fails closed for opted-in pods, and only they call it (issue #19)
     assert hook["name"] == "inject.pods.ckpt.dev"
     assert hook["failurePolicy"] == "Fail"
@@ -247,6 +253,15 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
     (cond,) = lhook["matchConditions"]
     assert f"'{c.ANN_POLICY}' in object.metadata.annotations" in cond["expression"]
     assert lhook["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
+    # TrainJobs: the operator's runtime patch labels their trainer pods (issue #15)
+    assert thook["name"] == "label.trainjobs.ckpt.dev"
+    assert thook["failurePolicy"] == "Fail" and thook["sideEffects"] == "None"
+    assert thook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_LABEL_TRAINJOB_ID}"
+    assert thook["rules"][0]["apiGroups"] == [c.TRAINJOB_GROUP]
+    assert thook["rules"][0]["resources"] == ["trainjobs"]
+    assert thook["rules"][0]["operations"] == ["CREATE"]
+    assert thook["matchConditions"] == lhook["matchConditions"]
+    assert thook["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
     (expr,) = hook["namespaceSelector"]["matchExpressions"]
     assert expr["operator"] == "NotIn" and "kube-system" in expr["values"]
     svc = hook["clientConfig"]["service"]
@@ -258,13 +273,18 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
     }
 
     validating = only(default, "ValidatingWebhookConfiguration")
-    vhook, jhook = validating["webhooks"]
+    vhook, jhook, tvhook = validating["webhooks"]
     assert vhook["name"] == "validate.checkpointpolicies.ckpt.dev"
     assert jhook["name"] == "validate.pytorchjobs.ckpt.dev"
     assert jhook["failurePolicy"] == "Ignore" and jhook["sideEffects"] == "None"
     assert jhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_VALIDATE_JOB_ID}"
     assert jhook["rules"][0]["resources"] == ["pytorchjobs"]
     assert jhook["clientConfig"]["caBundle"] == vhook["clientConfig"]["caBundle"]
+    assert tvhook["name"] == "validate.trainjobs.ckpt.dev"
+    assert tvhook["failurePolicy"] == "Ignore"
+    assert tvhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_VALIDATE_TRAINJOB_ID}"
+    assert tvhook["rules"][0]["resources"] == ["trainjobs"]
+    assert set(tvhook["rules"][0]["operations"]) == {"CREATE", "UPDATE"}
     assert vhook["failurePolicy"] == "Fail" and vhook["sideEffects"] == "None"
     assert vhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_VALIDATE_ID}"
     assert vhook["rules"][0]["resources"] == ["checkpointpolicies"]
@@ -303,8 +323,10 @@ def test_webhook_url_mode_for_an_operator_outside_the_cluster(
 ) -> None:
     objs = render(f"webhook.url={url}")
     base = url.rstrip("/")
-    hook, lhook = only(objs, "MutatingWebhookConfiguration")["webhooks"]
-    vhook, jhook = only(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    hook, lhook, thook = only(objs, "MutatingWebhookConfiguration")["webhooks"]
+    vhook, jhook, tvhook = only(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert thook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_LABEL_TRAINJOB_ID}"
+    assert tvhook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_VALIDATE_TRAINJOB_ID}"
     assert "service" not in hook["clientConfig"] and "service" not in vhook["clientConfig"]
     assert lhook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_LABEL_JOB_ID}"
     assert jhook["clientConfig"]["url"] == f"{base}/{c.WEBHOOK_VALIDATE_JOB_ID}"
@@ -493,11 +515,11 @@ def test_tenancy_values_reach_the_operator_config() -> None:
 
 
 def test_inject_failure_policy_can_be_relaxed() -> None:
-    hook, lhook = only(
+    hook, lhook, thook = only(
         render("webhook.inject.failurePolicy=Ignore", "webhook.labelJobs.failurePolicy=Ignore"),
         "MutatingWebhookConfiguration",
     )["webhooks"]
-    assert hook["failurePolicy"] == lhook["failurePolicy"] == "Ignore"
+    assert hook["failurePolicy"] == lhook["failurePolicy"] == thook["failurePolicy"] == "Ignore"
     assert hook["objectSelector"] == {"matchLabels": {c.LABEL_INJECT: "true"}}
 
 

@@ -6,15 +6,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_operator import constants as c
+from ckpt_operator.attempts import attempt_refusal
 from ckpt_operator.behaviours.deps import Deps, cached_job, cached_policy
 from ckpt_operator.injection import (
     InjectionContext,
     build_pod_patch,
     is_unprotected,
 )
-from ckpt_operator.jobs import job_facts, label_templates_in_place, owner_job_name
+from ckpt_operator.jobkinds import TRAINJOB, owner_of
+from ckpt_operator.jobs import job_facts, label_templates_in_place
 from ckpt_operator.jsonpatch import JSONPatchOp
 from ckpt_operator.runfacts import agent_run_env
+from ckpt_operator.trainjob import has_inject_patch, runtime_ref, trainer_replicated_jobs
 from ckpt_operator.validation import annotation_errors, parse_policy_spec
 
 __all__ = [
@@ -22,6 +26,7 @@ __all__ = [
     "inject_pod",
     "label_job",
     "report_unprotected",
+    "trainjob_label_targets",
     "validate_job",
     "validate_policy",
 ]
@@ -53,6 +58,27 @@ def label_job(job: dict[str, Any]) -> bool:
     return job_facts(job).opted_in and label_templates_in_place(job)
 
 
+async def trainjob_label_targets(deps: Deps, trainjob: Mapping[str, Any]) -> list[str]:
+    """The ``label-trainjob`` webhook: the replicated Jobs of an opted-in TrainJob's runtime
+    whose pod templates the operator's ``spec.runtimePatches`` entry labels
+    (:func:`ckpt_operator.trainjob.add_inject_patch`); empty: nothing to do (not opted in,
+    labelled already, or a runtime that does not exist: Trainer's own webhook refuses it)."""
+    if not job_facts(trainjob).opted_in or has_inject_patch(trainjob):
+        return []
+    ref = runtime_ref(trainjob)
+    if ref is None:
+        return []
+    kind, name = ref
+    namespace = str((trainjob.get("metadata") or {}).get("namespace") or "")
+    api = deps.admission_api if deps.admission_api is not None else deps.api
+    if kind == c.CLUSTER_TRAINING_RUNTIME_KIND:
+        plural, where = c.CLUSTER_TRAINING_RUNTIME_PLURAL, None
+    else:
+        plural, where = c.TRAINING_RUNTIME_PLURAL, namespace
+    runtime = await api.get_custom(c.TRAINJOB_GROUP, c.TRAINJOB_VERSION, plural, where, name)
+    return trainer_replicated_jobs(runtime) if runtime is not None else []
+
+
 async def report_unprotected(deps: Deps, pod: Mapping[str, Any]) -> bool:
     """An opted-in pod running without the agent that the webhook would inject now (it was
     bypassed: disabled, ``failurePolicy: Ignore`` while the operator was down): a Warning
@@ -70,15 +96,17 @@ async def report_unprotected(deps: Deps, pod: Mapping[str, Any]) -> bool:
     deps.reported_pods.add(uid)
     deps.metrics.unprotected_pods.inc()
     name = meta.get("name")
+    owner = owner_of(pod)
+    kind = owner[0] if owner is not None else None
     message = (
-        f"pod {name} of an opted-in PyTorchJob runs WITHOUT the checkpoint agent (it was "
-        "admitted while the ckpt-operator webhook was bypassed): it takes no checkpoints and "
-        "a restart of it starts from step 0; delete the pod so that the training-operator "
-        "recreates it injected, and keep webhook.inject.failurePolicy at Fail"
+        f"pod {name} of an opted-in {kind.kind if kind else 'job'} runs WITHOUT the checkpoint "
+        "agent (it was admitted while the ckpt-operator webhook was bypassed): it takes no "
+        "checkpoints and a restart of it starts from step 0; delete the pod so that the "
+        f"{'Job controller' if kind is TRAINJOB else 'training-operator'} recreates it "
+        "injected, and keep webhook.inject.failurePolicy at Fail"
     )
     deps.events.emit(pod, "Warning", "NotInjected", message)
-    job_name = owner_job_name(pod)
-    job = deps.jobs.get(namespace, job_name) if job_name else None
+    job = deps.job_cache(owner[0]).get(namespace, owner[1]) if owner is not None else None
     if job is not None:
         deps.events.emit(job, "Warning", "NotInjected", message)
     return True
@@ -89,7 +117,10 @@ class InjectionOutcome:
     ops: list[JSONPatchOp]
     warnings: list[str]
     result: str
-    """``injected``, ``skipped``, ``already`` or ``ignored`` (not an opted-in job's pod)."""
+    """``injected``, ``skipped``, ``already``, ``ignored`` (not an opted-in job's pod) or
+    ``deferred`` (refused for now: a TrainJob restart attempt not planned yet)."""
+    refusal: str = ""
+    """Why a ``deferred`` pod is refused (the admission error)."""
 
 
 async def inject_pod(
@@ -106,20 +137,24 @@ async def inject_pod(
     webhook's own threads); never touches storage. ``quiet``: no Events, no metrics (the
     unprotected-pod check asks what the webhook would do).
     """
-    job_name = owner_job_name(pod)
-    if not job_name:
+    owner = owner_of(pod)
+    if owner is None:
         return InjectionOutcome([], [], "ignored")
-    job = await cached_job(deps, namespace, job_name, admission=True)
+    kind, job_name = owner
+    job = await cached_job(deps, namespace, job_name, admission=True, kind=kind)
     if job is None:
         return InjectionOutcome(
             [],
-            [f"ckpt-operator: PyTorchJob {namespace}/{job_name} not found; not injected"],
+            [f"ckpt-operator: {kind.kind} {namespace}/{job_name} not found; not injected"],
             "skipped",
         )
     facts = job_facts(job)
     if not facts.opted_in:
         return InjectionOutcome([], [], "ignored")
     assert facts.policy is not None
+    refusal = attempt_refusal(facts, pod) if kind is TRAINJOB else None
+    if refusal is not None and not quiet:
+        return InjectionOutcome([], [], "deferred", refusal)
     pod_name = (pod.get("metadata") or {}).get("name") or "(generated name)"
 
     def skipped(reason: str, event_reason: str) -> InjectionOutcome:
@@ -132,7 +167,7 @@ async def inject_pod(
 
     invalid = annotation_errors(facts.annotations)
     if invalid:
-        return skipped(f"PyTorchJob {job_name}: {'; '.join(invalid)}", "InvalidAnnotation")
+        return skipped(f"{kind.kind} {job_name}: {'; '.join(invalid)}", "InvalidAnnotation")
     policy = await cached_policy(deps, namespace, facts.policy, admission=True)
     if policy is None:
         return skipped(f"CheckpointPolicy {facts.policy!r} not found", "PolicyNotFound")
@@ -149,6 +184,7 @@ async def inject_pod(
         job_uid=facts.uid,
         resume_from=facts.resume_from,
         run_env=agent_run_env(facts),
+        default_container=kind.default_container,
         agent_image=inj.agent_image,
         sidecar_command=inj.sidecar_command,
         sidecar_resources={

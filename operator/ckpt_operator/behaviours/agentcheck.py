@@ -22,7 +22,7 @@ from ckpt_operator.agentcheck import (
     silent_pods,
     unreported_pods,
 )
-from ckpt_operator.behaviours.deps import Deps, Obj
+from ckpt_operator.behaviours.deps import Deps, Obj, kind_kw
 from ckpt_operator.behaviours.guard import storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.reports import pod_reports
@@ -72,7 +72,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
         log.info("agent check of %s/%s skipped: %s", namespace, name, e)
         return []
     for s in silent:
-        job = await deps.api.get_job(namespace, s.job) if s.job else None
+        job = await deps.api.get_job(namespace, s.job, **kind_kw(s.kind)) if s.job else None
         ann = ((job or {}).get("metadata") or {}).get("annotations") or {}
         if job is None or ann.get(c.ANN_AGENT_MISSING) == s.pod:
             continue
@@ -83,7 +83,9 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
             f"pod {s.pod} has run {s.running_s:.0f}s without a heartbeat, checkpoint or "
             f"report of run {s.run_id}: {AGENT_MISSING}",
         )
-        await deps.api.patch_job_annotations(namespace, s.job, {c.ANN_AGENT_MISSING: s.pod})
+        await deps.api.patch_job_annotations(
+            namespace, s.job, {c.ANN_AGENT_MISSING: s.pod}, **kind_kw(s.kind)
+        )
     status: ConditionStatus = "False" if silent else "True"
     reason = "AgentMissing" if silent else "AgentsReporting"
     message = (

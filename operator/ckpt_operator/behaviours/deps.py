@@ -11,16 +11,20 @@ from ckpt_operator import constants as c
 from ckpt_operator.caches import ObjectCache, PodIndex
 from ckpt_operator.config import OperatorConfig
 from ckpt_operator.events import EventSink
-from ckpt_operator.jobs import JobStatusAnnotation, format_time, job_facts
-from ckpt_operator.kube import KubeApi
+from ckpt_operator.jobkinds import KINDS, PYTORCHJOB, TRAINJOB, JobKind, kind_of
+from ckpt_operator.jobs import JobStatusAnnotation, format_time
+from ckpt_operator.kube import KubeApi, NotFoundError
 from ckpt_operator.metrics import Metrics
 from ckpt_operator.sources import SourceFactory
 
 __all__ = [
     "Deps",
     "Obj",
+    "annotate_job",
     "cached_job",
     "cached_policy",
+    "kind_kw",
+    "list_all_jobs",
     "patch_job_annotations",
     "set_job_status",
 ]
@@ -46,11 +50,31 @@ class Deps:
     """Opted-in PyTorchJobs as the watch delivered them."""
     pods: PodIndex = field(default_factory=PodIndex)
     """The training-operator's pods by job."""
+    trainjobs: ObjectCache = field(default_factory=ObjectCache)
+    """Opted-in TrainJobs as the watch delivered them."""
+    trainjob_pods: PodIndex = field(default_factory=lambda: PodIndex(c.LABEL_JOBSET_NAME))
+    """Opted-in TrainJobs' pods by TrainJob (JobSet) name."""
+    jobsets: ObjectCache = field(default_factory=ObjectCache)
+    """JobSets of TrainJobs (their ``status.restarts``: the current restart attempt)."""
     reported_pods: set[str] = field(default_factory=set)
     """uids of unprotected pods already reported (dropped when the pod is deleted)."""
     admission_api: KubeApi | None = None
     """The API client the webhook falls back to on a cache miss (its own worker threads,
     so admission never waits behind reconciliation); None: ``api``."""
+
+    def job_cache(self, kind: JobKind) -> ObjectCache:
+        """The watch cache of opted-in jobs of ``kind``."""
+        return self.trainjobs if kind is TRAINJOB else self.jobs
+
+    def pod_index(self, kind: JobKind) -> PodIndex:
+        """The pod index of ``kind``'s jobs."""
+        return self.trainjob_pods if kind is TRAINJOB else self.pods
+
+
+def kind_kw(kind: JobKind) -> dict[str, JobKind]:
+    """The ``kind`` keyword of a :class:`~ckpt_operator.kube.KubeApi` job call: none for a
+    PyTorchJob (the default), so clients written for PyTorchJobs alone keep working."""
+    return {} if kind is PYTORCHJOB else {"kind": kind}
 
 
 async def cached_policy(
@@ -67,15 +91,32 @@ async def cached_policy(
 
 
 async def cached_job(
-    deps: Deps, namespace: str, name: str, *, admission: bool = False
+    deps: Deps,
+    namespace: str,
+    name: str,
+    *,
+    admission: bool = False,
+    kind: JobKind = PYTORCHJOB,
 ) -> Obj | None:
     """The opted-in job from the watch cache; on a miss one API read (not remembered: only
     opted-in jobs are cached, and their watch delivers them)."""
-    job = deps.jobs.get(namespace, name)
+    job = deps.job_cache(kind).get(namespace, name)
     if job is None:
         api = deps.admission_api if admission and deps.admission_api is not None else deps.api
-        job = await api.get_job(namespace, name)
+        job = await api.get_job(namespace, name, **kind_kw(kind))
     return job
+
+
+async def list_all_jobs(deps: Deps, namespace: str) -> list[Obj]:
+    """The namespace's jobs of every kind (a kind whose CRD is not installed: none)."""
+    jobs: list[Obj] = []
+    for kind in KINDS:
+        try:
+            jobs += await deps.api.list_jobs(namespace, **kind_kw(kind))
+        except NotFoundError:
+            if kind is PYTORCHJOB:
+                raise
+    return jobs
 
 
 async def set_job_status(
@@ -87,20 +128,34 @@ async def set_job_status(
     extra: Mapping[str, str | None] | None = None,
 ) -> None:
     """Write the job's status annotation (``state``, ``reason``, ``message``) and ``extra``."""
-    facts = job_facts(job)
     status = JobStatusAnnotation(state, reason, message, format_time(deps.clock(), precise=True))
     annotations: dict[str, str | None] = {c.ANN_STATUS: status.to_json()}
     annotations.update(extra or {})
-    await patch_job_annotations(deps, facts.namespace, facts.name, annotations)
+    await annotate_job(deps, job, annotations)
+
+
+async def annotate_job(
+    deps: Deps, job: Mapping[str, Any], annotations: Mapping[str, str | None]
+) -> None:
+    """:func:`patch_job_annotations` of ``job`` (its namespace, name and kind)."""
+    meta = job.get("metadata") or {}
+    await patch_job_annotations(
+        deps, str(meta.get("namespace")), str(meta.get("name")), annotations, kind_of(job)
+    )
 
 
 async def patch_job_annotations(
-    deps: Deps, namespace: str, name: str, annotations: Mapping[str, str | None]
+    deps: Deps,
+    namespace: str,
+    name: str,
+    annotations: Mapping[str, str | None],
+    kind: JobKind = PYTORCHJOB,
 ) -> None:
     """Patch an opted-in job's annotations and remember the patched job in the cache: the
     recovery loop reads the job from there, and a late watch event of an older version
     (e.g. of the restart's intent write) then finds the job already handled without a GET.
     Only a job the cache holds is updated: a deletion seen meanwhile is not undone."""
-    patched = await deps.api.patch_job_annotations(namespace, name, annotations)
-    if patched is not None and deps.jobs.get(namespace, name) is not None:
-        deps.jobs.upsert(patched)
+    patched = await deps.api.patch_job_annotations(namespace, name, annotations, **kind_kw(kind))
+    cache = deps.job_cache(kind)
+    if patched is not None and cache.get(namespace, name) is not None:
+        cache.upsert(patched)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
-from ckpt_operator.behaviours.deps import Deps, Obj, set_job_status
+from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs, set_job_status
 from ckpt_operator.injection import build_config_map
 from ckpt_operator.jobs import job_facts
 from ckpt_operator.kube import ConflictError
@@ -101,7 +101,7 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
         deps.events.emit(policy, "Warning", "InvalidSpec", "; ".join(errors))
         return await write_ready()
     await deps.api.apply_config_map(build_config_map(name, namespace, spec, meta.get("uid")))
-    for job in await deps.api.list_jobs(namespace):
+    for job in await list_all_jobs(deps, namespace):
         facts = job_facts(job)
         if (
             facts.policy == name

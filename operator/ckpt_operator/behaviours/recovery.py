@@ -11,15 +11,18 @@ from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_agent.records import CheckpointRecord
 from ckpt_operator import constants as c
 from ckpt_operator.agentcheck import AGENT_MISSING
+from ckpt_operator.attempts import planning_view
 from ckpt_operator.behaviours.deps import (
     Deps,
     Obj,
+    annotate_job,
     cached_policy,
-    patch_job_annotations,
+    kind_kw,
     set_job_status,
 )
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
-from ckpt_operator.jobs import JobStatusAnnotation, format_time, inject_label_patch, job_facts
+from ckpt_operator.jobkinds import kind_of
+from ckpt_operator.jobs import JobStatusAnnotation, format_time, job_facts
 from ckpt_operator.kube import ApiError, ConflictError
 from ckpt_operator.manual import RecoverRequest, blocked_reason, pending_request, plan_manual
 from ckpt_operator.reports import (
@@ -30,7 +33,9 @@ from ckpt_operator.reports import (
 )
 from ckpt_operator.restart import (
     GiveUp,
+    LadderStep,
     Restart,
+    RestartDecision,
     Skip,
     Wait,
     plan_restart,
@@ -45,7 +50,18 @@ from ckpt_operator.sources import (
 )
 from ckpt_operator.validation import annotation_errors, parse_policy_spec
 
-__all__ = ["observe_job", "recover_job"]
+__all__ = [
+    "give_up",
+    "job_pods",
+    "load_policy_spec",
+    "observe_job",
+    "recover_job",
+    "report_plan",
+    "report_rebuild",
+    "run_checkpoints",
+    "take_reports",
+    "wait_for_terminating_pods",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +104,17 @@ async def observe_job(deps: Deps, job: Mapping[str, Any]) -> bool:
             patch[c.ANN_STATUS] = JobStatusAnnotation(
                 "Watching", "PolicyFound", f"using policy {facts.policy}", format_time(deps.clock())
             ).to_json()
-    labels = None if facts.failed or facts.succeeded else inject_label_patch(job)
+    kind = kind_of(job)
+    labels = None if facts.failed or facts.succeeded else kind.label_patch(job)
     if labels is not None:  # one write for both
         body = {**labels, "metadata": {"annotations": patch}} if patch else labels
-        await deps.api.patch_job(facts.namespace, facts.name, body)
+        await deps.api.patch_job(facts.namespace, facts.name, body, **kind_kw(kind))
     elif patch:
-        await patch_job_annotations(deps, facts.namespace, facts.name, patch)
+        await annotate_job(deps, job, patch)
     return facts.needs_recovery or pending_request(facts) is not None
 
 
-async def _load_policy_spec(deps: Deps, job: Mapping[str, Any]) -> CheckpointPolicySpec | None:
+async def load_policy_spec(deps: Deps, job: Mapping[str, Any]) -> CheckpointPolicySpec | None:
     facts = job_facts(job)
     assert facts.policy is not None
     policy = await cached_policy(deps, facts.namespace, facts.policy)
@@ -123,9 +140,9 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
         return None
     invalid = annotation_errors(facts.annotations)
     if invalid:  # admitted before the webhook checked them: nothing to restart from, ever
-        await _give_up(deps, job, "InvalidAnnotation", "; ".join(invalid))
+        await give_up(deps, job, "InvalidAnnotation", "; ".join(invalid))
         return None
-    spec = await _load_policy_spec(deps, job)
+    spec = await load_policy_spec(deps, job)
     if spec is None:
         return deps.config.recovery.policy_missing_retry_s
     if facts.status is None or facts.status.state not in ("BackingOff", "Restarting"):
@@ -142,12 +159,12 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     # the pods' reports ride on the restart's intent write (one PATCH), else written alone
     pending_reports: dict[str, str | None] = {}
     if outcome is None:
-        pods = await _job_pods(deps, job)
-        waiting = await _wait_for_terminating_pods(deps, job, pods, now)
+        pods = await job_pods(deps, job)
+        waiting = await wait_for_terminating_pods(deps, job, pods, now)
         if waiting is not None:
             return waiting
-        job, known = await _take_reports(deps, job, pods, pending_reports)
-        found = await _checkpoints(deps, job, spec, known)
+        job, known = await take_reports(deps, job, pods, pending_reports)
+        found = await run_checkpoints(deps, job, spec, known)
         if found is None:
             return None
         source, records = found
@@ -156,7 +173,8 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
         outcome = await storage_call(
             deps,
             plan_restart,
-            *(job, spec.recovery, records, now, verify, progress, spec.scheduler.risk.mtbf_seconds),
+            planning_view(job),  # a TrainJob: counted from its last JobSet restart attempt
+            *(spec.recovery, records, now, verify, progress, spec.scheduler.risk.mtbf_seconds),
             timeout_s=deps.config.verify_timeout_s,
         )
         fresh = isinstance(outcome, Restart) and outcome.decision.action == "fresh"
@@ -165,7 +183,7 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
             deps.events.emit(job, "Warning", "AgentMissing", message)
 
     if pending_reports and not isinstance(outcome, Restart):
-        await patch_job_annotations(deps, facts.namespace, facts.name, pending_reports)
+        await annotate_job(deps, job, pending_reports)
     if isinstance(outcome, Skip):
         return None
     if isinstance(outcome, Wait):
@@ -200,13 +218,13 @@ async def _recover_manually(
     handled: dict[str, str | None] = {c.ANN_RECOVER_HANDLED: request.key()}
     asked = f"manual recovery ({request.describe()})"
     refusal = blocked_reason(facts, request)
-    spec = None if refusal is not None else await _load_policy_spec(deps, job)
+    spec = None if refusal is not None else await load_policy_spec(deps, job)
     if refusal is None and spec is None:
         return deps.config.recovery.policy_missing_retry_s
     outcome: Restart | GiveUp | None = None
     if spec is not None:
-        job, known = await _take_reports(deps, job, await _job_pods(deps, job))
-        found = await _checkpoints(deps, job, spec, known)
+        job, known = await take_reports(deps, job, await job_pods(deps, job))
+        found = await run_checkpoints(deps, job, spec, known)
         if found is None:
             return None
         source, records = found
@@ -222,7 +240,7 @@ async def _recover_manually(
         refusal = outcome.message if isinstance(outcome, GiveUp) else None
     if refusal is not None or not isinstance(outcome, Restart):
         deps.events.emit(job, "Warning", "RecoverRefused", f"{asked} refused: {refusal}")
-        await patch_job_annotations(deps, facts.namespace, facts.name, handled)
+        await annotate_job(deps, job, handled)
         return None
     d = outcome.decision
     plan = f"restart as {d.name} from {d.resume_from} (step {d.resume_step})" + (
@@ -231,15 +249,15 @@ async def _recover_manually(
     if request.dry_run:
         deps.events.emit(job, "Normal", "RecoverPlanned", f"{asked}: would {plan}; nothing done")
         handled[c.ANN_RECOVER_PLAN] = d.to_json()
-        await patch_job_annotations(deps, facts.namespace, facts.name, handled)
+        await annotate_job(deps, job, handled)
         return None
     deps.events.emit(job, "Normal", "ManualRecover", f"{asked}: {plan}")
     await _restart(deps, job, outcome)
-    await patch_job_annotations(deps, facts.namespace, facts.name, handled)
+    await annotate_job(deps, job, handled)
     return None
 
 
-async def _checkpoints(
+async def run_checkpoints(
     deps: Deps, job: Mapping[str, Any], spec: CheckpointPolicySpec, known: KnownCheckpoints
 ) -> tuple[CheckpointSource, list[CheckpointRecord]] | None:
     """Where the run's checkpoints are read (its storage, or the pods' reports when the
@@ -252,7 +270,7 @@ async def _checkpoints(
         source = await deps.sources(facts.namespace, facts.policy, spec)
     except StorageAccessDeniedError as e:
         if spec.storage.type != StorageType.LOCAL:
-            await _give_up(deps, job, "StorageAccessDenied", str(e))
+            await give_up(deps, job, "StorageAccessDenied", str(e))
             return None
         # a PVC or node path of the namespace: the pods' reports need no access
         log.info("%s: %s; planning with the pods' reports", _job_ref(job), e)
@@ -262,7 +280,7 @@ async def _checkpoints(
         source = reported
     refusal = await run_refusal(deps, source, facts.run_id, facts)
     if refusal is not None:
-        await _give_up(deps, job, "RunOwnedElsewhere", refusal)
+        await give_up(deps, job, "RunOwnedElsewhere", refusal)
         return None
     records = await storage_call(deps, source.list_checkpoints, facts.run_id)
     if not records and reported.records:  # the storage here is not the pods'
@@ -271,23 +289,30 @@ async def _checkpoints(
     return source, records
 
 
-async def _give_up(deps: Deps, job: Mapping[str, Any], reason: str, message: str) -> None:
-    """Terminal: a Warning Event, the ``GaveUp`` status, the failure metric."""
+async def give_up(
+    deps: Deps,
+    job: Mapping[str, Any],
+    reason: str,
+    message: str,
+    extra: Mapping[str, str | None] | None = None,
+) -> None:
+    """Terminal: a Warning Event, the ``GaveUp`` status (and ``extra``), the failure metric."""
     deps.events.emit(job, "Warning", "GaveUp", f"{reason}: {message}")
-    await set_job_status(deps, job, "GaveUp", reason, message)
+    await set_job_status(deps, job, "GaveUp", reason, message, extra)
     deps.metrics.recoveries.labels("failure", reason).inc()
 
 
-async def _job_pods(deps: Deps, job: Mapping[str, Any]) -> list[Obj]:
+async def job_pods(deps: Deps, job: Mapping[str, Any]) -> list[Obj]:
     """The failed job's pods: from the watch-fed index when it holds them all finished
     (their termination reports are final), else one namespaced LIST."""
     facts = job_facts(job)
-    cached = deps.pods.of_job(facts.namespace, facts.name)
+    kind = kind_of(job)
+    cached = deps.pod_index(kind).of_job(facts.namespace, facts.name)
     if cached and all(_finished(p) for p in cached):
         return cached
     return await deps.api.list_pods(
         node_name=None,
-        label_selector=f"{c.LABEL_TO_JOB_NAME}={facts.name}",
+        label_selector=f"{kind.pod_job_label}={facts.name}",
         namespace=facts.namespace,
     )
 
@@ -299,7 +324,7 @@ def _finished(pod: Mapping[str, Any]) -> bool:
     )
 
 
-async def _take_reports(
+async def take_reports(
     deps: Deps,
     job: Mapping[str, Any],
     pods: Sequence[Mapping[str, Any]],
@@ -326,13 +351,13 @@ async def _take_reports(
     if patch and pending is not None:
         pending.update(patch)
     elif patch:
-        await patch_job_annotations(deps, facts.namespace, facts.name, patch)
+        await annotate_job(deps, job, patch)
     meta = dict(job.get("metadata") or {})
     meta["annotations"] = {**(meta.get("annotations") or {}), c.ANN_CHECKPOINTS: known.annotation}
     return {**job, "metadata": meta}, known
 
 
-async def _wait_for_terminating_pods(
+async def wait_for_terminating_pods(
     deps: Deps, job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], now: float
 ) -> float | None:
     """Seconds until the next look while the failed job's pods are still terminating.
@@ -355,6 +380,54 @@ async def _wait_for_terminating_pods(
     return recheck
 
 
+def report_plan(
+    deps: Deps, job: Mapping[str, Any], crash_loop: str | None, ladder: Sequence[LadderStep]
+) -> None:
+    """Events (and metrics) of a plan: the poisoned checkpoint, each rung looked at."""
+    if crash_loop:
+        deps.metrics.poisoned.inc()
+        deps.metrics.recoveries.labels("failure", "CrashLoop").inc()
+        deps.events.emit(
+            job,
+            "Warning",
+            "CrashLoop",
+            f"the run failed before advancing past {crash_loop} "
+            f"(step {job_facts(job).resume_step}); checkpoint poisoned, the ladder walks "
+            "further back",
+        )
+    for rung in ladder:
+        if rung.accepted:
+            deps.events.emit(
+                job,
+                "Normal",
+                "LadderStep",
+                f"rung {rung.rung}: {rung.action} {rung.checkpoint_id} (step {rung.step}) "
+                f"accepted: {rung.why}",
+            )
+        else:
+            deps.events.emit(
+                job,
+                "Warning",
+                "CheckpointRejected",
+                f"rung {rung.rung}: {rung.checkpoint_id} (step {rung.step}) rejected: {rung.why}",
+            )
+
+
+def report_rebuild(deps: Deps, job: Mapping[str, Any], decision: RestartDecision) -> None:
+    """The ``HeartbeatRebuild`` Warning of a decision that continues from a heartbeat."""
+    if decision.action != "rebuild_from_heartbeat":
+        return
+    deps.events.emit(
+        job,
+        "Warning",
+        "HeartbeatRebuild",
+        f"{decision.name} continues from the heartbeat at step {decision.resume_step} "
+        f"with the weights of {decision.weights_from or 'the in-memory snapshot'}: "
+        "the step, data position and RNG are the heartbeat's, the continuation is "
+        "not exact",
+    )
+
+
 async def _restart(
     deps: Deps,
     job: Mapping[str, Any],
@@ -366,33 +439,7 @@ async def _restart(
     facts = job_facts(job)
     decision = outcome.decision
     if not outcome.replay:
-        if outcome.crash_loop:
-            deps.metrics.poisoned.inc()
-            deps.metrics.recoveries.labels("failure", "CrashLoop").inc()
-            deps.events.emit(
-                job,
-                "Warning",
-                "CrashLoop",
-                f"the run failed before advancing past {outcome.crash_loop} "
-                f"(step {facts.resume_step}); checkpoint poisoned, the ladder walks further back",
-            )
-        for rung in outcome.ladder:
-            if rung.accepted:
-                deps.events.emit(
-                    job,
-                    "Normal",
-                    "LadderStep",
-                    f"rung {rung.rung}: {rung.action} {rung.checkpoint_id} (step {rung.step}) "
-                    f"accepted: {rung.why}",
-                )
-            else:
-                deps.events.emit(
-                    job,
-                    "Warning",
-                    "CheckpointRejected",
-                    f"rung {rung.rung}: {rung.checkpoint_id} (step {rung.step}) "
-                    f"rejected: {rung.why}",
-                )
+        report_plan(deps, job, outcome.crash_loop, outcome.ladder)
         # Intent first: a crash after this line replays exactly this decision.
         await set_job_status(
             deps,
@@ -408,7 +455,7 @@ async def _restart(
             },
         )
     elif extra:  # a replay writes no intent: the reports go alone
-        await patch_job_annotations(deps, facts.namespace, facts.name, dict(extra))
+        await annotate_job(deps, job, dict(extra))
     # born watched (run id copied, status set): its first event needs no bookkeeping write
     now = format_time(deps.clock(), precise=True)
     watching = JobStatusAnnotation("Watching", "PolicyFound", f"using policy {facts.policy}", now)
@@ -417,16 +464,17 @@ async def _restart(
         **(body["metadata"].get("annotations") or {}),
         c.ANN_STATUS: watching.to_json(),
     }
+    kind = kind_of(job)
     try:
-        await deps.api.create_job(facts.namespace, body)
+        await deps.api.create_job(facts.namespace, body, **kind_kw(kind))
     except ConflictError:
-        existing = await deps.api.get_job(facts.namespace, decision.name)
+        existing = await deps.api.get_job(facts.namespace, decision.name, **kind_kw(kind))
         of = ((existing or {}).get("metadata") or {}).get("annotations", {}).get(c.ANN_RESTART_OF)
         if existing is not None and of != facts.name:
             message = (
-                f"a PyTorchJob named {decision.name} exists and is not a restart of {facts.name}"
+                f"a {kind.kind} named {decision.name} exists and is not a restart of {facts.name}"
             )
-            await _give_up(deps, job, "NameTaken", message)
+            await give_up(deps, job, "NameTaken", message)
             return None
         log.info("restart %s of %s already exists (409): done", decision.name, _job_ref(job))
     except ApiError as e:
@@ -439,16 +487,7 @@ async def _restart(
         what = "fresh, from step 0 (no checkpoint of the run)"
     message = f"restarted as {decision.name} {what}; restart {decision.restart_count}"
     deps.events.emit(job, "Normal", "Restarted", message)
-    if decision.action == "rebuild_from_heartbeat":
-        deps.events.emit(
-            job,
-            "Warning",
-            "HeartbeatRebuild",
-            f"{decision.name} continues from the heartbeat at step {decision.resume_step} "
-            f"with the weights of {decision.weights_from or 'the in-memory snapshot'}: "
-            "the step, data position and RNG are the heartbeat's, the continuation is "
-            "not exact",
-        )
+    report_rebuild(deps, job, decision)
     await set_job_status(deps, job, "Restarted", "RestartCreated", message)
     deps.metrics.restarts.labels(decision.action).inc()
     deps.metrics.recoveries.labels("success", "Restarted").inc()

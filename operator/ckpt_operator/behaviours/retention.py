@@ -9,7 +9,7 @@ from typing import Any
 from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
 from ckpt_operator import constants as c
-from ckpt_operator.behaviours.deps import Deps, Obj
+from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.jobs import JobFacts, job_facts
@@ -103,7 +103,7 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
     if spec is None:
         return None
     now = deps.clock()
-    jobs = [j for j in await deps.api.list_jobs(namespace) if job_facts(j).policy == name]
+    jobs = [j for j in await list_all_jobs(deps, namespace) if job_facts(j).policy == name]
     users: dict[str, JobFacts] = {}
     for facts in sorted((job_facts(j) for j in jobs), key=lambda f: f.name):
         users.setdefault(facts.run_id, facts)

@@ -1,0 +1,296 @@
+"""The operator's per-event costs and memory at fleet scale (issue #19): kopf's diff base
+only where change-detection handlers read it, one kept connection per calling thread,
+lean cached bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import platform
+from pathlib import Path
+from typing import Any, cast
+
+import kopf
+import pytest
+from kubernetes import client
+from kubernetes.config import kube_config
+
+from ckpt_operator import constants as c
+from ckpt_operator import loops
+from ckpt_operator.behaviours.admission import inject_pod
+from ckpt_operator.caches import ObjectCache, PodIndex, lean
+from ckpt_operator.config import parse_config
+from ckpt_operator.handlers import (
+    EVENT_ONLY_KINDS,
+    MEMO_KEY,
+    DiffBaseForChanges,
+    make_runtime,
+    on_job_event,
+    on_pod_event,
+    on_training_pod_event,
+    register,
+)
+from ckpt_operator.jsonpatch import apply_patch
+from ckpt_operator.kube import KubernetesApi, NotFoundError
+from ckpt_operator.loops import MemoryReturn
+from ckpt_operator.main import build_settings
+from ckpt_operator.metrics import Metrics
+from tests.ckpt_operator.test_webhook_server import Post, decode_patch, serve
+
+KINDS = {
+    "pods": "Pod",
+    "nodes": "Node",
+    "pytorchjobs": c.PYTORCHJOB_KIND,
+    "trainjobs": c.TRAINJOB_KIND,
+    "jobsets": "JobSet",
+    "checkpointpolicies": "CheckpointPolicy",
+}
+
+
+def _body(kind: str) -> kopf.Body:
+    raw: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": kind,
+        "metadata": {"name": "x", "namespace": "ns", "labels": {"a": "b"}, "annotations": {}},
+        "spec": {"replicas": 1},
+        "status": {"phase": "Running"},
+    }
+    return kopf.Body(cast(Any, raw))
+
+
+def run_async(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def _kind(handler: Any) -> str:
+    return KINDS[str(handler.selector.any_name)]
+
+
+def _storage() -> DiffBaseForChanges:
+    return DiffBaseForChanges(prefix=c.KOPF_PREFIX, key="last-handled-configuration")
+
+
+def test_no_diff_base_is_built_for_kinds_with_event_handlers_only() -> None:
+    storage = _storage()
+    for kind in EVENT_ONLY_KINDS:
+        assert storage.build(body=_body(kind)) is None
+        assert storage.fetch(body=_body(kind)) is None
+
+
+def test_policies_keep_kopfs_diff_base() -> None:
+    reference = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.KOPF_PREFIX, key="last-handled-configuration"
+    )
+    body = _body("CheckpointPolicy")
+    essence = _storage().build(body=body)
+    assert essence == reference.build(body=body)
+    assert essence is not None and essence["spec"] == {"replicas": 1}
+
+
+def test_only_event_only_kinds_lose_their_diff_base() -> None:
+    """Every kind with a change-detection handler keeps its diff base (a create/update/
+    resume handler on one of EVENT_ONLY_KINDS would never see a change)."""
+    registry = register(kopf.OperatorRegistry())
+    changing = {_kind(h) for h in registry._changing.get_all_handlers()}
+    watching = {_kind(h) for h in registry._watching.get_all_handlers()}
+    assert changing == {"CheckpointPolicy"}
+    assert not changing & EVENT_ONLY_KINDS
+    assert watching - changing <= EVENT_ONLY_KINDS
+
+
+def test_the_operator_uses_it() -> None:
+    settings = build_settings(parse_config(["--webhook=false"], environ={}), Metrics())
+    assert isinstance(settings.persistence.diffbase_storage, DiffBaseForChanges)
+
+
+# --------------------------------------------------------------------------- API client
+
+
+def test_the_client_keeps_a_connection_per_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the threads that call at once, each extra call opened (TLS) and dropped a
+    connection; the pool covers both executors."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(client.Configuration, "_default", None)  # restored afterwards
+    api = KubernetesApi.from_environment(connections=500)
+    assert api._client.configuration.connection_pool_maxsize == 500
+    assert api._client.rest_client.pool_manager.connection_pool_kw["maxsize"] == 500
+    few = KubernetesApi.from_environment(connections=1)  # never below the client's default
+    assert few._client.configuration.connection_pool_maxsize >= 1
+
+
+# --------------------------------------------------------------------------- caches
+
+
+def test_cached_bodies_leave_out_managed_fields() -> None:
+    managed = [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}]
+    pod: dict[str, Any] = {
+        "metadata": {
+            "name": "j-master-0",
+            "namespace": "ns",
+            "labels": {c.LABEL_TO_JOB_NAME: "j"},
+            "managedFields": managed,
+        },
+        "status": {"phase": "Failed"},
+    }
+    jobs, pods = ObjectCache(), PodIndex()
+    jobs.upsert({**pod, "metadata": {**pod["metadata"], "name": "j"}})
+    pods.upsert(pod)
+    (cached_pod,) = pods.of_job("ns", "j")
+    for body in (jobs.get("ns", "j"), cached_pod):
+        assert body is not None and "managedFields" not in body["metadata"]
+        assert body["status"] == {"phase": "Failed"}
+        assert body["metadata"]["labels"] == {c.LABEL_TO_JOB_NAME: "j"}
+    assert pod["metadata"]["managedFields"] is managed  # the watch's body is untouched
+    assert lean({"kind": "Pod"}) == {"kind": "Pod"}
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_the_pod_webhook_answers_with_the_injection_ops_as_built(
+    world: Any, fixture: Any, tmp_path: Path
+) -> None:
+    """kopf's real admission path: the answer is inject_pod's own ops (no copy-and-diff of
+    the pod), and they give the pod inject_pod means."""
+    world.api.add_job(fixture("pytorchjob_running.json"))
+    review = fixture("admission_review_pod.json")
+    pod = copy.deepcopy(review["request"]["object"])
+    expected = asyncio.run(inject_pod(world.deps, copy.deepcopy(pod), "ml-team", dryrun=True))
+
+    async def body(post: Post, url: str) -> None:
+        status, answer = await post(c.WEBHOOK_INJECT_ID, review)
+        assert status == 200 and answer["response"]["allowed"] is True
+        ops = decode_patch(answer["response"])
+        assert ops == json.loads(json.dumps(expected.ops))
+        assert apply_patch(pod, ops) == apply_patch(pod, expected.ops)
+
+    serve(world, tmp_path, body)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_deletions_give_memory_back_once_per_wave() -> None:
+    trims: list[int] = []
+
+    async def main() -> MemoryReturn:
+        memory = MemoryReturn(delay_s=0.01, trim=lambda: trims.append(1))
+        for _ in range(50):  # a wave of deletions: one trim after it
+            memory.evicted()
+        await asyncio.sleep(0.05)
+        memory.evicted()  # the next wave: another
+        await asyncio.sleep(0.05)
+        memory.evicted()
+        memory.stop()  # the operator stops: nothing left pending
+        await asyncio.sleep(0.05)
+        return memory
+
+    memory = run_async(main())
+    assert len(trims) == 2 and memory.trims == 2
+
+
+def test_without_glibc_nothing_is_scheduled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loops, "malloc_trim", lambda: None)
+
+    async def main() -> MemoryReturn:
+        memory = MemoryReturn(delay_s=0.0)
+        memory.evicted()
+        await asyncio.sleep(0.01)
+        return memory
+
+    assert run_async(main()).trims == 0
+
+
+def test_deleted_jobs_and_pods_empty_the_caches_and_return_memory(world: Any, fixture: Any) -> None:
+    job = fixture("pytorchjob_running.json")
+    world.api.add_job(job)
+    pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "mnist-ddp-worker-0",
+            "namespace": "ml-team",
+            "uid": "u1",
+            "labels": {c.LABEL_TO_JOB_NAME: "mnist-ddp"},
+        },
+        "status": {"phase": "Running"},
+    }
+    trims: list[int] = []
+
+    async def main() -> tuple[int, int, int, int]:
+        runtime = make_runtime(world.deps)
+        runtime.memory = MemoryReturn(delay_s=0.01, trim=lambda: trims.append(1))
+        memo = kopf.Memo({MEMO_KEY: runtime})
+        await on_job_event(type=None, body=kopf.Body(job), memo=memo)
+        await on_training_pod_event(type=None, body=kopf.Body(cast(Any, pod)), memo=memo)
+        full = len(world.deps.jobs) + len(world.deps.pods)
+        await asyncio.sleep(0.05)
+        before = len(trims)  # nothing deleted yet: nothing trimmed
+        await on_training_pod_event(type="DELETED", body=kopf.Body(cast(Any, pod)), memo=memo)
+        await on_job_event(type="DELETED", body=kopf.Body(job), memo=memo)
+        await asyncio.sleep(0.05)
+        await runtime.recovery.stop()
+        return full, before, len(world.deps.jobs) + len(world.deps.pods), len(trims)
+
+    assert run_async(main()) == (2, 0, 0, 1)
+
+
+def test_cached_bodies_are_packed_and_read_as_fresh_copies() -> None:
+    job = {
+        "metadata": {"namespace": "ns", "name": "j", "resourceVersion": "3", "labels": {"a": "b"}},
+        "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1}}},
+    }
+    pod = {"metadata": {"namespace": "ns", "name": "p", "labels": {c.LABEL_TO_JOB_NAME: "j"}}}
+    jobs, pods = ObjectCache(), PodIndex()
+    jobs.upsert(job)
+    pods.upsert(pod)
+    assert isinstance(jobs._items[("ns", "j")][1], bytes)
+    assert isinstance(pods._by_job[("ns", "j")]["p"], bytes)
+    first = jobs.get("ns", "j")
+    assert first == job and first is not job
+    assert first is not None
+    first["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 9  # a caller's copy only
+    assert jobs.get("ns", "j") == job
+    assert pods.of_job("ns", "j") == [pod]
+    odd = {"metadata": {"namespace": "ns", "name": "k"}, "spec": {"when": object()}}
+    jobs.upsert(odd)  # not JSON types: kept as it is
+    assert jobs.get("ns", "k") == odd
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_glibcs_malloc_trim_is_found() -> None:
+    trim = loops.malloc_trim()
+    assert trim is not None
+    trim()
+
+
+def test_a_pod_gone_before_its_save_now_request_is_no_error(world: Any, fixture: Any) -> None:
+    """A deletion wave: the pod's deletion event arrives after the pod is gone (404)."""
+    calls: list[str] = []
+
+    async def gone(namespace: str, name: str, patch: Any) -> None:
+        calls.append(name)
+        raise NotFoundError(404, f'pods "{name}" not found')
+
+    world.deps.api.patch_pod = gone
+    memo = kopf.Memo({MEMO_KEY: make_runtime(world.deps)})
+    body = kopf.Body(fixture("pod_terminating.json"))
+    run_async(on_pod_event(type="MODIFIED", body=body, memo=memo))
+    assert calls  # it was asked, and the 404 ended it quietly
