@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -42,11 +44,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "e2e"))
 
 from ckpt_e2e.cluster import LocalCluster  # noqa: E402
+from ckpt_e2e.errors import ApiError  # noqa: E402
 from ckpt_e2e.scenario import Scenario  # noqa: E402
 from ckpt_e2e.stack import Stack  # noqa: E402
 from ckpt_e2e.training import Training, list_jobs  # noqa: E402
 
 DOC = ROOT / "docs" / "performance.md"
+#: ``--profile``: this folder's ``sitecustomize`` profiles the operator (see its docstring)
+PROFILER = Path(__file__).resolve().parent / "fleetprof"
 MARKER = "<!-- bench_fleet -->"
 JOB_LABEL = "training.kubeflow.org/job-name"
 #: The API server's priority-and-fairness flow schema of ServiceAccounts outside
@@ -159,6 +164,8 @@ def wait_restarts(
     latency: dict[str, float] = {}
     deadline = time.monotonic() + timeout
     while len(latency) < expected and time.monotonic() < deadline:
+        if not tree.root.is_running() or tree.root.status() == psutil.STATUS_ZOMBIE:
+            raise SystemExit(f"the operator exited; see {sc.cluster.log_dir}/ckpt-operator.log")
         now = time.monotonic()
         names = {j["metadata"]["name"] for j in list_jobs(sc.cluster, sc.namespace)}
         for job, t0 in list(failed_at.items()):
@@ -207,7 +214,16 @@ def settled_rss(tree: ProcessTree, seconds: float = 10.0) -> int:
 
 def delete_all(sc: Scenario, names: Sequence[str], timeout: float) -> None:
     """Delete every job (and restart) of the run; wait until their pods are gone."""
-    sc.cluster.kubectl("delete", "pytorchjobs", "--all", "-n", sc.namespace, "--wait=false")
+    # DELETEs of the collection (``kubectl delete --all`` sends one per job: minutes); the
+    # API server may give up on one (504 after its 60 s) having deleted part of it
+    path = f"/apis/kubeflow.org/v1/namespaces/{sc.namespace}/pytorchjobs"
+    deadline = time.monotonic() + timeout
+    while list_jobs(sc.cluster, sc.namespace) and time.monotonic() < deadline:
+        try:
+            sc.cluster.request("DELETE", path, timeout=timeout)
+        except ApiError as e:
+            if e.status != 504:
+                raise
 
     def gone() -> bool:
         path = f"/api/v1/namespaces/{sc.namespace}/pods?labelSelector={JOB_LABEL}"
@@ -217,8 +233,30 @@ def delete_all(sc: Scenario, names: Sequence[str], timeout: float) -> None:
     sc.cluster.wait_for(gone, timeout, f"{len(names)} jobs and their pods deleted")
 
 
+def profile_operator(out: Path, *, tracemalloc: bool = False, cprofile: bool = False) -> None:
+    """Make the operator started from now on profile itself into ``out`` (``fleetprof``)."""
+    os.environ["FLEETPROF_MODE"] = "cprofile" if cprofile else "sample"
+    os.environ["CKPT_E2E_OPERATOR"] = "process"  # this virtualenv's code, profiled
+    os.environ["FLEETPROF_DIR"] = str(out)
+    os.environ["FLEETPROF_TRACEMALLOC"] = "1" if tracemalloc else "0"
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(PROFILER) + (os.pathsep + path if path else "")
+
+
+def signal_operator(pid: int, sig: signal.Signals, profiling: bool) -> None:
+    """``SIGUSR1``: heap dump; ``SIGUSR2``: CPU samples since the last one (when profiling)."""
+    if profiling:
+        os.kill(pid, sig)
+        time.sleep(2.0)
+
+
 def run(
-    trickle_n: int, burst_n: int, gap: float, timeout: float, log: Callable[[str], None]
+    trickle_n: int,
+    burst_n: int,
+    gap: float,
+    timeout: float,
+    log: Callable[[str], None],
+    profiling: bool = False,
 ) -> list[tuple[str, str]]:
     n = trickle_n + burst_n
     cluster = LocalCluster(startup_timeout=300)
@@ -227,10 +265,16 @@ def run(
         stack = Stack.up(cluster)
         ns = cluster.create_namespace(f"bench-fleet-{uuid.uuid4().hex[:5]}")
         sc = Scenario(cluster, ns, stack.operator)
-        sc.apply_policy("e2e", recovery={"backoffSeconds": 0})
+        # retention (a pass over every run of the policy) only before the failures: the
+        # measured CPU is the restarts' (at the e2e's 10 s a pass per 10 s of the run)
+        sc.apply_policy(
+            "e2e", recovery={"backoffSeconds": 0}, retention={"reconcileIntervalSeconds": 3600}
+        )
         sc.runner(decide=lambda pod: "ignore")
         tree = ProcessTree(stack.operator.pid)
         baseline = settled_rss(tree)
+        pid = stack.operator.pid
+        signal_operator(pid, signal.SIGUSR1, profiling)  # heap-1: baseline
         names = [f"job-{i:03d}" for i in range(n)]
         with ThreadPoolExecutor(8) as submitter:
             list(submitter.map(lambda name: sc.submit(name, Training(steps=5)), names))
@@ -239,6 +283,7 @@ def run(
             pods[name] = str(cluster.wait_for(functools.partial(job_pod, sc, name), 120))
         log(f"{n} jobs running (one pod each, injected)")
         before = request_counts(cluster)
+        signal_operator(pid, signal.SIGUSR2, profiling)  # stacks-1: start and submission
         cpu0 = tree.cpu()
 
         trickle, burst = names[:trickle_n], names[trickle_n:]
@@ -262,8 +307,13 @@ def run(
         p99, calls = webhook_p99(cluster, "inject.pods.ckpt.dev")
         ours = delta.pop(("operator", ""), 0)
         cpu = tree.cpu() - cpu0
+        log(f"{summary('trickle', lat_trickle)}; {summary('burst', lat_burst)}; {drain=:.1f}/s")
+        log(f"operator CPU {cpu:.1f} s, peak RSS {tree.peak_rss / 2**20:.0f} MiB")
+        signal_operator(pid, signal.SIGUSR2, profiling)  # stacks-2: the failures
+        signal_operator(pid, signal.SIGUSR1, profiling)  # heap-2: every job and restart live
         delete_all(sc, names, timeout)
         after = settled_rss(tree, 20.0)
+        signal_operator(pid, signal.SIGUSR1, profiling)  # heap-3: after the deletion
         log("jobs deleted")
         total = sum(delta.values())
         writes = ", ".join(
@@ -278,7 +328,7 @@ def run(
             ("API requests per restart, the operator's", f"{ours / n:.1f}"),
             ("writes per restart (all clients)", writes),
             ("API requests per restart, every client", f"{total / n:.1f}"),
-            ("operator CPU", f"{cpu:.1f} s for {n} restarts"),
+            ("operator CPU", f"{cpu:.1f} s for {n} restarts ({cpu / n * 1000:.0f} ms each)"),
             ("operator peak RSS", f"{tree.peak_rss / 2**20:.0f} MiB"),
             (
                 "operator RSS: baseline → after the jobs are deleted",
@@ -298,12 +348,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gap", type=float, default=0.25, help="seconds between trickle failures")
     p.add_argument("--timeout", type=float, default=300.0, help="longest wait for restarts")
     p.add_argument("--write-doc", action="store_true", help=f"write the table into {DOC}")
+    p.add_argument("--profile", type=Path, help="profile the operator into this folder")
+    p.add_argument("--tracemalloc", action="store_true", help="with --profile: trace allocations")
+    p.add_argument(
+        "--cprofile", action="store_true", help="with --profile: cProfile (CPU time) every thread"
+    )
     args = p.parse_args(argv)
+    if args.profile is not None:
+        profile_operator(
+            args.profile.resolve(), tracemalloc=args.tracemalloc, cprofile=args.cprofile
+        )
     trickle = args.jobs // 2 if args.trickle is None else args.trickle
     burst = args.jobs - trickle if args.burst is None else args.burst
     if trickle < 1 or burst < 1:
         raise SystemExit("at least one job failed each way (--jobs >= 2, --trickle/--burst >= 1)")
-    rows = run(trickle, burst, args.gap, args.timeout, lambda s: print(s, flush=True))
+    rows = run(
+        trickle,
+        burst,
+        args.gap,
+        args.timeout,
+        lambda s: print(s, flush=True),
+        profiling=args.profile is not None,
+    )
     lines = [
         f"`benchmarks/bench_fleet.py --trickle {trickle} --burst {burst}` "
         f"({psutil.cpu_count()} CPUs, "
