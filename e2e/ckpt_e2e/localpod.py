@@ -87,6 +87,7 @@ training-operator's choice for PyTorchJob pods): phase Succeeded for exit 0, els
 Failed. ``OnFailure`` with exit 0 → Succeeded; ``OnFailure`` with a failure, or
 ``Always``: the pod stays Running with ``restartCount+1`` and ``lastState.terminated``,
 as after a kubelet restart (run it again if the scenario needs it).
+:meth:`LocalPod.lose_node` kills the container and reports nothing: the node died with it.
 
 Threads: a daemon thread per LocalPod polls the pod (every ``poll_interval`` s) and
 reports the exit; :meth:`LocalPod.wait` re-raises any error it hit.
@@ -186,6 +187,8 @@ class LocalPod:
         self.reported_status: dict[str, Any] | None = None
         self.pod_deleted = False
         self.terminated_by_deletion = False
+        #: :meth:`lose_node` was called: the exit is never reported
+        self.node_lost = False
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -294,6 +297,12 @@ class LocalPod:
     def kill(self) -> None:
         """SIGKILL the whole container (a crash / OOM kill of the container)."""
         self.signal_container(signal.SIGKILL)
+
+    def lose_node(self) -> None:
+        """The node dies with the pod: SIGKILL every process of the container and report
+        nothing (no kubelet is left to report the exit or finish a deletion)."""
+        self.node_lost = True
+        self.kill()
 
     def _terminate(self) -> None:
         """SIGTERM to the main process only (what a container runtime does)."""
@@ -418,7 +427,7 @@ class LocalPod:
             self.exit_code = 128 - rc if rc < 0 else rc
             self.process.stop(grace=0)  # sweep what is left of the process group, close log
             self._sweep()  # ... and of the container (helpers in other sessions)
-            if not self.pod_deleted:
+            if not self.pod_deleted and not self.node_lost:
                 self._report(started_at)
         except BaseException as e:
             self._error = e

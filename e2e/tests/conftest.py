@@ -12,6 +12,11 @@
   the test, its log must hold no RBAC refusal (403) from the API server.
 * ``scenario`` (function): a namespace with a checkpoint PVC, helpers to apply policies
   and PyTorchJobs, and pod runners that run the training pods (``ckpt_e2e.scenario``).
+* ``trainer_v2`` (session, opt-in): the real JobSet and Kubeflow Trainer v2 controllers,
+  their CRDs and webhooks and the torch ``ClusterTrainingRuntime`` on the session cluster
+  (``ckpt_e2e.trainer_v2``); only TrainJob tests request it.
+* ``trainjobs`` (function): TrainJob helpers for the test's ``scenario``
+  (``ckpt_e2e.trainjob``).
 * ``minio`` (session): a real MinIO server (built by ``e2e/build-tools.sh minio``).
 * ``--keep-cluster``: leave the cluster running after the session (prints KUBECONFIG and
   the ``python -m ckpt_e2e down ...`` command that stops it); test namespaces are kept.
@@ -24,14 +29,12 @@ report; the cluster workdir is then kept.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
 import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -40,9 +43,11 @@ _E2E = Path(__file__).resolve().parents[1]
 if str(_E2E) not in sys.path:  # e2e/ is a source root; fallback when pythonpath lacks it
     sys.path.insert(0, str(_E2E))
 
-from ckpt_e2e import LocalCluster  # noqa: E402
+from ckpt_e2e import LocalCluster, s3servers  # noqa: E402
 from ckpt_e2e.scenario import Scenario  # noqa: E402
 from ckpt_e2e.stack import OperatorProcess, Stack  # noqa: E402
+from ckpt_e2e.trainer_v2 import TrainerV2  # noqa: E402
+from ckpt_e2e.trainjob import TrainJobs  # noqa: E402
 
 _failed_key = pytest.StashKey[bool]()
 _notes_key = pytest.StashKey[list[str]]()
@@ -143,22 +148,26 @@ def scenario(
     sc.close()
 
 
-def _load_s3_servers() -> ModuleType:
-    """tests/ckpt_agent/storage/s3_servers.py (MinIO/Toxiproxy helpers of the storage tests)."""
-    path = _E2E.parent / "tests" / "ckpt_agent" / "storage" / "s3_servers.py"
-    spec = importlib.util.spec_from_file_location("ckpt_s3_servers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="session")
+def trainer_v2(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[TrainerV2]:
+    tv = TrainerV2(cluster).start()
+    request.config.stash.setdefault(_notes_key, []).append(
+        f"JobSet + Trainer v2 controllers started in {tv.timings['total']:.1f}s"
+    )
+    yield tv
+    if not _keep(request.config):
+        tv.stop()
+
+
+@pytest.fixture
+def trainjobs(trainer_v2: TrainerV2, scenario: Scenario) -> TrainJobs:
+    return TrainJobs(scenario)
 
 
 @pytest.fixture(scope="session")
 def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    servers = _load_s3_servers()
-    bin_dir = servers.build_tool("minio")
-    server = servers.start_minio(bin_dir, tmp_path_factory.mktemp("minio"))
+    bin_dir = s3servers.build_tool("minio")
+    server = s3servers.start_minio(bin_dir, tmp_path_factory.mktemp("minio"))
     yield server
     server.stop()
 

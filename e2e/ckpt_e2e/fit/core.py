@@ -23,14 +23,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: Failure detected -> training running again, on this (2-core) machine.
 RECOVERY_LIMIT_S = 90.0
 #: Loss difference allowed after a resume that is not bit-exact.
 LOSS_TOLERANCE = 1e-4
 #: The modules that register scenarios (imported by :func:`load_all`).
-SCENARIO_MODULES = ("ckpt_e2e.fit.local", "ckpt_e2e.fit.cluster")
+SCENARIO_MODULES = ("ckpt_e2e.fit.local", "ckpt_e2e.fit.cluster", "ckpt_e2e.fit.s3faults")
 
 
 @dataclass
@@ -109,6 +111,20 @@ class FitContext:
     services: dict[str, Any] = field(default_factory=dict)
     #: Closers run by the runner after every scenario, newest first.
     cleanups: list[Callable[[], None]] = field(default_factory=list)
+    #: Closers of the shared ``services``, run once when the whole FIT run ends, newest
+    #: first (the runner hands every scenario's context the same dict and list).
+    finalizers: list[Callable[[], None]] = field(default_factory=list)
+
+    def shared(self, name: str, start: Callable[[], T], stop: Callable[[T], None]) -> T:
+        """The shared service ``name``: started by ``start()`` on first use (then kept in
+        :attr:`services`, ``stop(it)`` registered in :attr:`finalizers`); a service the
+        caller put there beforehand (e.g. the e2e session's cluster) is used as it is."""
+        if name not in self.services:
+            service = start()
+            self.services[name] = service
+            self.finalizers.append(lambda: stop(service))
+        got: T = self.services[name]
+        return got
 
 
 @dataclass(frozen=True)

@@ -11,35 +11,17 @@ data dirs, and stopped at the end. A build or start failure errors the S3 tests
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from ckpt_agent.storage import Storage, StorageOptions
 from ckpt_agent.storage.fs import LocalStorage
-
-
-def _load_servers() -> ModuleType:
-    name = "ckpt_tests_storage_s3_servers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("s3_servers.py")
-        )
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-servers = _load_servers()
+from ckpt_e2e import s3servers as servers
 
 BUCKET = "ckpt-test"
 _tools: dict[str, Path | Exception] = {}
