@@ -33,7 +33,9 @@ lint-imports
 stage "generated CRDs match the models"
 python -m ckpt_agent.policy.crdgen --check
 
-stage "pytest"
-python -m pytest "$@"
+stage "pytest (${CKPT_TEST_WORKERS:-2} workers)"
+# Two lanes (pytest-xdist): the torch.distributed tests stay in one (conftest.py);
+# CKPT_TEST_WORKERS=0 runs everything in this process.
+python -m pytest -n "${CKPT_TEST_WORKERS:-2}" --dist loadgroup "$@"
 
 printf '\n\033[1;32mall checks passed in %ss\033[0m\n' "$(( $(date +%s) - t0 ))"
