@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import mmap
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,6 +36,8 @@ from ckpt_agent.flash.protocol import (
     read_header,
     try_flock,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ShmReader", "ShmSnapshot", "verify_snapshot", "verify_views"]
 
@@ -110,8 +113,14 @@ class ShmReader(ShmArea):
                 if read_header(view) != (desc.seq, desc.seq, desc.data_size):  # pragma: no cover
                     raise ShmError(f"slot {desc.slot} changed while it was read (lock bypassed?)")
             finally:
-                view.release()
-                mm.close()
+                try:
+                    view.release()
+                    mm.close()
+                except BufferError:
+                    # A slice is still referenced (a storage client keeping a request
+                    # body, an exception's traceback): the mapping goes with the last
+                    # view. The write it served has returned; nothing reads it again.
+                    log.debug("slot %d: a view outlives the snapshot", desc.slot)
         finally:
             os.close(fd)  # drops the shared lock
 

@@ -58,6 +58,23 @@ def test_descriptor_is_the_commit_marker(tmp_path: Path) -> None:
     writer.close()
 
 
+def test_a_view_kept_past_the_snapshot_does_not_fail_the_persist(tmp_path: Path) -> None:
+    """A storage client may keep a request body (a slice of the snapshot) after the write
+    returned: closing the snapshot must not turn that into a failed persist."""
+    writer = ShmWriter(tmp_path / "shm", RUN, 0)
+    reader = ShmReader(tmp_path / "shm", RUN, 0)
+    d = writer.write(5, Tier.PULSE, _state(1.0))
+    assert d is not None
+    kept: list[memoryview] = []
+    with reader.open(d) as snap:
+        assert snap is not None
+        kept.append(snap.tensor("model/w")[:16])
+    assert len(kept[0]) == 16  # still readable: the mapping goes with the last view
+    kept.clear()
+    assert writer.write(6, Tier.PULSE, _state(2.0)) is not None  # the lock was dropped
+    writer.close()
+
+
 def test_newest_unpersisted_snapshot_is_never_overwritten(tmp_path: Path) -> None:
     writer = ShmWriter(tmp_path / "shm", RUN, 0)
     reader = ShmReader(tmp_path / "shm", RUN, 0)
