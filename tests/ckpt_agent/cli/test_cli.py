@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from ckpt_agent.cli import common
 from ckpt_agent.cli.main import app, recover_app
 from ckpt_agent.format.layout import audit_key, blob_key, recover_request_key, validation_key
 from ckpt_agent.format.listing import list_checkpoints
@@ -22,6 +23,13 @@ from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables as wide as COLUMNS=200 says (the console is built at import, in whichever
+    test imported it first: its width must not depend on the test order)."""
+    monkeypatch.setattr(common.console, "_width", 200)
 
 
 def _populate(store: LocalStorage, steps: tuple[int, ...] = (10, 20, 30)) -> list[str]:
