@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import logging
 import mmap
@@ -113,14 +114,18 @@ class ShmReader(ShmArea):
                 if read_header(view) != (desc.seq, desc.seq, desc.data_size):  # pragma: no cover
                     raise ShmError(f"slot {desc.slot} changed while it was read (lock bypassed?)")
             finally:
-                try:
-                    view.release()
-                    mm.close()
-                except BufferError:
-                    # A slice is still referenced (a storage client keeping a request
-                    # body, an exception's traceback): the mapping goes with the last
-                    # view. The write it served has returned; nothing reads it again.
-                    log.debug("slot %d: a view outlives the snapshot", desc.slot)
+                # The mapping holds a dup of ``fd`` and with it the shared lock: it must
+                # close, or the trainer finds this slot busy. A slice still referenced
+                # (a storage client's request body in a reference cycle, a traceback)
+                # keeps it open: collect cycles once, then give up loudly.
+                if not _unmap(view, mm):
+                    gc.collect()
+                    if not _unmap(view, mm):
+                        log.warning(
+                            "slot %d: a view of the snapshot is still referenced; the slot "
+                            "stays locked until it is freed",
+                            desc.slot,
+                        )
         finally:
             os.close(fd)  # drops the shared lock
 
@@ -147,6 +152,16 @@ class ShmReader(ShmArea):
         if fast is not None:
             doc["fast"] = {"scheme": FAST_SCHEME, "tensors": {k: list(v) for k, v in fast.items()}}
         atomic_write(self.hashes_path(desc.slot), json.dumps(doc, sort_keys=True).encode())
+
+
+def _unmap(view: memoryview, mm: mmap.mmap) -> bool:
+    """Release ``view`` and close ``mm``; False while a slice of it is still referenced."""
+    try:
+        view.release()
+        mm.close()
+    except BufferError:
+        return False
+    return True
 
 
 def verify_views(

@@ -11,7 +11,7 @@ import ckpt_dist_workers as w
 import pytest
 import torch
 
-from ckpt_agent.flash.protocol import HEADER_BYTES
+from ckpt_agent.flash.protocol import HEADER_BYTES, PersistedMark
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.format.listing import list_checkpoints
@@ -65,13 +65,15 @@ def test_a_view_kept_past_the_snapshot_does_not_fail_the_persist(tmp_path: Path)
     reader = ShmReader(tmp_path / "shm", RUN, 0)
     d = writer.write(5, Tier.PULSE, _state(1.0))
     assert d is not None
-    kept: list[memoryview] = []
     with reader.open(d) as snap:
         assert snap is not None
-        kept.append(snap.tensor("model/w")[:16])
-    assert len(kept[0]) == 16  # still readable: the mapping goes with the last view
-    kept.clear()
-    assert writer.write(6, Tier.PULSE, _state(2.0)) is not None  # the lock was dropped
+        cycle: list[object] = [snap.tensor("model/w")[:16]]
+        cycle.append(cycle)  # only the cycle collector frees it
+        del cycle
+    # the lock is dropped: both slots are free again (the newest is persisted)
+    reader.mark(PersistedMark(seq=d.seq, step=5, checkpoint_id="c", ok=True))
+    assert writer.write(6, Tier.PULSE, _state(2.0)) is not None
+    assert writer.write(7, Tier.PULSE, _state(3.0)) is not None
     writer.close()
 
 
