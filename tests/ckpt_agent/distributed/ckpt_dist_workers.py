@@ -175,6 +175,7 @@ class MlpRun:
             storage=storage,
             handle_sigterm=bool(opts.get("sigterm")),
             preallocate=False,
+            backpressure=opts.get("backpressure", "defer"),
             **kw,
         )
         resume = ckpt.start()

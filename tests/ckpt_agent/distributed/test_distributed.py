@@ -177,7 +177,9 @@ def test_flash_ddp_rank_sigkilled_after_snapshot_is_committed_by_the_persisters(
     Each persister writes its rank's part; rank 0's persister commits once both parts are
     in storage with the same save token. The restart resumes exactly from that step."""
     out = tmp_path / "job"
-    opts = {"shm": True, "die_rank": 1, "die_after_save_at": 12}
+    # "wait": a save due at >= 12 is taken even when a loaded machine slows the persisters
+    # (deferred ones took no snapshot, and the kill must follow one)
+    opts = {"shm": True, "die_rank": 1, "die_after_save_at": 12, "backpressure": "wait"}
     codes = h.launch(w.train_ddp, 2, out, STEPS, opts, timeout=120)
     assert codes[1] == -signal.SIGKILL and codes[0] != 0
     died = int((out / "died_after.txt").read_text())
