@@ -45,7 +45,11 @@ def _kill_both_after_a_snapshot(tmp_path: Path, opts: dict[str, Any]) -> int:
     persisters wrote it and exited. Returns the newest snapshot's step."""
     out = tmp_path / "job"
     codes = h.launch(
-        w.train_ddp, 2, out, STEPS, {**opts, "die_rank": "all", "die_after_save_at": 8}
+        w.train_ddp,
+        2,
+        out,
+        STEPS,
+        {**opts, "die_rank": "all", "die_after_save_at": 8, "backpressure": "wait"},
     )
     assert all(c is not None and c != 0 for c in codes), codes
     for rank in range(2):

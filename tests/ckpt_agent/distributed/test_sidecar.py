@@ -84,7 +84,10 @@ def test_sigkill_right_after_snapshot_loses_nothing(
     out = tmp_path / "job"
     work = out / "work"
     try:
-        codes = h.launch(w.train_flash, 1, out, STEPS, {"die_after_save_at": 12}, timeout=90)
+        # "wait": the save due at >= 12 is taken even when a loaded machine slows the
+        # persister (a deferred one took no snapshot, and the kill must follow one)
+        opts = {"die_after_save_at": 12, "backpressure": "wait"}
+        codes = h.launch(w.train_flash, 1, out, STEPS, opts, timeout=90)
         assert codes == [-signal.SIGKILL]
         died = int((out / "died_after.txt").read_text())
         pids = _sidecar_pids(work)
