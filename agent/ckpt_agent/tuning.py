@@ -48,3 +48,9 @@ PERSIST_OUTAGE_TOLERANCE_S: Final = 600.0
 RESTORE_READ_ATTEMPTS: Final = 3
 #: Pause before the first re-read (doubled each time).
 RESTORE_READ_BACKOFF_S: Final = 0.5
+
+#: Reads of one chunk that fail with a retryable storage error before the read fails
+#: (the restorer then retries the whole candidate, see RESTORE_READ_ATTEMPTS).
+CHUNK_READ_ATTEMPTS: Final = 3
+#: Pause before a chunk's first re-read (doubled each time).
+CHUNK_READ_BACKOFF_S: Final = 0.2

@@ -23,11 +23,13 @@ Torch-free and numpy-free (the operator imports :mod:`ckpt_agent.format.readers`
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Final
 
 import zstandard
 
-from ckpt_agent.errors import CodecError, IntegrityError
+from ckpt_agent import tuning
+from ckpt_agent.errors import CodecError, IntegrityError, RetryableStorageError
 from ckpt_agent.format.codec import CODEC_NONE, CodecSpec, Shuffler, check_zstd_frame
 from ckpt_agent.format.layout import blob_key, sha256_hex
 from ckpt_agent.format.manifest import BlobEntry, TensorEntry
@@ -121,8 +123,29 @@ def read_chunk(
 
     With ``check_stored`` the stored bytes are first checked against the
     blob's name (the validator's check); without, only on failure, to name
-    the fault. Raises :class:`IntegrityError`.
+    the fault. Raises :class:`IntegrityError`. A retryable storage error is retried
+    (:data:`~ckpt_agent.tuning.CHUNK_READ_ATTEMPTS`) before it is raised.
     """
+    for attempt in range(1, tuning.CHUNK_READ_ATTEMPTS + 1):
+        try:
+            _read_chunk(storage, run_id, blob, part, what, shuffler, scratch, check_stored)
+            return
+        except RetryableStorageError:  # an EIO, a reset: the bytes may be fine, read again
+            if attempt == tuning.CHUNK_READ_ATTEMPTS:
+                raise
+            time.sleep(tuning.CHUNK_READ_BACKOFF_S * 2 ** (attempt - 1))
+
+
+def _read_chunk(
+    storage: Storage,
+    run_id: str,
+    blob: BlobEntry,
+    part: memoryview,
+    what: str,
+    shuffler: Shuffler,
+    scratch: Scratch,
+    check_stored: bool,
+) -> None:
     digest = blob.digest
     problem = ""
     got = ""

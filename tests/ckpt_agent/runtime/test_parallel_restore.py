@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from ckpt_agent import tuning
 from ckpt_agent.errors import ResumeStorageError, RetryableStorageError
 from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
@@ -168,6 +169,20 @@ class FlakyReads(LocalStorage):
         return super().read_view(key)
 
 
+class EveryBlobOnce(LocalStorage):
+    """The first read of every blob fails with a transient EIO."""
+
+    def __init__(self, root: Any) -> None:
+        super().__init__(root)
+        self.failed: set[str] = set()
+
+    def read_view(self, key: str) -> contextlib.AbstractContextManager[memoryview]:
+        if "/blobs/" in key and key not in self.failed:
+            self.failed.add(key)
+            raise RetryableStorageError(f"injected: Input/output error reading {key}")
+        return super().read_view(key)
+
+
 def _restart_on(cfg: AgentConfig, store: LocalStorage) -> tuple[Mixed, Checkpointer]:
     fresh = Mixed(seed=1)
     return fresh, Checkpointer(cfg, model=fresh.model, optimizer=fresh.opt, storage=store)
@@ -190,11 +205,27 @@ def test_a_transient_read_error_is_retried_and_marks_nothing(
     assert statuses[second] == CheckpointStatus.VALID and statuses[first] == CheckpointStatus.VALID
 
 
+def test_every_chunk_is_re_read_after_a_transient_error(
+    ck_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each blob's first read fails: the chunk reads retry, so one start succeeds."""
+    monkeypatch.setattr(tuning, "CHUNK_READ_BACKOFF_S", 0.0)
+    cfg = ck_config()
+    (_, second), (_, state_second) = _saves(cfg, (2, 4))
+    store = EveryBlobOnce(cfg.storage_url.removeprefix("file://"))
+    fresh, ckpt = _restart_on(cfg, store)
+    assert ckpt.start().checkpoint_id == second
+    assert len(store.failed) > 3  # more blobs failed once than the restorer's attempts
+    _assert_same(fresh.state(), state_second)
+    ckpt.close()
+
+
 def test_a_storage_that_keeps_failing_fails_the_start_without_a_rewind(
     ck_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Never a good checkpoint marked corrupted for an EIO, never an older one chosen."""
     monkeypatch.setattr(restorer, "RESTORE_READ_BACKOFF_S", 0.0)
+    monkeypatch.setattr(tuning, "CHUNK_READ_BACKOFF_S", 0.0)
     cfg = ck_config()
     (first, second), _ = _saves(cfg, (2, 4))
     store = FlakyReads(cfg.storage_url.removeprefix("file://"), failures=10**6)
