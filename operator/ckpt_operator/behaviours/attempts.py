@@ -9,7 +9,6 @@ Events. A TrainJob that JobSet gave up on (``Failed``) goes the PyTorchJob way
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +18,8 @@ from ckpt_operator.attempts import AttemptPlan, plan_attempt, precheck_attempt
 from ckpt_operator.behaviours.deps import Deps, annotate_job, set_job_status
 from ckpt_operator.behaviours.guard import storage_call
 from ckpt_operator.behaviours.recovery import (
+    PlanInputs,
+    gather_plan_inputs,
     give_up,
     job_pods,
     load_policy_spec,
@@ -26,9 +27,6 @@ from ckpt_operator.behaviours.recovery import (
     recover_job,
     report_plan,
     report_rebuild,
-    run_checkpoints,
-    take_reports,
-    wait_for_terminating_pods,
 )
 from ckpt_operator.jobkinds import TRAINJOB
 from ckpt_operator.jobs import job_facts
@@ -147,7 +145,6 @@ async def plan_jobset_attempt(
 ) -> float | None:
     """Plan JobSet restart attempt ``attempt`` (see :mod:`ckpt_operator.attempts`); seconds
     until the scheduler looks again (None: done)."""
-    facts = job_facts(trainjob)
     spec = await load_policy_spec(deps, trainjob)
     if spec is None:
         return deps.config.recovery.policy_missing_retry_s
@@ -158,21 +155,16 @@ async def plan_jobset_attempt(
         # the previous attempts' pods: their reports, and those still terminating (JobSet
         # deletes them as it restarts) may be writing their emergency checkpoint
         older = [p for p in await job_pods(deps, trainjob) if pod_attempt(p) < attempt]
-        waiting = await wait_for_terminating_pods(deps, trainjob, older, now)
-        if waiting is not None:
-            return waiting
-        trainjob, known = await take_reports(deps, trainjob, older, pending)
-        found = await run_checkpoints(deps, trainjob, spec, known)
-        if found is None:
-            return None
-        source, records = found
-        progress = await storage_call(deps, source.progress, facts.run_id)
+        inputs = await gather_plan_inputs(deps, trainjob, older, spec, now, pending)
+        if not isinstance(inputs, PlanInputs):
+            return inputs
+        trainjob = inputs.job
         outcome = await storage_call(
             deps,
             plan_attempt,
-            *(trainjob, attempt, spec.recovery, records, now),
-            functools.partial(source.verify, facts.run_id),
-            progress,
+            *(trainjob, attempt, spec.recovery, inputs.records, now),
+            inputs.verify,
+            inputs.progress,
             spec.scheduler.risk.mtbf_seconds,
             timeout_s=deps.config.verify_timeout_s,
         )

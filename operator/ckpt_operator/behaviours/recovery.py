@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
@@ -160,21 +161,16 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     pending_reports: dict[str, str | None] = {}
     if outcome is None:
         pods = await job_pods(deps, job)
-        waiting = await wait_for_terminating_pods(deps, job, pods, now)
-        if waiting is not None:
-            return waiting
-        job, known = await take_reports(deps, job, pods, pending_reports)
-        found = await run_checkpoints(deps, job, spec, known)
-        if found is None:
-            return None
-        source, records = found
-        progress = await storage_call(deps, source.progress, facts.run_id)
-        verify = functools.partial(source.verify, facts.run_id)
+        inputs = await gather_plan_inputs(deps, job, pods, spec, now, pending_reports)
+        if not isinstance(inputs, PlanInputs):
+            return inputs
+        job = inputs.job
         outcome = await storage_call(
             deps,
             plan_restart,
             planning_view(job),  # a TrainJob: counted from its last JobSet restart attempt
-            *(spec.recovery, records, now, verify, progress, spec.scheduler.risk.mtbf_seconds),
+            *(spec.recovery, inputs.records, now, inputs.verify, inputs.progress),
+            spec.scheduler.risk.mtbf_seconds,
             timeout_s=deps.config.verify_timeout_s,
         )
         fresh = isinstance(outcome, Restart) and outcome.decision.action == "fresh"
@@ -355,6 +351,41 @@ async def take_reports(
     meta = dict(job.get("metadata") or {})
     meta["annotations"] = {**(meta.get("annotations") or {}), c.ANN_CHECKPOINTS: known.annotation}
     return {**job, "metadata": meta}, known
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a restart plan reads: the job (with the pods' reports merged), the run's
+    checkpoints, its progress and a verifier of one candidate."""
+
+    job: Mapping[str, Any]
+    records: list[CheckpointRecord]
+    progress: list[tuple[int, float]]
+    verify: Callable[[str], bool]
+
+
+async def gather_plan_inputs(
+    deps: Deps,
+    job: Mapping[str, Any],
+    pods: Sequence[Mapping[str, Any]],
+    spec: CheckpointPolicySpec,
+    now: float,
+    pending: dict[str, str | None],
+) -> PlanInputs | float | None:
+    """Wait for ``pods`` still terminating (seconds until the next look), take their
+    reports (into ``pending``), list the run's checkpoints (None: gave up) — the inputs
+    of a PyTorchJob restart and of a JobSet restart attempt alike."""
+    waiting = await wait_for_terminating_pods(deps, job, pods, now)
+    if waiting is not None:
+        return waiting
+    job, known = await take_reports(deps, job, pods, pending)
+    found = await run_checkpoints(deps, job, spec, known)
+    if found is None:
+        return None
+    source, records = found
+    run_id = job_facts(job).run_id
+    progress = await storage_call(deps, source.progress, run_id)
+    return PlanInputs(job, records, progress, functools.partial(source.verify, run_id))
 
 
 async def wait_for_terminating_pods(
