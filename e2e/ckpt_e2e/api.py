@@ -175,6 +175,17 @@ class KubeClient:
             timeout=timeout,
         )
 
+    def drain(self, node: str) -> subprocess.CompletedProcess[str]:
+        """``kubectl drain`` ``node``: its pods are evicted (SIGTERM, their grace period)."""
+        return self.kubectl(
+            "drain",
+            node,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--timeout=90s",
+            timeout=120,
+        )
+
     def helm(
         self,
         *args: str,

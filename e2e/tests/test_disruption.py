@@ -75,14 +75,7 @@ def test_drain_takes_emergency_checkpoints_before_the_pod_ends(scenario: Scenari
 
         # 2. drain: eviction -> SIGTERM -> the agent saves once more, then exits 143
         t_drain = time.time()
-        drain = cluster.kubectl(
-            "drain",
-            node,
-            "--ignore-daemonsets",
-            "--delete-emptydir-data",
-            "--timeout=90s",
-            timeout=120,
-        )
+        drain = cluster.drain(node)
         assert f"pod/{first.name} evicted" in drain.stdout, drain.stdout
         assert first.wait(60) == 143
         assert first.local is not None and first.local.terminated_by_deletion

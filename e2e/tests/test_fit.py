@@ -40,20 +40,6 @@ pytestmark = [pytest.mark.fit, pytest.mark.slow, pytest.mark.timeout(600)]
 REGISTRY, MISSING = load_registry()
 #: Trials of the campaign CI runs (``ckpt-fit --campaign 200`` for the full figures).
 CI_TRIALS = int(os.environ.get("CKPT_FIT_CI_TRIALS", "20"))
-#: Known agent bugs a scenario exposes (strict: an XPASS says the mark must go).
-KNOWN_BUGS: dict[str, str] = {}
-
-
-def _params() -> list[object]:
-    return [
-        pytest.param(
-            name,
-            marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])]
-            if name in KNOWN_BUGS
-            else [],
-        )
-        for name in REGISTRY
-    ]
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +58,7 @@ def fit_shared() -> Iterator[Shared]:
     shared.close()
 
 
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_scenario(
     name: str,
     fit_report: Report,

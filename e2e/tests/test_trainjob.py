@@ -133,14 +133,7 @@ def test_trainjob_resumes_through_jobset_restarts_after_sigkill_and_drain(
         )
         assert second.running, "the signal-file save happens while the pod runs"
         t_drain = time.time()
-        drain = cluster.kubectl(
-            "drain",
-            node,
-            "--ignore-daemonsets",
-            "--delete-emptydir-data",
-            "--timeout=90s",
-            timeout=120,
-        )
+        drain = cluster.drain(node)
         assert f"pod/{second.name} evicted" in drain.stdout, drain.stdout
         assert second.wait(60) == 143
         sigterm = emergency(t_drain, "sigterm")

@@ -376,14 +376,7 @@ def node_drain(ctx: FitContext) -> Outcome:
         outcome.check("emergency save on cordon (pod still running)", False, str(e))
     t_drain = time.time()
     outcome.injected_at = f"drain at step {last_logged_step(sc.results, first.pod)}"
-    cluster.kubectl(
-        "drain",
-        node,
-        "--ignore-daemonsets",
-        "--delete-emptydir-data",
-        "--timeout=90s",
-        timeout=120,
-    )
+    cluster.drain(node)
     code = first.wait(60)
     fault = Fault([], None, last_logged_step(sc.results, first.pod), time.monotonic())
     ended = time.time()
