@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -60,12 +61,20 @@ def test_heartbeat_rebuild_continues_at_the_heartbeat_step_not_exact(
 
     scenario.cluster.wait_for(enough, timeout=150, what="three valid full checkpoints")
     assert first.local is not None
-    first.local.signal_container(signal.SIGSTOP)  # nothing new is written from here
-    valid = view.valid(run_id)
-    fulls = [r for r in valid if r.tier == Tier.FULL]
+    # Freeze the trainer at an instant where the newest heartbeat is ahead of the
+    # newest checkpoint: a stop can land on a step that saved both (pulse step ==
+    # heartbeat step), so let it run on a moment and freeze again when it did.
+    for _ in range(20):
+        first.local.signal_container(signal.SIGSTOP)  # nothing new is written from here
+        valid = view.valid(run_id)
+        fulls = [r for r in valid if r.tier == Tier.FULL]
+        beats = [r for r in view.checkpoints(run_id, heartbeat=True) if r.tier == Tier.HEARTBEAT]
+        heartbeat = max(beats, key=lambda r: r.step)
+        if heartbeat.step > valid[-1].step:
+            break
+        first.local.signal_container(signal.SIGCONT)
+        time.sleep(0.3)
     oldest, newest_full = fulls[0], fulls[-1]
-    beats = [r for r in view.checkpoints(run_id, heartbeat=True) if r.tier == Tier.HEARTBEAT]
-    heartbeat = max(beats, key=lambda r: r.step)
     assert heartbeat.step > valid[-1].step >= newest_full.step > oldest.step
     steps = scenario.store / run_id / "steps"
     for r in valid:
