@@ -35,17 +35,7 @@ from ckpt_e2e.training import (
 )
 from ckpt_e2e.trainjob import TrainJobs, restart_attempt
 
-pytestmark = [
-    pytest.mark.e2e,
-    # Known bug (issue #15 stays open): now and then the operator does not plan a JobSet
-    # restart attempt (its pods stay refused as "not planned yet") when the JobSet CRD
-    # appeared after the operator started; failed 2 of 5 clean CI runs. Not strict: a
-    # pass stays a pass; remove once the operator follows late CRDs reliably.
-    pytest.mark.xfail(
-        reason="operator misses JobSet restart attempts when the CRD came after it (#15)",
-        strict=False,
-    ),
-]
+pytestmark = pytest.mark.e2e
 
 #: Paced so that a drain fits in the middle of a restart attempt.
 TRAINING = Training(steps=80, seed=7, step_sleep=0.2)

@@ -250,6 +250,9 @@ async def on_mutate_pod(
         ) from None
     if outcome.result == "deferred":  # a TrainJob restart attempt not planned yet
         deps.metrics.injections.labels("deferred").inc()
+        job_name = TRAINJOB.job_name_of_pod(pod)
+        if job_name:  # plan it now (the JobSet watch may be silent, see Deps.attempts_seen)
+            _rt(memo).trainjob_recovery.schedule(namespace, job_name)
         raise kopf.AdmissionError(f"ckpt-operator: {outcome.refusal}", code=503)
     warnings.extend(outcome.warnings)
     if outcome.ops:
@@ -321,8 +324,11 @@ async def on_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
 async def on_trainjob_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     rt = _rt(memo)
     observe = functools.partial(observe_trainjob, rt.deps)
-    await _track_job(type, _raw(body), rt.deps.trainjobs, rt.trainjob_recovery, observe)
+    trainjob = _raw(body)
+    await _track_job(type, trainjob, rt.deps.trainjobs, rt.trainjob_recovery, observe)
     if type == "DELETED":
+        meta = trainjob.get("metadata") or {}
+        rt.deps.attempts_seen.pop((str(meta.get("namespace")), str(meta.get("name"))), None)
         rt.memory.evicted()
 
 

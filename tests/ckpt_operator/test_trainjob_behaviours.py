@@ -463,3 +463,34 @@ def test_a_failed_pod_makes_the_operator_read_the_jobset(
     assert run(recover_trainjob(world.deps, tj2)) == PROBE_INTERVAL_S
     world.clock.now += 200
     assert run(recover_trainjob(world.deps, tj2)) is None
+
+
+def test_a_refused_pod_makes_its_attempt_due_without_the_jobset_watch(
+    world: Any, fixture: Fixture, rec: Any
+) -> None:
+    """The JobSet watch silent and no failed pod seen (the restart came from a deletion, or
+    the pod events were missed): the first pod of the attempt the webhook refuses carries
+    the attempt JobSet is at, so the TrainJob's task plans it at once and the Job
+    controller's retry of the pod is admitted."""
+    checkpoints(world, rec)
+    runtime = make_runtime(world.deps)
+    memo = kopf.Memo({MEMO_KEY: runtime})
+    scheduled: list[tuple[str, str]] = []
+    runtime.trainjob_recovery.schedule = lambda ns, name: scheduled.append((ns, name)) or True  # type: ignore[method-assign]
+    tj = world.api.add_job(fixture("trainjob_running.json"))
+    world.deps.trainjobs.upsert(tj)
+    assert attempt_due(world.deps, tj) is None  # no JobSet seen, no pod refused
+    patch: kopf.Patch = kopf.Patch()
+    with pytest.raises(kopf.AdmissionError):
+        run(on_mutate_pod(body=attempt_pod(fixture, 1), patch=patch, memo=memo, warnings=[]))
+    assert scheduled == [(NS, "llm-ft")]
+    assert attempt_due(world.deps, trainjob(world)) == 1
+    assert run(recover_trainjob(world.deps, trainjob(world))) == RECHECK_S
+    assert ann(world)[c.ANN_RESTART_ATTEMPT] == "1"
+    assert world.api.called("get_custom") == []  # planned from the pod's label alone
+    out = run(inject_pod(world.deps, attempt_pod(fixture, 1), NS))
+    assert out.result == "injected"
+    assert attempt_due(world.deps, trainjob(world)) is None
+    # the TrainJob deleted: what its pods said goes with it
+    run(on_trainjob_event(type="DELETED", body=trainjob(world), memo=memo))
+    assert world.deps.attempts_seen == {}

@@ -18,7 +18,12 @@ from ckpt_operator.jobkinds import TRAINJOB, owner_of
 from ckpt_operator.jobs import job_facts, label_templates_in_place
 from ckpt_operator.jsonpatch import JSONPatchOp
 from ckpt_operator.runfacts import agent_run_env
-from ckpt_operator.trainjob import has_inject_patch, runtime_ref, trainer_replicated_jobs
+from ckpt_operator.trainjob import (
+    has_inject_patch,
+    pod_attempt,
+    runtime_ref,
+    trainer_replicated_jobs,
+)
 from ckpt_operator.validation import annotation_errors, parse_policy_spec
 
 __all__ = [
@@ -154,6 +159,8 @@ async def inject_pod(
     assert facts.policy is not None
     refusal = attempt_refusal(facts, pod) if kind is TRAINJOB else None
     if refusal is not None and not quiet:
+        key = (namespace, job_name)
+        deps.attempts_seen[key] = max(deps.attempts_seen.get(key, 0), pod_attempt(pod))
         return InjectionOutcome([], [], "deferred", refusal)
     pod_name = (pod.get("metadata") or {}).get("name") or "(generated name)"
 

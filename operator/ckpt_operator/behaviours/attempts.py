@@ -65,14 +65,16 @@ def _plans_attempts(trainjob: Mapping[str, Any]) -> bool:
 
 
 def attempt_due(deps: Deps, trainjob: Mapping[str, Any]) -> int | None:
-    """The JobSet restart attempt waiting for a plan (from the JobSet cache), else None."""
+    """The JobSet restart attempt waiting for a plan (from the JobSet cache, or the attempt
+    of a pod the webhook refused, :attr:`Deps.attempts_seen`), else None."""
     facts = job_facts(trainjob)
     if not _plans_attempts(trainjob):
         return None
     jobset = deps.jobsets.get(facts.namespace, facts.name)
-    if jobset is None:
-        return None
-    attempt = jobset_restarts(jobset)
+    attempt = max(
+        jobset_restarts(jobset) if jobset is not None else 0,
+        deps.attempts_seen.get((facts.namespace, facts.name), 0),
+    )
     return attempt if attempt > planned_attempt(facts.annotations) else None
 
 

@@ -56,6 +56,10 @@ class Deps:
     """Opted-in TrainJobs' pods by TrainJob (JobSet) name."""
     jobsets: ObjectCache = field(default_factory=ObjectCache)
     """JobSets of TrainJobs (their ``status.restarts``: the current restart attempt)."""
+    attempts_seen: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(namespace, TrainJob) → the newest JobSet restart attempt a pod refused by the webhook
+    carried: JobSet labels a pod with the attempt it is at, so the attempt is due even while
+    the JobSet watch is silent (kopf serves JobSets only once it discovered their CRD)."""
     reported_pods: set[str] = field(default_factory=set)
     """uids of unprotected pods already reported (dropped when the pod is deleted)."""
     admission_api: KubeApi | None = None
