@@ -33,6 +33,7 @@ WORKDIR /app
 FROM base AS source
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY requirements ./requirements
 COPY agent ./agent
 COPY operator ./operator
 
@@ -40,7 +41,11 @@ COPY operator ./operator
 FROM source AS operator-wheels
 # A package index other than PyPI, if any: --build-arg PIP_INDEX_URL=https://pypi.example/simple
 ARG PIP_INDEX_URL
-RUN pip wheel --wheel-dir /wheels ".[operator]"
+# The runtime dependencies are exactly the lock's (pinned, sha256-checked, wheels only: no
+# compiler); regenerate it with scripts/lock-operator.sh. Then this project's own wheel.
+RUN pip wheel --wheel-dir /wheels --only-binary=:all: --require-hashes \
+        -r requirements/operator.lock \
+    && pip wheel --wheel-dir /wheels --no-deps .
 
 # --------------------------------------------------------------------------- agent wheels
 FROM source AS agent-wheels
@@ -57,8 +62,12 @@ LABEL org.opencontainers.image.title="ckpt-operator" \
       org.opencontainers.image.description="Kubernetes operator: agent injection, auto-resume, retention" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
+# the locked wheels (hashes checked again), then the project: nothing else may be needed
 RUN --mount=type=bind,from=operator-wheels,source=/wheels,target=/wheels \
-    pip install --no-index --find-links=/wheels "ckpt-operator[operator]==${VERSION}" \
+    --mount=type=bind,from=source,source=/src/requirements,target=/requirements \
+    pip install --no-index --find-links=/wheels --require-hashes -r /requirements/operator.lock \
+    && pip install --no-index --find-links=/wheels "ckpt-operator[operator]==${VERSION}" \
+    && pip check \
     && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'numpy')))"
 USER 65532:65532
 # 8080 health probes, 9090 metrics, 9443 admission webhooks (HTTPS)

@@ -12,6 +12,7 @@ control plane (session fixtures are per worker).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,3 +23,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _DISTRIBUTED in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.xdist_group("distributed"))
+
+
+# ------------------------------------------------------------------ notes in the summary
+# Lines a test or fixture wants in the CI log (the image's size, how the e2e ran the
+# operator). Under xdist a worker's output never reaches the terminal, so each worker
+# hands its notes to the controller (``workeroutput``), which prints them all once.
+_NOTES = pytest.StashKey[list[str]]()
+_WORKER_NOTES = "ckpt_summary_notes"
+
+
+@pytest.fixture(scope="session")
+def summary_notes(request: pytest.FixtureRequest) -> list[str]:
+    """Append a line here to have it printed in the terminal summary, under xdist too."""
+    return request.config.stash.setdefault(_NOTES, [])
+
+
+@pytest.hookimpl(trylast=True)  # after the runner's final teardown of session fixtures
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: session fixtures are torn down by now
+        workeroutput[_WORKER_NOTES] = list(session.config.stash.get(_NOTES, []))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    notes = getattr(node, "workeroutput", {}).get(_WORKER_NOTES, [])
+    node.config.stash.setdefault(_NOTES, []).extend(notes)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # each worker that ran the e2e started its own stack: a repeated note once
+    for note in dict.fromkeys(terminalreporter.config.stash.get(_NOTES, [])):
+        terminalreporter.write_line(note)

@@ -4,6 +4,7 @@
 #   scripts/build-images.sh              build it unless the image for these sources exists
 #   scripts/build-images.sh --print-tag  print the image reference for the current sources
 #   scripts/build-images.sh --force      rebuild even if it exists
+#   scripts/build-images.sh --prune      only remove older images (keeps CKPT_IMAGE_KEEP)
 #
 # How: buildah (rootful, storage driver vfs, chroot isolation: no daemon, no overlayfs)
 # builds the Dockerfile on a base image made here from Debian packages with mmdebstrap
@@ -13,19 +14,26 @@
 # goes into the base so pip inside the build trusts what pip here trusts. Users build
 # on the default base (python:3.11-slim): see README.md.
 #
-# The image is tagged by a hash of the Dockerfile, pyproject.toml, README.md and the
-# agent/ and operator/ sources it copies (plus the base), so an unchanged tree skips the
-# build. buildah, mmdebstrap and acl (for the e2e) are installed with apt when missing.
+# The image is tagged by a hash of the Dockerfile, pyproject.toml, README.md, the
+# dependency lock requirements/operator.lock (scripts/lock-operator.sh) and the agent/ and
+# operator/ sources it copies (plus the base), so an unchanged tree skips the build. Only
+# the newest CKPT_IMAGE_KEEP images of each repository stay (other trees on this machine,
+# e.g. a CI clone, may be about to run theirs). Not root: runs itself again with `sudo -E`.
+# buildah, mmdebstrap and acl (for the e2e) are installed with apt when missing.
 #
-# Environment: CKPT_IMAGE_REPO (default localhost/ckpt-operator), STORAGE_DRIVER
-# (default vfs), PIP_INDEX_URL (else pip's configured index, else PyPI: a build argument).
+# Environment: CKPT_IMAGE_REPO (default localhost/ckpt-operator), CKPT_IMAGE_KEEP (default
+# 3), STORAGE_DRIVER (default vfs), PIP_INDEX_URL (else pip's configured index, else PyPI:
+# a build argument).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+self="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+cd "$(dirname "$self")/.."
 
 log() { printf '\033[1;34m[images]\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[1;31m[images] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 repo="${CKPT_IMAGE_REPO:-localhost/ckpt-operator}"
+keep="${CKPT_IMAGE_KEEP:-3}"
+[[ "$keep" =~ ^[1-9][0-9]*$ ]] || die "CKPT_IMAGE_KEEP=$keep: give a number >= 1"
 export STORAGE_DRIVER="${STORAGE_DRIVER:-vfs}"
 export BUILDAH_ISOLATION=chroot
 packages="python3,python3-venv,ca-certificates"
@@ -36,7 +44,8 @@ for a in "$@"; do
   case "$a" in
     --print-tag) mode=print ;;
     --force) mode=force ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --prune) mode=prune ;;
+    -h|--help) sed -n '2,26p' "$self"; exit 0 ;;
     *) die "unknown option $a (try --help)" ;;
   esac
 done
@@ -70,10 +79,11 @@ sources_hash() {
   local files
   mapfile -t files < <(find agent operator -type f ! -path '*/__pycache__/*' ! -name '*.py[co]' \
     ! -path '*.egg-info/*' | LC_ALL=C sort)
-  { hash_files Dockerfile pyproject.toml README.md "${files[@]}"; echo "$base_tag"; } | sha256sum | cut -c1-12
+  { hash_files Dockerfile pyproject.toml README.md requirements/operator.lock "${files[@]}"
+    echo "$base_tag"; } | sha256sum | cut -c1-12
 }
 
-base_recipe="$(sed -n '/^# -* base image$/,/^# -* operator image$/p' "$0")"
+base_recipe="$(sed -n '/^# -* base image$/,/^# -* operator image$/p' "$self")"
 base_tag="localhost/ckpt-base:${suite}-$({ echo "$packages$base_recipe"; cat "$ca_bundle"; } | sha256sum | cut -c1-12)"
 tag="${repo}:$(sources_hash)"
 if [ "$mode" = print ]; then
@@ -81,17 +91,25 @@ if [ "$mode" = print ]; then
   exit 0
 fi
 
+# --------------------------------------------------------------- root
+# rootful buildah with chroot isolation: not root, run again with sudo, keeping the
+# environment and the index this user's pip is configured with
+if [ "$(id -u)" != 0 ]; then
+  command -v sudo >/dev/null || die "building images here needs root (rootful buildah with chroot isolation): run it as root"
+  [ -n "${PIP_INDEX_URL:-}" ] || PIP_INDEX_URL="$(python3 -m pip config get global.index-url 2>/dev/null || true)"
+  [ -z "$PIP_INDEX_URL" ] || export PIP_INDEX_URL
+  log "not root: running it again with sudo -E (rootful buildah)"
+  exec sudo -E "$self" "$@"
+fi
+
 # --------------------------------------------------------------- tools
 # (acl: setfacl, with which the e2e shares its PVC folder with the operator's fsGroup)
 if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null || ! command -v setfacl >/dev/null; then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
   command -v apt-get >/dev/null || die "buildah, mmdebstrap or setfacl is missing and there is no apt-get: install them"
   log "installing buildah, mmdebstrap and acl with apt"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq buildah mmdebstrap acl >/dev/null
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq buildah mmdebstrap acl >/dev/null
 fi
-[ "$(id -u)" = 0 ] || die "building images here needs root (rootful buildah with chroot isolation)"
 
 exists() { buildah inspect --type image "$1" >/dev/null 2>&1; }
 # the sum of the layers (uncompressed), as `docker images` shows it
@@ -101,11 +119,20 @@ layers = json.loads(json.load(sys.stdin)["Manifest"])["layers"]
 print(round(sum(layer["size"] for layer in layers) / 1e6))'
 }
 
-# remove the images of repository $1 other than $2 (earlier source trees or base recipes)
+# remove the images of repository $1 (earlier source trees or base recipes) but $2 and the
+# $keep - 1 newest others: another tree on this machine (a CI clone) may be about to use one
 prune() {
-  buildah images --format '{{.Name}}:{{.Tag}}' | grep -F "$1:" | grep -vxF "$2" \
-    | xargs -r buildah rmi >/dev/null 2>&1 || true
+  buildah images --format '{{.Created}} {{.Name}}:{{.Tag}}' \
+    | awk -v r="$1:" 'index($2, r) == 1 { print $1, $2 }' | sort -rn | awk '{ print $2 }' \
+    | { grep -vxF "$2" || true; } | tail -n +"$keep" \
+    | xargs -r -n1 buildah rmi >/dev/null 2>&1 || true
 }
+
+if [ "$mode" = prune ]; then
+  prune "$repo" "$tag"
+  prune localhost/ckpt-base "$base_tag"
+  exit 0
+fi
 
 t0=$(date +%s)
 if [ "$mode" != force ] && exists "$tag"; then

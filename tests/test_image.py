@@ -90,10 +90,10 @@ class TestOperatorImage:
         for key, value in OCI_LABELS.items():
             assert labels.get(key) == value, (key, labels)
 
-    def test_size_is_within_budget(self, image: str, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_size_is_within_budget(self, image: str, summary_notes: list[str]) -> None:
         size_mb = image_size(image) / 1e6
-        with capsys.disabled():
-            print(f"\n[image] {image}: {size_mb:.0f} MB (budget {SIZE_BUDGET_MB} MB)")
+        # in the terminal summary (conftest.py), also under xdist, whose output is lost
+        summary_notes.append(f"[image] {image}: {size_mb:.0f} MB (budget {SIZE_BUDGET_MB} MB)")
         assert size_mb < SIZE_BUDGET_MB
 
 
@@ -142,7 +142,14 @@ def test_image_tag_follows_the_sources(tmp_path: Path) -> None:
     """--print-tag hashes what the Dockerfile copies: a changed source is a new tag."""
     tree = tmp_path / "tree"
     (tree / "scripts").mkdir(parents=True)
-    for name in ("Dockerfile", "pyproject.toml", "README.md", "scripts/build-images.sh"):
+    (tree / "requirements").mkdir()
+    for name in (
+        "Dockerfile",
+        "pyproject.toml",
+        "README.md",
+        "requirements/operator.lock",
+        "scripts/build-images.sh",
+    ):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "scripts" / "build-images.sh").chmod(0o755)
     for pkg in ("agent/ckpt_agent", "operator/ckpt_operator"):
@@ -163,4 +170,57 @@ def test_image_tag_follows_the_sources(tmp_path: Path) -> None:
     (cache / "x.cpython-311.pyc").write_text("x")
     assert tag() == first  # byte code is not a source
     (tree / "operator" / "ckpt_operator" / "__init__.py").write_text("# changed\n")
-    assert tag() != first
+    second = tag()
+    assert second != first
+    # the dependency lock pins what the image installs: a new lock is a new image
+    with (tree / "requirements" / "operator.lock").open("a") as lock:
+        lock.write("# relocked\n")
+    assert tag() not in (first, second)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="build-images.sh runs itself with sudo when not root")
+def test_prune_keeps_the_newest_images_of_each_repository(tmp_path: Path) -> None:
+    """A build in one tree must not remove the image another tree (a CI clone) is about to use."""
+    tag = subprocess.run(
+        [ROOT / "scripts" / "build-images.sh", "--print-tag"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    repo = tag.split(":", maxsplit=1)[0]
+    images = {  # created (epoch seconds) -> name:tag; the current tree's is not the newest
+        500: f"{repo}:newest",
+        400: f"{repo}:second",
+        300: tag,
+        200: f"{repo}:third",
+        100: f"{repo}:oldest",
+        50: f"{repo}-other:old",  # another repository: never touched
+        40: "localhost/ckpt-base:bookworm-1",
+        30: "localhost/ckpt-base:bookworm-2",
+        20: "localhost/ckpt-base:bookworm-3",
+        10: "localhost/ckpt-base:bookworm-4",
+    }
+    (tmp_path / "images").write_text("".join(f"{k} {v}\n" for k, v in images.items()))
+    removed = tmp_path / "removed"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "buildah").write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in images) cat {tmp_path / "images"} ;; rmi) echo "$2" >> {removed} ;; '
+        "*) exit 1 ;; esac\n"
+    )
+    for name in ("buildah", "mmdebstrap", "setfacl"):
+        (fake / name).touch()
+        (fake / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CKPT_IMAGE_KEEP": "3"}
+    subprocess.run(
+        [ROOT / "scripts" / "build-images.sh", "--prune"], check=True, env=env, timeout=60
+    )
+    gone = set(removed.read_text().split()) if removed.exists() else set()
+    # this tree's image and the two newest others stay, in each repository
+    assert gone == {
+        f"{repo}:third",
+        f"{repo}:oldest",
+        "localhost/ckpt-base:bookworm-3",
+        "localhost/ckpt-base:bookworm-4",
+    }

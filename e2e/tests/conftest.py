@@ -50,7 +50,6 @@ from ckpt_e2e.trainer_v2 import TrainerV2  # noqa: E402
 from ckpt_e2e.trainjob import TrainJobs  # noqa: E402
 
 _failed_key = pytest.StashKey[bool]()
-_notes_key = pytest.StashKey[list[str]]()
 _op_offset_key = pytest.StashKey[int]()
 
 
@@ -69,7 +68,7 @@ def _keep(config: pytest.Config) -> bool:
 
 
 @pytest.fixture(scope="session")
-def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+def cluster(request: pytest.FixtureRequest, summary_notes: list[str]) -> Iterator[LocalCluster]:
     keep = _keep(request.config)
     c = LocalCluster(
         persistent=keep,
@@ -79,22 +78,18 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     yield c
     if request.session.stash.get(_failed_key, False):
         c.mark_failed()
-    notes = request.config.stash.setdefault(_notes_key, [])
     if keep:
         c.release()
-        notes.append(
-            f"cluster left running:\n  export KUBECONFIG={c.kubeconfig}\n"
+        summary_notes.append(
+            f"[ckpt-e2e] cluster left running:\n  export KUBECONFIG={c.kubeconfig}\n"
             f"  stop it with: PYTHONPATH={_E2E} python -m ckpt_e2e down {c.workdir}"
         )
     else:
         c.stop()
         if request.session.stash.get(_failed_key, False):
-            notes.append(f"a test failed; cluster workdir (logs) kept: {c.workdir}")
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for note in terminalreporter.config.stash.get(_notes_key, []):
-        terminalreporter.write_line(f"[ckpt-e2e] {note}")
+            summary_notes.append(
+                f"[ckpt-e2e] a test failed; cluster workdir (logs) kept: {c.workdir}"
+            )
 
 
 def _slug(text: str, limit: int = 30) -> str:
@@ -111,13 +106,16 @@ def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator
 
 
 @pytest.fixture(scope="session")
-def stack(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Stack]:
+def stack(
+    cluster: LocalCluster, request: pytest.FixtureRequest, summary_notes: list[str]
+) -> Iterator[Stack]:
     st = Stack.up(cluster)
     container = st.operator.container
-    request.config.stash.setdefault(_notes_key, []).append(
-        f"operator ran from the image {container.image}"
+    # printed by the root conftest.py's terminal summary (also under xdist)
+    summary_notes.append(
+        f"[ckpt-e2e] operator ran from the image {container.image}"
         if container is not None
-        else "operator ran as a local process (no image: see CKPT_E2E_OPERATOR)"
+        else "[ckpt-e2e] operator ran as a local process (no image: see CKPT_E2E_OPERATOR)"
     )
     yield st
     if _keep(request.config):  # stays up with the cluster; ``ckpt_e2e down`` stops it too
@@ -149,10 +147,12 @@ def scenario(
 
 
 @pytest.fixture(scope="session")
-def trainer_v2(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[TrainerV2]:
+def trainer_v2(
+    cluster: LocalCluster, request: pytest.FixtureRequest, summary_notes: list[str]
+) -> Iterator[TrainerV2]:
     tv = TrainerV2(cluster).start()
-    request.config.stash.setdefault(_notes_key, []).append(
-        f"JobSet + Trainer v2 controllers started in {tv.timings['total']:.1f}s"
+    summary_notes.append(
+        f"[ckpt-e2e] JobSet + Trainer v2 controllers started in {tv.timings['total']:.1f}s"
     )
     yield tv
     if not _keep(request.config):
