@@ -82,6 +82,15 @@ class RecoveryConfig:
     """First retry delay after an API/storage error (doubles up to 10 minutes)."""
     policy_missing_retry_s: float = 60.0
     """How often a failed job whose policy is missing is looked at again."""
+    node_pool_labels: tuple[str, ...] = (
+        "cloud.google.com/gke-nodepool",
+        "eks.amazonaws.com/nodegroup",
+        "kubernetes.azure.com/agentpool",
+        "karpenter.sh/nodepool",
+        "node.kubernetes.io/instance-type",
+    )
+    """Node labels naming a node's pool, the first present wins: failures and running time
+    are kept per pool to refine a run's MTBF (:mod:`ckpt_operator.pools`)."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-timeout", type=float, help="longest wait per Kubernetes API call (default 30)")
     a("--webhook-workers", type=int, help="threads for the webhook's blocking work (default 4)")
     a(
+        "--node-pool-label",
+        action="append",
+        default=None,
+        help="node label naming a node's pool, for the per-pool MTBF (repeatable, first "
+        "present wins; default: GKE, EKS, AKS, Karpenter pools, then the instance type)",
+    )
+    a(
         "--webhook-budget",
         type=float,
         help="longest admission answer, seconds, below the webhooks' timeoutSeconds (default 3)",
@@ -358,6 +374,10 @@ def parse_config(
             "--api-timeout and --webhook-budget > 0"
         )
     tenancy = parse_tenancy(pick("tenancy", "tenancy") or "")
+    pool_labels = tuple(ns.node_pool_label or ()) or tuple(
+        k for k in (_env(env, "node-pool-labels") or "").replace(",", " ").split() if k
+    )
+    recovery = RecoveryConfig(node_pool_labels=pool_labels or RecoveryConfig.node_pool_labels)
     if webhook.enabled and webhook.cert_dir is None and not webhook.generate_certs:
         raise SystemExit(
             "ckpt-operator: the webhook needs a certificate: --webhook-cert-dir DIR "
@@ -378,5 +398,6 @@ def parse_config(
         tenancy=tenancy,
         webhook=webhook,
         injection=injection,
+        recovery=recovery,
         retention=retention,
     )

@@ -4,13 +4,16 @@ The agent's scheduler sizes checkpoint intervals by the mean time between
 failures and tightens them for long runs (``longRunAfterHours``, counted from
 the run's start). A restarted pod would otherwise start both from scratch: the
 operator knows when the chain's first job was created and how often the run
-failed, and passes both (``CKPT_RUN_STARTED_AT``, ``CKPT_MTBF_SECONDS``).
+failed, and passes both (``CKPT_RUN_STARTED_AT``, ``CKPT_MTBF_SECONDS``). The MTBF
+blends the policy's prior with the run's failures and its node pool's
+(:func:`ckpt_agent.decide.mtbf.estimate_mtbf`, shared with the simulator).
 """
 
 from __future__ import annotations
 
 import math
 
+from ckpt_agent.decide.mtbf import PRIOR_FAILURES, PoolEvidence, estimate_mtbf
 from ckpt_agent.policy.agent_config import (
     ENV_MTBF_SECONDS,
     ENV_RESUME_PIN,
@@ -20,10 +23,14 @@ from ckpt_agent.policy.agent_config import (
 from ckpt_operator import constants as c
 from ckpt_operator.jobs import JobFacts
 
-__all__ = ["PRIOR_FAILURES", "agent_run_env", "estimate_mtbf", "mtbf_of", "run_started_at"]
-
-#: How many failures' worth of weight the policy's ``mtbfSeconds`` carries in the blend.
-PRIOR_FAILURES = 1.0
+__all__ = [
+    "PRIOR_FAILURES",
+    "PoolEvidence",
+    "agent_run_env",
+    "estimate_mtbf",
+    "mtbf_of",
+    "run_started_at",
+]
 
 
 def _positive(raw: str | None) -> float | None:
@@ -44,15 +51,6 @@ def run_started_at(facts: JobFacts) -> float | None:
 def mtbf_of(facts: JobFacts) -> float | None:
     """The estimate the job carries (None: none yet; the policy's applies)."""
     return _positive(facts.annotations.get(c.ANN_MTBF_SECONDS))
-
-
-def estimate_mtbf(prior_s: float, failures: int, elapsed_s: float) -> float:
-    """The policy's MTBF blended with what the run showed: ``failures`` failures in
-    ``elapsed_s`` seconds of the run (a gamma-prior posterior mean, the prior worth
-    :data:`PRIOR_FAILURES` failures at the policy's rate)."""
-    if failures <= 0 or not math.isfinite(elapsed_s) or elapsed_s <= 0:
-        return prior_s
-    return (PRIOR_FAILURES * prior_s + elapsed_s) / (PRIOR_FAILURES + failures)
 
 
 def agent_run_env(facts: JobFacts) -> dict[str, str]:

@@ -13,6 +13,16 @@ errors, sustained storage latency, a node warning from the operator). So:
   ``risk.warningMtbfSeconds``: the rate is ``1/warning_mtbf`` (multiplier
   ``M / warning_mtbf``, at least 1).
 
+A warning that holds longer than ``warning_mtbf`` without a failure is less
+and less likely to announce one (a node cordoned for maintenance for hours): past
+that age the warned multiplier decays as ``exp(−(age − warning_mtbf)/warning_mtbf)``
+and the warning *ends* (calm hazard, no warning recorded) once it falls to the
+calm multiplier ``c`` — ``warning_mtbf · (1 + ln(M/(warning_mtbf·c)))`` after it
+began (9–10 min for M one hour, warning_mtbf 120 s, c 1 or 0.5). The age counts
+from the episode's start: the warning rising after it lapsed, a new alarm (another
+node warning, new GPU errors, the latency becoming sustained) or a new warning
+request.
+
 The pulse interval is the Young/Daly optimum ``√(2·δ·M/hazard)``
 (:func:`~ckpt_agent.decide.intervals.pulse_interval`): it shrinks while a
 warning holds and relaxes after. ``w`` is ``risk.warnedFraction`` when set,
@@ -55,6 +65,8 @@ class HazardModel:
         """Why the last warning fired (kept while it holds)."""
         self.warning_until: float | None = None
         """Wall time until which the last warning holds."""
+        self.since: float | None = None
+        """Wall time the current warning episode began (its age decays the hazard)."""
         self.episodes = 0
         """Warnings seen (a warning that holds again after it lapsed is a new one)."""
         self.observed_seconds = 0.0
@@ -64,12 +76,16 @@ class HazardModel:
         until = self.warning_until
         return until is not None and now < until
 
-    def update(self, fired: bool, why: str, now: float) -> None:
-        """Fold the system layer's verdict at ``now`` in."""
+    def update(self, fired: bool, why: str, now: float, *, fresh: bool = False) -> None:
+        """Fold the system layer's verdict at ``now`` in (``fresh``: a new alarm or
+        request: the warning's age starts again)."""
         if not fired:
             return
         if not self.holds(now):
             self.episodes += 1
+            self.since = now
+        elif fresh or self.since is None:
+            self.since = now
         self.warning = (why or "system alarm")[:_WARNING_CHARS]
         self.warning_until = now + max(self.spec.warning_hold_seconds, 1e-9)
 
@@ -88,14 +104,22 @@ class HazardModel:
 
     def at(self, now: float, mtbf: float) -> Hazard:
         """The hazard at ``now`` for a baseline MTBF ``mtbf``."""
-        if self.holds(now):
-            return Hazard(max(1.0, mtbf / self.spec.warning_mtbf_seconds), self.warning)
-        return Hazard(max(1.0 - self.warned_fraction(mtbf), 1e-6))
+        calm = max(1.0 - self.warned_fraction(mtbf), 1e-6)
+        if not self.holds(now):
+            return Hazard(calm)
+        scale = self.spec.warning_mtbf_seconds
+        warned = max(1.0, mtbf / scale)
+        age = now - (now if self.since is None else self.since)
+        if age <= scale:
+            return Hazard(warned, self.warning)
+        decayed = warned * math.exp(-(age - scale) / scale)
+        return Hazard(decayed, self.warning) if decayed > calm else Hazard(calm)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "warning": self.warning,
             "warning_until": self.warning_until,
+            "warning_since": self.since,
             "warning_episodes": self.episodes,
             "observed_seconds": self.observed_seconds,
         }
@@ -104,5 +128,7 @@ class HazardModel:
         self.warning = state.get("warning")
         until = state.get("warning_until")
         self.warning_until = None if until is None else float(until)
+        since = state.get("warning_since")
+        self.since = None if since is None else float(since)
         self.episodes = int(state.get("warning_episodes", 0))
         self.observed_seconds = float(state.get("observed_seconds", 0.0))

@@ -16,7 +16,10 @@ or :class:`~ckpt_agent.policy.models.TiersSpec`):
   system (0.25) layers. **Score** = sum of the weights of the fired layers.
   A gradient anomaly requests a lightweight pulse now; a system alarm an
   emergency checkpoint (tier ``system.emergency_tier``, default full) flagged
-  ``high_risk``, at most once per ``emergency_cooldown_steps``.
+  ``high_risk``: once per alarm episode (a warning that holds for hours saves
+  once; a new episode — the alarm cleared and raised again, another node
+  warning, new GPU errors — saves again), at most once per
+  ``emergency_cooldown_steps``.
 * :mod:`ckpt_agent.decide.hazard`: the failure hazard: lower while calm when
   warnings announce a share of the failures, higher while a warning (system
   alarm, node warning) holds. Every decision records it (``hazard``, ``warning``).
@@ -270,17 +273,19 @@ class AdaptiveScheduler:
             elif "nan" not in anomalies:
                 anomalies.append("nan")
         sys_fired, sys_why = self._system.check(system, now)
-        self._hazard.update(sys_fired, sys_why, now)
+        self._hazard.update(sys_fired, sys_why, now, fresh=self._system.fresh)
         if self._requested is not None:
-            self._hazard.update(True, self._requested, now)
+            self._hazard.update(True, self._requested, now, fresh=True)
             self._requested = None
         hazard = self.hazard_at(now)
+        # a warning that decayed out (hazard module docstring) no longer raises the score
+        sys_live = sys_fired and hazard.warning is not None
 
         sp = self.spec
         components = {
             "loss": sp.loss.weight if self._loss.fired else 0.0,
             "gradient": sp.gradient.weight if self._grad.fired else 0.0,
-            "system": sp.system.weight if sys_fired else 0.0,
+            "system": sp.system.weight if sys_live else 0.0,
         }
         score = round(sum(components.values()), 12)
         interval, rule = self.interval_for(score, hazard.multiplier)
@@ -288,10 +293,12 @@ class AdaptiveScheduler:
         counters = self._counters
         if grad_fired_now:
             counters.pending_lightweight = True
-        if sys_fired and counters.emergency_cooled_down(step, sp.system.emergency_cooldown_steps):
+        cooldown = sp.system.emergency_cooldown_steps
+        if self._system.owed and counters.emergency_cooled_down(step, cooldown):
             counters.add_emergency(
                 f"system alarm ({sys_why})", Tier(sp.system.emergency_tier), high_risk=True
             )
+            self._system.owed = False
         due = counters.due(
             step,
             self.tiers,

@@ -23,8 +23,10 @@ weights of the fired layers into the score. Every number is a field of
 * **System layer** (weight 0.25): new GPU errors, a storage write latency
   above 15 ms sustained for 5 s, or a node warning (NotReady, pressure, cordon,
   an impending-termination taint, DisruptionTarget) fire the layer and request
-  an emergency checkpoint. Missing metrics are healthy. While it fires, a
-  *warning* holds (:mod:`ckpt_agent.decide.hazard`).
+  an emergency checkpoint, once per alarm episode (:attr:`SystemLayer.owed`:
+  a warning that holds for hours saves once, not every cooldown). Missing
+  metrics are healthy. While it fires, a *warning* holds
+  (:mod:`ckpt_agent.decide.hazard`).
 
 Non-finite values are never folded (the caller checks with :func:`finite`).
 Each layer's ``state_dict`` is a flat slice of the scheduler's state dict.
@@ -189,38 +191,66 @@ class GradientLayer:
 
 
 class SystemLayer:
-    """GPU errors, sustained storage latency, node warnings: fires while it is risky."""
+    """GPU errors, sustained storage latency, node warnings: fires while it is risky.
+
+    It also tells *episodes* apart, so that a long warning (a cordon of hours) gets one
+    emergency save, not one per cooldown: :attr:`owed` is set when an alarm is new — new
+    GPU errors (always new evidence: the count is a delta), the latency becoming
+    sustained, a node warning appearing or changing its text — and cleared by the
+    scheduler when it takes the save, or when the layer stops firing (the episode ended).
+    """
 
     def __init__(self, spec: SystemLayerSpec) -> None:
         self.spec = spec
         self.latency_high_since: float | None = None
+        self.alarms: tuple[str, ...] = ()
+        """The level alarms of the last check (``latency``, ``node:<text>``)."""
+        self.owed = False
+        """A new alarm episode has not had its emergency save yet."""
+        self.fresh = False
+        """The last check raised a new alarm (a new episode starts)."""
 
     def check(self, signals: SystemSignals | None, now: float) -> tuple[bool, str]:
         """Fold one sample in; return (fired, why)."""
         s = self.spec
+        why: list[str] = []
+        alarms: list[str] = []
+        gpu = False
         if signals is None:
             self.latency_high_since = None
-            return False, ""
-        why: list[str] = []
-        if signals.gpu_errors is not None and signals.gpu_errors > s.gpu_error_threshold:
-            why.append(f"gpu_errors={signals.gpu_errors}")
-        if signals.node_warning:
-            why.append(f"node warning: {signals.node_warning}")
-        lat = signals.write_latency_ms
-        if lat is not None and math.isfinite(lat) and lat > s.write_latency_ms:
-            if self.latency_high_since is None:
-                self.latency_high_since = now
-            held = now - self.latency_high_since
-            if held >= s.sustained_seconds:
-                why.append(
-                    f"write latency {lat:.1f} ms > {s.write_latency_ms:g} ms for {held:.1f} s"
-                )
         else:
-            self.latency_high_since = None
-        return bool(why), ", ".join(why)
+            if signals.gpu_errors is not None and signals.gpu_errors > s.gpu_error_threshold:
+                why.append(f"gpu_errors={signals.gpu_errors}")
+                gpu = True
+            if signals.node_warning:
+                why.append(f"node warning: {signals.node_warning}")
+                alarms.append(f"node:{signals.node_warning}")
+            lat = signals.write_latency_ms
+            if lat is not None and math.isfinite(lat) and lat > s.write_latency_ms:
+                if self.latency_high_since is None:
+                    self.latency_high_since = now
+                held = now - self.latency_high_since
+                if held >= s.sustained_seconds:
+                    why.append(
+                        f"write latency {lat:.1f} ms > {s.write_latency_ms:g} ms for {held:.1f} s"
+                    )
+                    alarms.append("latency")
+            else:
+                self.latency_high_since = None
+        self.fresh = gpu or not set(alarms) <= set(self.alarms)
+        self.alarms = tuple(alarms)
+        fired = bool(why)
+        self.owed = fired and (self.owed or self.fresh)
+        return fired, ", ".join(why)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"latency_high_since": self.latency_high_since}
+        return {
+            "latency_high_since": self.latency_high_since,
+            "system_alarms": list(self.alarms),
+            "system_owed": self.owed,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.latency_high_since = state.get("latency_high_since")
+        self.alarms = tuple(str(a) for a in state.get("system_alarms", ()))
+        self.owed = bool(state.get("system_owed", False))

@@ -21,6 +21,11 @@ differences of a few percent). The failures still happen when the trace says.
 
 * ``adaptive``: the real :class:`~ckpt_agent.decide.scheduler.AdaptiveScheduler`
   with the default policy (``risk.mtbfSeconds`` set to the trace's MTBF);
+* ``adaptive (prior→refined)``: the same with the policy's *default* MTBF
+  (86,400 s), refined after each failure as the operator does
+  (:func:`~ckpt_agent.decide.mtbf.estimate_mtbf` of the failures so far over the
+  time since the run started, passed to the restarted pod): what a user who sets
+  no ``mtbfSeconds`` gets;
 * ``fixed@IO``: a fixed pulse interval with the same IO (saves, a lightweight
   pulse counting half) as ``adaptive``;
 * ``young_daly``: a fixed pulse interval of ``√(2·δ·M)`` with the true MTBF;
@@ -49,16 +54,19 @@ from typing import Any, Protocol
 
 from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.intervals import bound_interval
+from ckpt_agent.decide.mtbf import estimate_mtbf
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
 from ckpt_agent.decide.signals import SystemSignals
 from ckpt_agent.decide.traces import Alert, Curves, Trace
 from ckpt_agent.policy.models import GradientLayerSpec, RiskSpec, SchedulerSpec, Tier, TiersSpec
 
 __all__ = [
+    "REFINED",
     "Costs",
     "FixedPolicy",
     "OraclePolicy",
     "Policy",
+    "RefinedPolicy",
     "Result",
     "SchedulerPolicy",
     "SeedScheduler",
@@ -254,6 +262,33 @@ class SchedulerPolicy:
         self.scheduler = self.make()
         if snap is not None:
             self.scheduler.load_state_dict(snap)
+
+
+class RefinedPolicy(SchedulerPolicy):
+    """The scheduler whose MTBF starts at the policy's prior and is refined at every
+    restart as the operator does: ``failures`` so far over the time since the start
+    (the run starts at 0; the failure is taken at the last step's time)."""
+
+    def __init__(self, name: str, make: Callable[[], AdaptiveScheduler]) -> None:
+        super().__init__(name, make)
+        self.prior = self.scheduler.mtbf_seconds
+        self.failures = 0
+        self.now = 0.0
+
+    def decide(
+        self, step: int, now: float, loss: float, grad: float, alert: Alert | None
+    ) -> str | None:
+        self.now = now
+        return super().decide(step, now, loss, grad, alert)
+
+    def restore(self, snap: Any) -> None:
+        super().restore(snap)
+        self.failures += 1
+        self.scheduler.set_mtbf(estimate_mtbf(self.prior, self.failures, self.now))
+
+
+REFINED = "adaptive (prior→refined)"
+"""The :class:`RefinedPolicy` row of :func:`compare`."""
 
 
 class SeedScheduler(AdaptiveScheduler):
@@ -508,11 +543,19 @@ def compare(trace: Trace, curves: Curves, costs: Costs | None = None) -> Compari
         curves,
         c,
     )
+    prior_spec = SchedulerSpec()  # risk.mtbfSeconds: the policy's default prior
+    refined = replay(
+        trace,
+        RefinedPolicy(REFINED, lambda: AdaptiveScheduler(prior_spec, start_time=0.0)),
+        curves,
+        c,
+    )
     yd = _steps(math.sqrt(2 * c.delta * mtbf), c.step_time)
     calm = _steps(math.sqrt(2 * c.delta * mtbf / unwarned), c.step_time)
     full = TiersSpec().full.every_steps  # the scheduler's full tier (the default policy)
     results = (
         adaptive,
+        refined,
         _fixed_at_io(trace, c, adaptive.io, "fixed@IO", full),
         replay_fixed(trace, yd, c, "young_daly", full),
         replay(trace, OraclePolicy("oracle", calm, c.alarm_steps), curves, c),
@@ -523,9 +566,10 @@ def compare(trace: Trace, curves: Curves, costs: Costs | None = None) -> Compari
             c,
         ),
     )
-    same_io = {r.policy: r for r in results[1:3]}
-    same_io["adaptive"] = results[1]
-    for r in results[3:]:  # the oracle has no full tier; the seed's scheduler has
+    same_io = {r.policy: r for r in results[2:4]}
+    same_io["adaptive"] = results[2]
+    same_io[REFINED] = _fixed_at_io(trace, c, refined.io, "fixed", full)
+    for r in results[4:]:  # the oracle has no full tier; the seed's scheduler has
         same_io[r.policy] = _fixed_at_io(
             trace, c, r.io, "fixed", None if r.policy == "oracle" else full
         )

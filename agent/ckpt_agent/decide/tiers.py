@@ -34,7 +34,7 @@ _TIER_ORDER = {Tier.HEARTBEAT: 0, Tier.PULSE: 1, Tier.FULL: 2}
 
 def tier_rank(tier: Tier | None) -> int:
     """Order of tiers: None < heartbeat < pulse < full."""
-    return -1 if tier is None else _TIER_ORDER[Tier(tier)]
+    return -1 if tier is None else _TIER_ORDER[tier]  # a StrEnum: its value finds it too
 
 
 def _full_period(full: FullTierSpec, run_seconds: float) -> tuple[int, str]:

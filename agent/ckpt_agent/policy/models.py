@@ -146,8 +146,10 @@ class GradientLayerSpec(CamelModel):
     std_multiplier: Annotated[float, Field(gt=0.0)] = 3.0
     """A sample outside mean ± k·std of the previous samples is anomalous.
 
-    With 2 in a row, k = 3 fires about once per 10^5 samples of stationary Gaussian noise
-    (k = 1, the original design, about once every 10-18 samples: see docs/performance.md)."""
+    With 2 in a row, k = 3 fires about once per 33,000 samples of stationary Gaussian noise
+    (18 firings in 3 × 200,000 samples), and still catches the simulator's × 5 gradient
+    spikes (k = 1, the original design, fires about once every 10-18 samples: see
+    docs/performance.md)."""
     consecutive_anomalies: PositiveInt = 2
     """Anomalous samples in a row that fire the layer (and request a lightweight pulse)."""
     min_samples: Annotated[int, Field(ge=2)] = 5
@@ -166,9 +168,11 @@ class SystemLayerSpec(CamelModel):
     sustained_seconds: Annotated[float, Field(ge=0.0)] = 5.0
     """How long the latency must stay above the threshold."""
     emergency_tier: Literal["pulse", "full"] = "full"
-    """Tier of the emergency checkpoint requested when the layer fires."""
+    """Tier of the emergency checkpoint requested when the layer fires: once per alarm
+    episode (a warning that holds for hours saves once; new GPU errors, another node
+    warning, or the alarm cleared and raised again is a new episode)."""
     emergency_cooldown_steps: Annotated[int, Field(ge=0)] = 100
-    """Minimum steps between two emergency checkpoints for the same alarm."""
+    """Minimum steps between two emergency checkpoints (a new episode's save waits)."""
 
 
 class RiskSpec(CamelModel):
@@ -181,7 +185,8 @@ class RiskSpec(CamelModel):
     enabled: bool = True
     """Set the pulse interval from the Young/Daly optimum (else `baseInterval` and the score)."""
     mtbf_seconds: Annotated[float, Field(gt=0.0)] = 86_400.0
-    """Mean time between failures of the job (the operator refines it from observed failures)."""
+    """Mean time between failures of the job: the prior the operator refines at every
+    restart from the run's failures and those of other runs on its node pool."""
     stall_budget: Annotated[float, Field(gt=0.0, le=1.0)] = 0.03
     """Maximum fraction of training time spent stalled in checkpoint saves."""
     warned_fraction: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -192,7 +197,8 @@ class RiskSpec(CamelModel):
     1/sqrt(1 − this) times the plain Young/Daly interval)."""
     warning_mtbf_seconds: Annotated[float, Field(gt=0.0)] = 120.0
     """Expected seconds to a failure while a warning holds (the hazard multiplier is
-    `mtbfSeconds` / this, at least 1)."""
+    `mtbfSeconds` / this, at least 1). A warning older than this decays by
+    exp(-(age - this)/this) and ends at the calm hazard."""
     warning_hold_seconds: Annotated[float, Field(ge=0.0)] = 60.0
     """A warning still holds this long after its last signal, then the interval relaxes."""
 

@@ -271,6 +271,8 @@ def test_state_dict_keys_and_order_are_stable() -> None:
         "grad_streak",
         "last_grad_sample_step",
         "latency_high_since",
+        "system_alarms",
+        "system_owed",
         "last_heartbeat",
         "last_pulse",
         "last_full",
@@ -286,6 +288,7 @@ def test_state_dict_keys_and_order_are_stable() -> None:
         "costs",
         "warning",
         "warning_until",
+        "warning_since",
         "warning_episodes",
         "observed_seconds",
     ]
