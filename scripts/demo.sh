@@ -8,8 +8,8 @@
 #   scripts/demo.sh --keep     ... and leave the cluster and the operator running
 #   scripts/demo.sh --steps N  train N steps (default 150)
 #
-# Output (report, events, logs, every pod's output) goes to demo-output/<time>/
-# (demo-output/latest points at the newest). No Docker, no S3, no GPU needed.
+# Output (report, `ckpt report` HTML+JSON of the run and --all, events, logs, every pod's
+# output) goes to demo-output/<time>/ (latest: the newest). No Docker, S3 or GPU needed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -26,6 +26,17 @@ scalars live in :mod:`ckpt_agent.runtime.tensorboard` (they need torch).
                                              for checkpoints (since the checkpointer started)
 ``ckpt_score`` / ``ckpt_interval_steps``     the scheduler's current score and interval
 =========================================== ==========================================
+
+**Relay.** In flash mode without the sidecar container, a local persister process
+commits, validates and applies retention; it is no scrape target. It publishes its
+registry (:func:`snapshot`, into ``persister-metrics.json`` of its shared-memory area)
+and the trainer serves it (:meth:`Metrics.relay`): the :data:`PERSISTER_FAMILIES` are
+the trainer's own samples plus the persister's, its other families the persister's own
+(``ckpt_sidecar_*``, ``ckpt_storage_*``, ``ckpt_gpu_errors``), and the families the
+trainer measures itself (save latency, stall, ...) stay the trainer's. One scrape
+target per pod, ``ckpt-metrics``. Counts of an earlier persister process of the same
+area (one that died and was restarted) are kept, so counters only go down when the
+trainer process itself restarts.
 """
 
 from __future__ import annotations
@@ -35,9 +46,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -47,8 +58,17 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 
-__all__ = ["DecisionLog", "HealthCheck", "Metrics", "MetricsServer"]
+__all__ = [
+    "PERSISTER_FAMILIES",
+    "DecisionLog",
+    "HealthCheck",
+    "Metrics",
+    "MetricsServer",
+    "snapshot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +193,24 @@ class Metrics:
         v = self.registry.get_sample_value(name, labels or {})
         return 0.0 if v is None else float(v)
 
+    def relay(self, read: Callable[[], bytes | None]) -> None:
+        """Serve a persister process's metrics too (module doc); ``read()`` returns its
+        newest :func:`snapshot` (None: none yet). Call once."""
+        own = {m.name: c for c in self._persister_collectors() for m in c.describe()}
+        trainer = {m.name for m in self.registry.collect()}
+        for c in own.values():
+            self.registry.unregister(c)
+        self.registry.register(_Relay(own, trainer, read))
+
+    def _persister_collectors(self) -> list[MetricWrapperBase]:
+        return [
+            self.checkpoints,
+            self.bytes_written,
+            self.bytes_reused,
+            self.validation,
+            self.last_valid_step,
+        ]
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Start the HTTP exporter (no-op for port 0)."""
         if port <= 0 or self._server is not None:
@@ -184,6 +222,141 @@ class Metrics:
         self._server = None
         if srv is not None:
             srv.close()
+
+
+#: Families a persister process updates (it commits, validates, applies retention) that a
+#: relaying trainer merges with its own samples (its own: verdicts found while resuming).
+PERSISTER_FAMILIES: Final = frozenset(
+    {
+        "ckpt_checkpoints",
+        "ckpt_bytes_written",
+        "ckpt_bytes_reused",
+        "ckpt_validation_seconds",
+        "ckpt_last_valid_step",
+    }
+)
+_SNAPSHOT_FORMAT: Final = "ckpt-operator.metrics-snapshot"
+_TYPES: Final = frozenset({"counter", "gauge", "histogram", "summary", "info", "unknown"})
+_ADDITIVE: Final = frozenset({"counter", "histogram", "summary"})
+_SampleKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def snapshot(registry: CollectorRegistry, instance: str) -> bytes:
+    """A registry's samples as JSON, for a trainer that relays them (:meth:`Metrics.relay`);
+    ``instance`` names the process (a new one: a restarted persister)."""
+    families = [
+        {
+            "name": m.name,
+            "type": m.type,
+            "help": m.documentation,
+            "samples": [
+                [s.name, s.labels, s.value] for s in m.samples if not s.name.endswith("_created")
+            ],
+        }
+        for m in registry.collect()
+    ]
+    doc = {"format": _SNAPSHOT_FORMAT, "instance": instance, "families": families}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _parse(raw: bytes) -> tuple[str, list[Metric]]:
+    """(instance, families) of a :func:`snapshot`; ValueError when it is not one."""
+    doc = json.loads(raw)
+    if not isinstance(doc, dict) or doc.get("format") != _SNAPSHOT_FORMAT:
+        raise ValueError("not a metrics snapshot")
+    out = []
+    for f in doc["families"]:
+        if f["type"] not in _TYPES:
+            raise ValueError(f"unknown metric type {f['type']!r}")
+        m = Metric(str(f["name"]), str(f["help"]), str(f["type"]))
+        for name, labels, value in f["samples"]:
+            m.add_sample(str(name), {str(k): str(v) for k, v in labels.items()}, float(value))
+        out.append(m)
+    return str(doc["instance"]), out
+
+
+def _key(name: str, labels: dict[str, str]) -> _SampleKey:
+    return name, tuple(sorted(labels.items()))
+
+
+class _Relay:
+    """Collector of a relaying trainer (:meth:`Metrics.relay`)."""
+
+    def __init__(
+        self, own: dict[str, MetricWrapperBase], trainer: set[str], read: Callable[[], bytes | None]
+    ) -> None:
+        self._own = own
+        self._trainer = trainer
+        self._read = read
+        self._lock = threading.Lock()
+        self._instance = ""
+        self._last: list[Metric] = []
+        self._base: dict[str, dict[_SampleKey, float]] = {}
+        """Additive samples of earlier persister processes, by family."""
+
+    def describe(self) -> list[Metric]:
+        return [m for c in self._own.values() for m in c.describe()]
+
+    def _families(self) -> tuple[dict[str, Metric], dict[str, dict[_SampleKey, float]]]:
+        """The persister's newest snapshot (the last good one when it cannot be read) and
+        the earlier processes' counts (copies: scrapes may run at the same time)."""
+        raw = self._read()
+        with self._lock:
+            if raw is not None:
+                try:
+                    instance, families = _parse(raw)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    log.debug("unreadable persister metrics snapshot", exc_info=True)
+                else:
+                    if instance != self._instance:
+                        self._fold()
+                        self._instance = instance
+                    self._last = families
+            base = {name: dict(b) for name, b in self._base.items()}
+            return {m.name: m for m in self._last}, base
+
+    def _fold(self) -> None:
+        """A new persister process: keep the counts of the one before (additive families)."""
+        for m in self._last:
+            if m.type in _ADDITIVE:
+                base = self._base.setdefault(m.name, {})
+                for s in m.samples:
+                    k = _key(s.name, s.labels)
+                    base[k] = base.get(k, 0.0) + s.value
+
+    def collect(self) -> Iterator[Metric]:
+        relayed, base = self._families()
+        for name, collector in self._own.items():
+            for m in collector.collect():
+                yield _merged(m, relayed.pop(name, None), base.get(name, {}))
+        for m in relayed.values():
+            if m.name not in self._trainer:
+                yield _merged(m, None, base.get(m.name, {}))
+
+
+def _merged(own: Metric, theirs: Metric | None, base: dict[_SampleKey, float]) -> Metric:
+    """``own``'s samples plus ``base`` and the persister's (gauges: the larger value)."""
+    values: dict[_SampleKey, tuple[str, dict[str, str], float]] = {}
+    add = own.type in _ADDITIVE
+
+    def put(samples: Iterable[tuple[str, dict[str, str], float]]) -> None:
+        for name, labels, value in samples:
+            k = _key(name, labels)
+            if k not in values:
+                values[k] = (name, labels, value)
+            elif not name.endswith("_created"):
+                old = values[k][2]
+                values[k] = (name, labels, old + value if add else max(old, value))
+
+    put((s.name, s.labels, s.value) for s in own.samples)
+    if add:
+        put((k[0], dict(k[1]), v) for k, v in base.items())
+    if theirs is not None:
+        put((s.name, s.labels, s.value) for s in theirs.samples)
+    out = Metric(own.name, own.documentation, own.type)
+    for name, labels, value in values.values():
+        out.add_sample(name, labels, value)
+    return out
 
 
 #: ``() -> (healthy, details)`` behind ``/healthz`` and ``/readyz`` (503 when not healthy).

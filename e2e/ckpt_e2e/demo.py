@@ -14,7 +14,9 @@
    they happen, training progress);
 6. ends with a summary (steps, checkpoints by tier, resume point, time to recover, the
    final loss against an uninterrupted run) and where the report and logs are, under
-   ``demo-output/<time>/``; tears everything down (``--keep`` leaves it running).
+   ``demo-output/<time>/``: ``ckpt report`` of the run (HTML and ``--json``, every pod's
+   logs merged, one ``--work-dir`` each) and ``ckpt report --all`` over its storage;
+   tears everything down (``--keep`` leaves it running).
 
 :func:`run_demo` is the core (after the stack is up); the e2e suite runs it against its
 own cluster so the demo cannot rot.
@@ -38,8 +40,8 @@ from typing import Any, TextIO
 
 import yaml
 
-from ckpt_agent.report import LOG_GLOB, available, load_run, plot_all, run_page, run_summary
-from ckpt_agent.storage.fs import LocalStorage
+from ckpt_agent.cli.main import main as ckpt_main
+from ckpt_agent.report import LOG_GLOB, SIDECAR_GLOB
 
 from .api import free_port
 from .cluster import LocalCluster
@@ -109,6 +111,12 @@ class DemoResult:
     pods_dir: str = ""
     checkpointing_report: str = ""
     """``ckpt report`` of the run (HTML)."""
+    checkpointing_json: str = ""
+    """``ckpt report --json`` of the run."""
+    fleet_report: str = ""
+    """``ckpt report --all`` over the demo's storage (HTML; ``.json`` next to it)."""
+    report_command: str = ""
+    """The ``ckpt report`` command line that made :attr:`checkpointing_report`."""
 
     @property
     def exact(self) -> bool:
@@ -289,7 +297,7 @@ def _run(
         pods_dir=str(cluster.pods_dir / ns),
     )
     pods = cluster.pods_dir / ns
-    result.checkpointing_report = str(_checkpointing_report(scenario.store, run_id, pods, output))
+    _checkpointing_reports(result, scenario.store, pods, output)
     _write_report(result, output, stack)
     return result
 
@@ -343,19 +351,59 @@ Summary
   final loss          {result.final_loss:.6g}, {verdict}
   report              {result.output_dir}/report.md (and report.json, events.txt, policy.yaml)
   checkpointing       {result.checkpointing_report or "-"} (`ckpt report`: open in a browser)
+                      {result.checkpointing_json or "-"} (--json)
+                      {result.fleet_report or "-"} (--all: every run of the storage)
+                      made by: {result.report_command or "-"}
   logs                {result.logs_dir} (ckpt-operator.log, kube-apiserver.log, ...)
                       {result.pods_dir} (each training pod's output)
 """.rstrip()
 
 
-def _checkpointing_report(store: Path, run_id: str, pods: Path, output: Path) -> Path:
-    """``ckpt report`` of the demo's run: storage plus every training pod's decision log."""
-    logs = sorted({p.parent for p in pods.rglob(LOG_GLOB)})
-    data = load_run(LocalStorage(store), run_id, logs)
-    summary = run_summary(run_id, data.records, data.events, data.audit)
-    path = output / "checkpointing.html"
-    path.write_text(run_page(summary, plot_all(summary) if available() else {}))
-    return path
+def _collect_logs(pods: Path, run_id: str, output: Path) -> list[Path]:
+    """Every training pod's logs (decision logs, the persister's ``sidecar.jsonl``), copied
+    as one would ``kubectl cp`` a pod's work dir before the pod goes: to
+    ``<output>/logs/<pod>/<run_id>/``. Returns the ``<output>/logs/<pod>`` folders."""
+    works = sorted({p.parent for glob in (LOG_GLOB, SIDECAR_GLOB) for p in pods.rglob(glob)})
+    folders: list[Path] = []
+    for work in works:
+        folder = output / "logs" / work.relative_to(pods).parts[0]
+        while folder in folders:  # two work dirs in one pod: keep them apart
+            folder = folder.with_name(folder.name + "+")
+        (folder / run_id).mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.jsonl"):
+            shutil.copy2(log, folder / run_id / log.name)
+        folders.append(folder)
+    return folders
+
+
+def _ckpt_report(*args: str) -> None:
+    """``ckpt report ARGS``, the real command line (in this process)."""
+    try:
+        ckpt_main(["report", *args])
+    except SystemExit as e:
+        if e.code:
+            raise ClusterError(f"ckpt report {' '.join(args)} failed (exit {e.code})") from None
+
+
+def _checkpointing_reports(result: DemoResult, store: Path, pods: Path, output: Path) -> None:
+    """``ckpt report`` of the demo's run (HTML and ``--json``; storage plus every training
+    pod's logs, one ``--work-dir`` each) and ``ckpt report --all`` over its storage."""
+    folders = _collect_logs(pods, result.run_id, output)
+    run = ["--storage", str(store), "--run-id", result.run_id]
+    for folder in folders:
+        run += ["--work-dir", str(folder / result.run_id)]
+    fleet = ["--storage", str(store), "--all"]
+    for folder in folders:
+        fleet += ["--work-dir", str(folder)]
+    html, doc = output / "checkpointing.html", output / "checkpointing.json"
+    _ckpt_report(*run, "--out", str(html))
+    _ckpt_report(*run, "--json", "--out", str(doc))
+    fleet_html = output / "checkpointing-all.html"
+    _ckpt_report(*fleet, "--out", str(fleet_html))
+    _ckpt_report(*fleet, "--json", "--out", str(fleet_html.with_suffix(".json")))
+    result.checkpointing_report, result.checkpointing_json = str(html), str(doc)
+    result.fleet_report = str(fleet_html)
+    result.report_command = "ckpt report " + " ".join(run)
 
 
 def _write_report(result: DemoResult, output: Path, stack: Stack) -> None:

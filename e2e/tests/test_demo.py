@@ -61,5 +61,14 @@ def test_demo_trains_crashes_resumes_and_reports(
     assert (tmp_path / "demo" / "events.txt").read_text().count("Restarted") == 1
     page = Path(result.checkpointing_report).read_text()  # `ckpt report` of the run
     assert result.resume_from in page and 'id="plot-loss"><svg' in page
+    doc = json.loads(Path(result.checkpointing_json).read_text())  # ... its --json twin
+    assert len(doc["logs"]) >= 2  # both pods' logs, merged: the second pod resumed
+    assert any(r["checkpoint"] == result.resume_from and r["ok"] for r in doc["restarts"])
+    saves = [s for s in doc["saves"] if s["persist_s"] is not None]  # flash mode: persisted
+    assert saves and all(s["stall_s"] is not None and s["bytes_raw"] for s in saves)
+    fleet = json.loads(Path(result.fleet_report).with_suffix(".json").read_text())  # --all
+    assert [r["run_id"] for r in fleet["runs"]] == [result.run_id]
+    assert "no decision log" not in fleet["runs"][0]["traits"]
+    assert 'id="plot-fleet"><svg' in Path(result.fleet_report).read_text()
     text = summary_text(result)
     assert "identical to the uninterrupted run" in text

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from ckpt_agent.metrics import Metrics
+from ckpt_agent.flash.sidecar import SidecarMetrics
+from ckpt_agent.metrics import Metrics, snapshot
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer, ResumeError
 
@@ -56,3 +64,118 @@ def test_io_ratio_is_stall_over_wall_time() -> None:
     m.add_stall("full", 0.5)
     assert m.value("ckpt_io_time_ratio") == pytest.approx(0.15, rel=0.01)
     assert m.value("ckpt_stall_seconds_sum", {"tier": "pulse"}) == 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample, labels): value}; every family once (Prometheus refuses
+    a scrape that repeats one)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), names
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def _total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def test_flash_mode_serves_the_local_persisters_metrics(
+    ck_config: ConfigFactory, tmp_path: Path
+) -> None:
+    """Flash mode without the sidecar container (every injected pod by default): the
+    persister process commits and validates, and the trainer's one scrape target serves
+    its counts; every save's latency is observed, not only the newest per poll."""
+    port = _free_port()
+    cfg = ck_config(shmDir=str(tmp_path / "shm"), metricsPort=port)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 200)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(cfg, model=model, optimizer=opt, backpressure="wait")
+    try:
+        first = ckpt.start().step
+        for s in range(first, first + 20):
+            loss = model(torch.randn(2, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            ckpt.step(s, loss)
+            if s % 5 == 4:  # saves of its own, whatever the scheduler decided meanwhile
+                ckpt.save_now("test")
+                assert ckpt.wait(60)
+        log = tmp_path / "work" / "sidecar.jsonl"
+        persisted = [
+            e
+            for e in map(json.loads, log.read_text().splitlines())
+            if e["event"] == "persisted" and e["rank"] == 0
+        ]
+        deadline = time.monotonic() + 60
+        while True:  # validation follows the commit (the persister's next step)
+            got = _scrape(port)
+            validated = got.get(("ckpt_validation_seconds_count", ()), 0.0)
+            if validated >= len(persisted) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(persisted) >= 4
+        assert validated == len(persisted)
+        valid = sum(
+            v
+            for (n, labels), v in got.items()
+            if n == "ckpt_checkpoints_total" and ("status", "valid") in labels
+        )
+        assert valid >= 1
+        assert _total(got, "ckpt_checkpoints_total") >= len(persisted)
+        assert _total(got, "ckpt_bytes_written_total") > 0
+        assert got[("ckpt_last_valid_step", ())] == persisted[-1]["step"]
+        assert got[("ckpt_sidecar_snapshots_total", (("outcome", "persisted"),))] == len(persisted)
+        assert _total(got, "ckpt_save_latency_seconds_count") == len(persisted)
+    finally:
+        ckpt.close()
+
+
+def test_relay_merges_keeps_counts_of_a_restarted_persister_and_ignores_garbage() -> None:
+    trainer, persister = Metrics(), SidecarMetrics()
+    published: list[bytes | None] = [None]
+    trainer.relay(lambda: published[0])
+    trainer.checkpoints.labels(tier="full", status="valid").inc()  # found while resuming
+    trainer.last_valid_step.set(40)
+    assert trainer.value("ckpt_checkpoints_total", {"tier": "full", "status": "valid"}) == 1
+
+    persister.checkpoints.labels(tier="full", status="valid").inc(2)
+    persister.checkpoints.labels(tier="pulse", status="corrupted").inc()
+    persister.validation.observe(0.2)
+    persister.save_latency.labels(tier="full").observe(1.0)  # the trainer measures its own
+    persister.last_valid_step.set(50)
+    persister.snapshots.labels(outcome="persisted").inc(3)
+    published[0] = snapshot(persister.registry, "first")
+    full = {"tier": "full", "status": "valid"}
+    assert trainer.value("ckpt_checkpoints_total", full) == 3
+    assert trainer.value("ckpt_checkpoints_total", {"tier": "pulse", "status": "corrupted"}) == 1
+    assert trainer.value("ckpt_validation_seconds_count") == 1
+    assert trainer.value("ckpt_validation_seconds_bucket", {"le": "0.25"}) == 1
+    assert trainer.value("ckpt_save_latency_seconds_count", {"tier": "full"}) == 0
+    assert trainer.value("ckpt_last_valid_step") == 50
+    assert trainer.value("ckpt_sidecar_snapshots_total", {"outcome": "persisted"}) == 3
+
+    published[0] = b"{not json"  # a torn read: the last good snapshot stays
+    assert trainer.value("ckpt_checkpoints_total", full) == 3
+
+    restarted = SidecarMetrics()  # the persister died and was restarted: counts from 0
+    restarted.checkpoints.labels(tier="full", status="valid").inc()
+    restarted.validation.observe(0.3)
+    published[0] = snapshot(restarted.registry, "second")
+    assert trainer.value("ckpt_checkpoints_total", full) == 4
+    assert trainer.value("ckpt_checkpoints_total", {"tier": "pulse", "status": "corrupted"}) == 1
+    assert trainer.value("ckpt_validation_seconds_count") == 2
+    assert trainer.value("ckpt_sidecar_snapshots_total", {"outcome": "persisted"}) == 3
+    assert trainer.value("ckpt_last_valid_step") == 40  # gauge: max(trainer, newest process)
+
+    text = generate_latest(trainer.registry).decode()
+    names = [f.name for f in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names))

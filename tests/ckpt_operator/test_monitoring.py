@@ -93,16 +93,22 @@ def test_pod_monitor_scrapes_the_injected_agents() -> None:
     assert "PodMonitor" not in chart.kinds(chart.render())  # opt-in
 
 
+def _ckpt_names(expr: str) -> set[str]:
+    """Every ``ckpt_*`` token of a PromQL expression, whatever follows it (``{``, ``[``, an
+    operator, a comparison, the end): none can hide from the check below."""
+    return set(re.findall(r"\bckpt_[a-z0-9_]+", expr))
+
+
+def test_metric_names_are_found_whatever_follows_them() -> None:
+    expr = "ckpt_a > 1 and ckpt_b{x='y'} / ckpt_c[5m] or ckpt_d<2 unless (ckpt_e)+ckpt_f"
+    assert _ckpt_names(expr) == {f"ckpt_{c}" for c in "abcdef"}
+
+
 def test_every_metric_in_panels_and_alerts_exists_in_the_code() -> None:
     _, rule, board = _monitoring()
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
     exprs += [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
-    named = {
-        m
-        for e in exprs
-        for m in re.findall(r"\b([a-z_][a-z0-9_]*)\s*(?=\{|\[|\)|$)", e)
-        if m.startswith("ckpt_") or m in BUILTIN
-    }
+    named = {m for e in exprs for m in _ckpt_names(e)}
     known = _exposed_names(AgentMetrics().registry) | _exposed_names(OperatorMetrics().registry)
     assert named - BUILTIN <= known, f"not defined in code: {sorted(named - BUILTIN - known)}"
     for metric in (  # the agent questions the dashboard answers

@@ -11,11 +11,13 @@ import typer
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
 from ckpt_agent.cli.common import (
+    ConfigOpt,
     RunOpt,
     StorageOpt,
     err,
     fail,
     guarded,
+    load_policy,
     non_negative,
     open_store,
     plain,
@@ -40,11 +42,13 @@ from ckpt_agent.storage import Storage
 __all__ = ["report"]
 
 WorkDirOpt = Annotated[
-    Path | None,
+    list[Path] | None,
     typer.Option(
         "--work-dir",
-        help="The pod's work directory with the decision logs (decisions.rank*.jsonl); "
-        "default CKPT_WORK_DIR. With --all: a folder with one such directory per run id.",
+        help="A pod's work directory with the decision logs (decisions.rank*.jsonl, "
+        "sidecar*.jsonl); default CKPT_WORK_DIR. Repeat it to merge several pods' "
+        "(each pod of the run, each restart). With --all: a folder with one such "
+        "directory per run id (repeatable too).",
     ),
 ]
 
@@ -63,8 +67,8 @@ class _Progress:
         self.progress.update(task, completed=done, total=total)
 
 
-def _summary(store: Storage, run_id: str, work_dir: Path | None, cb: _Progress) -> dict[str, Any]:
-    data = load_run(store, run_id, work_dir, cb)
+def _summary(store: Storage, run_id: str, work_dirs: list[Path], cb: _Progress) -> dict[str, Any]:
+    data = load_run(store, run_id, work_dirs, cb)
     s = run_summary(run_id, data.records, data.events, data.audit)
     s["logs"] = data.logs
     s["skipped_lines"] = data.skipped_lines
@@ -87,6 +91,7 @@ def _write(text: str, out: Path | None, default: str) -> Path | None:
 def report(
     storage: StorageOpt = "",
     run_id: RunOpt = "",
+    config: ConfigOpt = None,
     work_dir: WorkDirOpt = None,
     all_: Annotated[
         bool, typer.Option("--all", help="Report over every run of the storage root.")
@@ -111,15 +116,18 @@ def report(
     contribution, the dynamic interval and its rule, stall/persist time and
     bytes written against a full save per checkpoint, validation verdicts,
     retention actions, restarts (ladder rung, recovery time). The decision logs
-    come from --work-dir (CKPT_WORK_DIR); checkpoints and verdicts from storage.
+    come from --work-dir (CKPT_WORK_DIR; repeat it to merge the logs of every pod
+    the run had); checkpoints and verdicts from storage.
     With --all: health score, IO share and recovery success per run, and what
     the low-scoring runs have in common. --json writes the same figures as JSON.
     """
-    store = open_store(storage)
-    if work_dir is None and os.environ.get("CKPT_WORK_DIR"):
-        work_dir = Path(os.environ["CKPT_WORK_DIR"])
-    if work_dir is not None and not work_dir.is_dir():
-        raise fail(f"--work-dir {work_dir} is not a directory (the pod's CKPT_WORK_DIR)")
+    store = open_store(storage, load_policy(config))
+    work_dirs = list(work_dir or [])
+    if not work_dirs and os.environ.get("CKPT_WORK_DIR"):
+        work_dirs = [Path(os.environ["CKPT_WORK_DIR"])]
+    for d in work_dirs:
+        if not d.is_dir():
+            raise fail(f"--work-dir {d} is not a directory (the pod's CKPT_WORK_DIR)")
     if not all_ and not run_id:
         raise fail("no run given: pass --run-id ID (or set CKPT_RUN_ID), or --all")
     if not all_:
@@ -133,12 +141,10 @@ def report(
         cb = _Progress(progress)
         if all_:
             runs = list_runs(store)
-            summaries = [
-                _summary(store, r, work_dir / r if work_dir is not None else None, cb) for r in runs
-            ]
+            summaries = [_summary(store, r, [d / r for d in work_dirs], cb) for r in runs]
             result: dict[str, Any] = fleet_summary(summaries, low)
         else:
-            result = _summary(store, run_id, work_dir, cb)
+            result = _summary(store, run_id, work_dirs, cb)
             if not result["saves"] and not result["has_log"]:
                 raise fail(
                     f"run {run_id!r} has no checkpoints in {store.url} and no decision "

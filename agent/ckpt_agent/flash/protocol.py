@@ -18,7 +18,9 @@ Layout (one *area* per rank)::
             slot_<i>.json                descriptor: exists ⇔ slot i holds a complete snapshot
             slot_<i>.hashes.json         persister: raw SHA-256 and a fast checksum per chunk,
                                          for in-place restarts
-            persisted.json               persister → trainer: the newest snapshot it handled
+            persisted.json               persister → trainer: the newest snapshots it handled
+            persister-metrics.json       persister → trainer: its metrics, which a trainer
+                                         with a local persister serves (:mod:`ckpt_agent.metrics`)
 
 **Never a half-written snapshot.** Slot *i* is written only under an
 exclusive ``flock`` on ``slot_<i>.data``: the trainer deletes the descriptor
@@ -63,7 +65,7 @@ import os
 import struct
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -81,6 +83,7 @@ __all__ = [
     "HEADER",
     "HEADER_BYTES",
     "MAGIC",
+    "MARK_HISTORY",
     "Descriptor",
     "PersistedMark",
     "RecordedHashes",
@@ -112,6 +115,8 @@ HEADER = struct.Struct("<8sQQQ")
 HEADER_BYTES: Final = 4096
 ALIGN: Final = 64
 DEFAULT_SLOTS: Final = 2
+#: How many earlier results ``persisted.json`` carries (:attr:`PersistedMark.earlier`).
+MARK_HISTORY: Final = 32
 #: Chunk size of the hashes a persister records (the writer's blob chunk size).
 HASH_CHUNK_BYTES: Final = CHUNK_BYTES
 #: The fast checksum's name in ``slot_<i>.hashes.json`` (see :func:`fast_checksum`).
@@ -257,7 +262,7 @@ class Descriptor:
 
 @dataclass(frozen=True)
 class PersistedMark:
-    """The newest snapshot a persister handled (``ok`` or not)."""
+    """The newest snapshot a persister handled (``ok`` or not), and the ones before it."""
 
     seq: int
     step: int
@@ -270,23 +275,37 @@ class PersistedMark:
     persist_s: float = 0.0
     size_bytes: int = 0
     time: float = 0.0
+    earlier: tuple[PersistedMark, ...] = ()
+    """The :data:`MARK_HISTORY` marks before this one, oldest first: a trainer that polls
+    after several saves were handled still sees every result (:meth:`after`)."""
+
+    def followed_by(self, mark: PersistedMark) -> PersistedMark:
+        """``mark`` with this mark (and its history) as its history."""
+        history = [m for m in (*self.earlier, replace(self, earlier=())) if m.seq < mark.seq]
+        return replace(mark, earlier=tuple(history[-MARK_HISTORY:]))
+
+    def after(self, seq: int) -> list[PersistedMark]:
+        """The marks newer than ``seq`` (this one and its history), oldest first."""
+        return [m for m in (*self.earlier, replace(self, earlier=())) if m.seq > seq]
+
+    def _fields(self) -> dict[str, Json]:
+        return {
+            "seq": self.seq,
+            "step": self.step,
+            "checkpoint_id": self.checkpoint_id,
+            "ok": self.ok,
+            "error": self.error,
+            "manifest_hash": self.manifest_hash,
+            "committed": self.committed,
+            "persist_s": self.persist_s,
+            "size_bytes": self.size_bytes,
+            "time": self.time,
+        }
 
     def to_bytes(self) -> bytes:
+        earlier: list[Json] = [m._fields() for m in self.earlier]
         return json.dumps(
-            {
-                "format": FORMAT_PERSISTED,
-                "version": VERSION,
-                "seq": self.seq,
-                "step": self.step,
-                "checkpoint_id": self.checkpoint_id,
-                "ok": self.ok,
-                "error": self.error,
-                "manifest_hash": self.manifest_hash,
-                "committed": self.committed,
-                "persist_s": self.persist_s,
-                "size_bytes": self.size_bytes,
-                "time": self.time,
-            },
+            {"format": FORMAT_PERSISTED, "version": VERSION, **self._fields(), "earlier": earlier},
             sort_keys=True,
         ).encode()
 
@@ -295,6 +314,13 @@ class PersistedMark:
         d = json.loads(data)
         if not isinstance(d, dict) or d.get("format") != FORMAT_PERSISTED:
             raise CheckpointFormatError("persisted.json: wrong format")
+        earlier = d.get("earlier") or []
+        if not isinstance(earlier, list) or not all(isinstance(e, dict) for e in earlier):
+            raise CheckpointFormatError("persisted.json: 'earlier' is not a list of marks")
+        return replace(cls._from_dict(d), earlier=tuple(cls._from_dict(e) for e in earlier))
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Json]) -> PersistedMark:
         mh = d.get("manifest_hash")
         return cls(
             seq=int(d["seq"]),
@@ -450,6 +476,10 @@ class ShmArea:
     @property
     def persisted_path(self) -> Path:
         return self.dir / "persisted.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "persister-metrics.json"
 
     def descriptor(self, slot: int) -> Descriptor | None:
         raw = read_file(self.desc_path(slot))

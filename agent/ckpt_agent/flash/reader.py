@@ -130,8 +130,11 @@ class ShmReader(ShmArea):
             os.close(fd)  # drops the shared lock
 
     def mark(self, mark: PersistedMark) -> None:
-        """Tell the trainer which snapshot was handled (atomic replace)."""
+        """Tell the trainer which snapshot was handled (atomic replace; the marks before it
+        stay in its history)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        prev = self.persisted()
+        mark = mark if prev is None else prev.followed_by(mark)
         atomic_write(self.persisted_path, mark.to_bytes())
 
     def write_hashes(

@@ -171,6 +171,15 @@ class WrittenRank:
     ``total_s``: wall time; ``write_mib_s``/``compress_mib_s``: the throughputs the
     ``auto`` codec decided from (when known)."""
 
+    def byte_counts(self) -> dict[str, int]:
+        """This part's bytes for a log event: ``bytes_new`` (stored, this save),
+        ``bytes_reused`` (stored, earlier saves' blobs) and ``raw_bytes`` (uncompressed)."""
+        return {
+            "bytes_new": self.bytes_new,
+            "bytes_reused": self.bytes_reused,
+            "raw_bytes": self.raw_bytes,
+        }
+
 
 @dataclass
 class WrittenCheckpoint:
@@ -180,6 +189,14 @@ class WrittenCheckpoint:
     manifest_hash: str
     ranks: list[WrittenRank]
     size_bytes: int
+
+    def byte_counts(self) -> dict[str, int]:
+        """:meth:`WrittenRank.byte_counts` over every rank (``bytes_new``: the COMMIT too)."""
+        return {
+            "bytes_new": self.size_bytes,
+            "bytes_reused": sum(r.bytes_reused for r in self.ranks),
+            "raw_bytes": self.commit.raw_bytes,
+        }
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,12 @@
 The storage is the truth for checkpoints (manifests, COMMITs, VALIDATION.json
 verdicts, ``audit.log`` of manual recoveries); the pod's work directory
 (``CKPT_WORK_DIR``) holds the decision logs (``decisions.rank<N>.jsonl``: every
-scheduler decision, snapshot, commit, validation verdict, retention action and
-start/resume). Both may be hostile or damaged: a line that is not a JSON object
-is counted and skipped, never fatal; nothing is unpickled.
+scheduler decision, snapshot, commit or persist, validation verdict, retention action
+and start/resume) and, in shared-memory (flash) mode, the persister's log
+(``sidecar.jsonl``: persists with their bytes, validation verdicts, retention
+actions; its events are tagged ``"source": "sidecar"``). Both may be hostile or
+damaged: a line that is not a JSON object is counted and skipped, never fatal;
+nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -16,16 +19,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_agent.errors import NotFoundError
-from ckpt_agent.format.layout import audit_key
+from ckpt_agent.errors import CheckpointFormatError, NotFoundError
+from ckpt_agent.format.layout import audit_key, loads
 from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.persist.housekeeping import read_audit_tail
 from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.storage import Storage
 
-__all__ = ["LOG_GLOB", "Progress", "RunData", "iter_log", "load_run", "log_files"]
+__all__ = [
+    "LOG_GLOB",
+    "SIDECAR_GLOB",
+    "SIDECAR_SOURCE",
+    "Progress",
+    "RunData",
+    "iter_log",
+    "load_run",
+    "log_files",
+]
 
 #: The decision logs of one pod's work directory (one file per rank).
 LOG_GLOB = "decisions.rank*.jsonl"
+#: The shared-memory persister's log (the local persister's or the sidecar's).
+SIDECAR_GLOB = "sidecar*.jsonl"
+#: ``source`` of the events read from a :data:`SIDECAR_GLOB` log.
+SIDECAR_SOURCE = "sidecar"
 #: Longest decision-log line read (a longer one is skipped as malformed).
 LINE_MAX = 1 << 20
 
@@ -45,16 +62,16 @@ class RunData:
     audit: list[dict[str, Any]] = field(default_factory=list)
     """Manual recoveries (``audit.log``)."""
     logs: list[str] = field(default_factory=list)
-    """The decision-log files read."""
+    """The log files read (decision logs and persister logs)."""
     skipped_lines: int = 0
     """Lines of the logs that were not JSON objects (damaged or truncated)."""
 
 
-def log_files(work_dir: Path | None) -> list[Path]:
-    """The decision logs in ``work_dir`` (none when it is None or missing)."""
+def log_files(work_dir: Path | None, pattern: str = LOG_GLOB) -> list[Path]:
+    """The logs matching ``pattern`` in ``work_dir`` (none when it is None or missing)."""
     if work_dir is None or not work_dir.is_dir():
         return []
-    return sorted(p for p in work_dir.glob(LOG_GLOB) if p.is_file() and not p.is_symlink())
+    return sorted(p for p in work_dir.glob(pattern) if p.is_file() and not p.is_symlink())
 
 
 def iter_log(path: Path, progress: Progress | None = None) -> Iterator[dict[str, Any] | None]:
@@ -71,7 +88,7 @@ def iter_log(path: Path, progress: Progress | None = None) -> Iterator[dict[str,
                 continue
             try:
                 obj = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 yield None
                 continue
             yield obj if isinstance(obj, dict) and isinstance(obj.get("event"), str) else None
@@ -80,18 +97,18 @@ def iter_log(path: Path, progress: Progress | None = None) -> Iterator[dict[str,
 
 
 def _read_audit(storage: Storage, run_id: str) -> list[dict[str, Any]]:
+    """The audit log's entries (its newest lines only, see :func:`read_audit_tail`); a line
+    that is not a JSON object, or one too long, deep or with absurd numbers, is skipped."""
     try:
-        raw = storage.read(audit_key(run_id))
+        raw, _ = read_audit_tail(storage, run_id)
     except NotFoundError:
         return []
     out: list[dict[str, Any]] = []
     for line in raw.splitlines():
         try:
-            obj = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+            out.append(loads(line, f"{audit_key(run_id)} line", LINE_MAX))
+        except CheckpointFormatError:
             continue
-        if isinstance(obj, dict):
-            out.append(obj)
     return out
 
 
@@ -106,8 +123,8 @@ def load_run(
     work_dir: Path | Sequence[Path] | None = None,
     progress: Progress | None = None,
 ) -> RunData:
-    """Read one run: checkpoints and audit log from storage, decision logs from ``work_dir``
-    (or several: one per pod the run had, merged by time)."""
+    """Read one run: checkpoints and audit log from storage, decision and persister logs
+    from ``work_dir`` (or several: one per pod the run had, merged by time)."""
     if progress is not None:
         progress(f"listing {run_id}", 0, 1)
     records = list_checkpoints(storage, run_id, include_heartbeat=False)
@@ -115,12 +132,17 @@ def load_run(
     if progress is not None:
         progress(f"listing {run_id}", 1, 1)
     dirs = [work_dir] if work_dir is None or isinstance(work_dir, Path) else list(work_dir)
-    for path in (p for d in dirs for p in log_files(d)):
+    for path, source in (
+        (p, src)
+        for d in dirs
+        for pattern, src in ((LOG_GLOB, None), (SIDECAR_GLOB, SIDECAR_SOURCE))
+        for p in log_files(d, pattern)
+    ):
         data.logs.append(str(path))
         for obj in iter_log(path, progress):
             if obj is None:
                 data.skipped_lines += 1
             else:
-                data.events.append(obj)
+                data.events.append(obj if source is None else obj | {"source": source})
     data.events.sort(key=_time_of)
     return data

@@ -117,9 +117,12 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
                 ("IO share of wall time", _pct(s["io_share"])),
                 ("checkpoints", str(s["checkpoints"])),
                 (
-                    "bytes written / full saves",
-                    f"{_size(s['bytes_written'])} / {_size(s['bytes_full'])}",
+                    "bytes written / full saves / raw",
+                    f"{_size(s['bytes_written'])} / {_size(s['bytes_full'])}"
+                    f" / {_size(s['bytes_raw'])}",
                 ),
+                ("dedup: written of full", _pct(s["dedup_share"])),
+                ("compression: stored (with manifests) of raw", _pct(s["compression_share"])),
                 ("recovery success", _pct(rec["success_rate"])),
                 ("mean recovery time", _sec(rec["mean_s"])),
             ]
@@ -160,6 +163,7 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
                 "persist",
                 "written",
                 "full",
+                "raw",
                 "reason",
             ),
             (
@@ -172,6 +176,7 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
                     _sec(r["persist_s"]),
                     _size(r["bytes_written"]),
                     _size(r["bytes_full"]),
+                    _size(r["bytes_raw"]),
                     _e(r["reason"]),
                 )
                 for r in s["saves"]

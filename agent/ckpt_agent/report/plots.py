@@ -132,13 +132,18 @@ def interval_plot(s: dict[str, Any]) -> str:
     return _svg(fig)
 
 
-def _save_bars(s: dict[str, Any], title: str, keys: tuple[str, str], ylabel: str) -> str:
+_BAR_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c")
+
+
+def _save_bars(s: dict[str, Any], title: str, keys: tuple[str, ...], ylabel: str) -> str:
+    """One group of bars per save that knows any of ``keys`` (an unknown one: no bar)."""
     fig, ax = _fig(title, "checkpoint step")
-    rows = [r for r in s["saves"] if r[keys[0]] is not None or r[keys[1]] is not None]
+    rows = [r for r in s["saves"] if any(r[k] is not None for k in keys)]
     if rows:
         x = list(range(len(rows)))
-        w = 0.4
-        for off, key, color in ((-w / 2, keys[0], "#1f77b4"), (w / 2, keys[1], "#ff7f0e")):
+        w = 0.8 / len(keys)
+        for n, (key, color) in enumerate(zip(keys, _BAR_COLORS, strict=False)):
+            off = (n - (len(keys) - 1) / 2) * w
             ax.bar([i + off for i in x], [r[key] or 0 for r in rows], w, label=key, color=color)
         step = max(1, len(rows) // 20)
         ax.set_xticks(x[::step], [str(r["step"]) for r in rows][::step], fontsize=8)
@@ -157,7 +162,10 @@ def plot_all(s: dict[str, Any]) -> dict[str, str]:
         "interval": interval_plot(s),
         "time": _save_bars(s, "Stall and persist time per save", ("stall_s", "persist_s"), "s"),
         "bytes": _save_bars(
-            s, "Bytes written vs a full save", ("bytes_written", "bytes_full"), "bytes"
+            s,
+            "Bytes written vs a full save (dedup) vs raw (compression)",
+            ("bytes_written", "bytes_full", "bytes_raw"),
+            "bytes",
         ),
     }
 

@@ -11,7 +11,14 @@ Definitions (also in ``docs/observability.md``):
 * **Health score** (0-100): 100 × valid verdicts / verdicts × recovery success
   rate × (1 − IO share). Verdicts and starts absent count as perfect.
 * **Bytes vs a full save**: new bytes a checkpoint wrote against the bytes it
-  references in all (new + de-duplicated): what a save without reuse would write.
+  references in all (new + de-duplicated): what a save without reuse would write
+  (de-duplication at work); **raw bytes**: the tensors' uncompressed size, against
+  which the full save's stored bytes show compression at work. A size the logs do
+  not give is ``None`` ("n/a"), never 0.
+* **Saves** come from the trainer's ``committed`` events (in-process persister) or
+  from committed ``persisted`` events (shared-memory mode: the trainer's and the
+  persister's ``sidecar.jsonl``), joined with the snapshot's stall by step and tier
+  and with the stored record.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.records import CheckpointRecord
+from ckpt_agent.report.data import SIDECAR_SOURCE
 
 __all__ = [
     "LOW_HEALTH",
@@ -37,6 +46,9 @@ LOW_HEALTH = 80.0
 MAX_POINTS = 4000
 #: IO share over which a run has the "IO-bound" trait.
 IO_HEAVY = 0.05
+#: The persister-log (``sidecar.jsonl``) events a report reads; its others (its own
+#: start, stop, trainer_up ...) are the persister's, not the run's.
+SIDECAR_EVENTS = frozenset({"persisted", "persist_failed", "validated", "retention", "corrupted"})
 
 
 def _num(v: Any) -> float | None:
@@ -66,11 +78,33 @@ def _thin(rows: list[Any], n: int = MAX_POINTS) -> list[Any]:
     return [rows[int(i * stride)] for i in range(n)] + [rows[-1]]
 
 
+def _from_sidecar(e: dict[str, Any]) -> bool:
+    return e.get("source") == SIDECAR_SOURCE
+
+
 def _by_event(events: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for e in events:
-        out.setdefault(str(e.get("event")), []).append(e)
+        name = str(e.get("event"))
+        if not _from_sidecar(e) or name in SIDECAR_EVENTS:
+            out.setdefault(name, []).append(e)
     return out
+
+
+def _int(v: Any) -> int | None:
+    n = _num(v)
+    return None if n is None else int(n)
+
+
+def _tier_of(e: dict[str, Any]) -> str:
+    """The event's tier, else the one its checkpoint id names (the trainer's
+    ``persisted`` event has none)."""
+    if tier := _str(e.get("tier"), 40):
+        return tier
+    try:
+        return parse_checkpoint_id(_str(e.get("checkpoint")))[0].value
+    except ValueError:
+        return ""
 
 
 def _series(decisions: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -102,63 +136,72 @@ def _series(decisions: list[dict[str, Any]]) -> dict[str, list[Any]]:
     }
 
 
+def _commits(ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The events that say a checkpoint was committed, rank 0's first (its byte counts
+    cover every rank; another rank's ``committed`` event counts its own part only)."""
+    found = ev.get("committed", []) + [e for e in ev.get("persisted", []) if e.get("committed")]
+    return sorted(found, key=lambda e: _num(e.get("rank")) not in (None, 0))
+
+
+def _save_row(cid: str, step: int, tier: str, time: float | None) -> dict[str, Any]:
+    return {
+        "checkpoint": cid,
+        "step": step,
+        "tier": tier,
+        "time": time,
+        "stall_s": None,
+        "persist_s": None,
+        "bytes_written": None,
+        "bytes_full": None,
+        "bytes_raw": None,
+        "status": "pending",
+        "validation_s": None,
+        "reason": "",
+        "stored": False,
+    }
+
+
+def _fill(row: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``row[key]`` unless an earlier (preferred) event set it."""
+    if row[key] is None and value is not None:
+        row[key] = value
+
+
 def _saves(
     ev: dict[str, list[dict[str, Any]]], records: Sequence[CheckpointRecord]
 ) -> list[dict[str, Any]]:
     """One row per committed checkpoint: log events joined with the stored record."""
     rows: dict[str, dict[str, Any]] = {}
-    stalls = {
-        (int(s), _str(e.get("tier"))): _num(e.get("stall_s"))
-        for e in ev.get("snapshot", [])
-        if (s := _num(e.get("step"))) is not None
-    }
-    for e in ev.get("committed", []):
+    stalls: dict[tuple[int, str], float] = {}
+    for e in ev.get("snapshot", []):  # the slowest rank's stall is the step's
+        step, stall = _num(e.get("step")), _num(e.get("stall_s"))
+        if step is not None and stall is not None:
+            key = (int(step), _str(e.get("tier"), 40))
+            stalls[key] = max(stall, stalls.get(key, 0.0))
+    for e in _commits(ev):
         cid = _str(e.get("checkpoint"))
         step = _num(e.get("step"))
         if not cid or step is None:
             continue
-        new, reused = _num(e.get("bytes_new")) or 0.0, _num(e.get("bytes_reused")) or 0.0
-        tier = _str(e.get("tier"))
-        rows[cid] = {
-            "checkpoint": cid,
-            "step": int(step),
-            "tier": tier,
-            "time": _num(e.get("time")),
-            "stall_s": stalls.get((int(step), tier)),
-            "persist_s": _num(e.get("persist_s")),
-            "bytes_written": int(new),
-            "bytes_full": int(new + reused),
-            "status": "pending",
-            "validation_s": None,
-            "reason": "",
-            "stored": False,
-        }
+        tier = _tier_of(e)
+        row = rows.setdefault(cid, _save_row(cid, int(step), tier, _num(e.get("time"))))
+        _fill(row, "stall_s", stalls.get((int(step), tier)))
+        _fill(row, "persist_s", _num(e.get("persist_s", e.get("seconds"))))
+        new, reused = _int(e.get("bytes_new")), _int(e.get("bytes_reused"))
+        _fill(row, "bytes_written", new)
+        _fill(row, "bytes_full", None if new is None or reused is None else new + reused)
+        _fill(row, "bytes_raw", _int(e.get("raw_bytes")))
     for e in ev.get("validated", []):
-        row = rows.get(_str(e.get("checkpoint")))
-        if row is not None:
-            row["status"] = _str(e.get("status"), 40) or "pending"
-            row["validation_s"] = _num(e.get("seconds"))
-            row["reason"] = _str(e.get("reason"))
+        if (hit := rows.get(_str(e.get("checkpoint")))) is not None:
+            hit["status"] = _str(e.get("status"), 40) or "pending"
+            hit["validation_s"] = _num(e.get("seconds"))
+            hit["reason"] = _str(e.get("reason"))
     for e in ev.get("corrupted", []):  # found corrupted later (by a resume)
-        row = rows.get(_str(e.get("checkpoint")))
-        if row is not None:
-            row["status"], row["reason"] = "corrupted", _str(e.get("reason"))
+        if (hit := rows.get(_str(e.get("checkpoint")))) is not None:
+            hit["status"], hit["reason"] = "corrupted", _str(e.get("reason"))
     for r in records:
-        row = rows.setdefault(
-            r.id,
-            {
-                "checkpoint": r.id,
-                "step": r.step,
-                "tier": r.tier.value,
-                "time": r.created_at,
-                "stall_s": None,
-                "persist_s": None,
-                "bytes_written": int(r.extra.get("bytes_new", 0) or 0),
-                "bytes_full": r.size_bytes,
-                "validation_s": None,
-                "reason": "",
-            },
-        )
+        row = rows.setdefault(r.id, _save_row(r.id, r.step, r.tier.value, r.created_at))
+        _fill(row, "bytes_written", r.size_bytes or None)  # new blobs + manifests
         row["stored"] = True
         row["status"] = r.status.value  # the stored verdict is the truth
         row["score"] = _num(r.score)
@@ -220,6 +263,29 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
+def _total(saves: Sequence[dict[str, Any]], key: str) -> int | None:
+    known = [s[key] for s in saves if s[key] is not None]
+    return sum(known) if known else None
+
+
+def _share(saves: Sequence[dict[str, Any]], part: str, whole: str) -> float | None:
+    """``part`` over ``whole`` summed over the saves that know both (None: none does)."""
+    both = [s for s in saves if s[part] is not None and s[whole] is not None]
+    return _ratio(sum(s[part] for s in both), sum(s[whole] for s in both))
+
+
+def _byte_totals(saves: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes written, full and raw over the saves (None when no save knows them), and
+    de-duplication (written of full) and compression (stored full of raw) shares."""
+    return {
+        "bytes_written": _total(saves, "bytes_written"),
+        "bytes_full": _total(saves, "bytes_full"),
+        "bytes_raw": _total(saves, "bytes_raw"),
+        "dedup_share": _share(saves, "bytes_written", "bytes_full"),
+        "compression_share": _share(saves, "bytes_full", "bytes_raw"),
+    }
+
+
 def run_summary(
     run_id: str,
     records: Sequence[CheckpointRecord],
@@ -231,7 +297,9 @@ def run_summary(
     series = _series(ev.get("decision", []))
     saves = _saves(ev, records)
     restarts = _restarts(ev)
-    times = [t for e in events if (t := _num(e.get("time"))) is not None]
+    # the run's wall time is the trainer's (a persister may start earlier or outlive it)
+    own = [e for e in events if not _from_sidecar(e)] or events
+    times = [t for e in own if (t := _num(e.get("time"))) is not None]
     wall = max(times) - min(times) if len(times) > 1 else 0.0
     stall = sum(_num(e.get("stall_s")) or 0.0 for e in ev.get("snapshot", []))
     persist = sum(s["persist_s"] or 0.0 for s in saves)
@@ -260,8 +328,7 @@ def run_summary(
         "stall_s": stall,
         "persist_s": persist,
         "persist_share": _ratio(persist, wall),
-        "bytes_written": sum(s["bytes_written"] for s in saves),
-        "bytes_full": sum(s["bytes_full"] for s in saves),
+        **_byte_totals(saves),
         "checkpoints": len(saves),
         "verdicts": dict(verdicts),
         "recovery": {

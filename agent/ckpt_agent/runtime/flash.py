@@ -9,7 +9,7 @@ last complete snapshot, and exits.
 
 The engine (:class:`~ckpt_agent.runtime.checkpointer.Checkpointer`) calls :meth:`write`
 instead of copying into host buffers, reads the persister's results with
-:meth:`poll` (errors, commit hashes, persist times for the scheduler), and
+:meth:`poll` (errors, commit hashes, persist times for the scheduler: every save's), and
 waits with :meth:`wait` where it used to wait for its persister thread. An
 in-place restart reads the areas back (:mod:`~ckpt_agent.runtime.shm_restore`).
 """
@@ -235,15 +235,17 @@ class FlashTarget:
         assert self.writer is not None
         return self.writer.prepare(sections, files_bytes=files_bytes)
 
-    def poll(self) -> PersistedMark | None:
-        """The persister's newest result when it is new since the last call."""
+    def poll(self) -> list[PersistedMark]:
+        """The persister's results since the last call, oldest first (every save's, up to
+        :data:`~ckpt_agent.flash.protocol.MARK_HISTORY` of them)."""
         assert self.writer is not None
         mark = self.writer.persisted()
         if mark is None or mark.seq <= self._seen_seq:
             self._check_persister()
-            return None
+            return []
+        new = mark.after(self._seen_seq)
         self._seen_seq = mark.seq
-        return mark
+        return new
 
     def wait(self, seq: int | None = None, timeout: float | None = None) -> PersistedMark | None:
         """Wait until snapshot ``seq`` (default: the last written) was handled; None on timeout."""

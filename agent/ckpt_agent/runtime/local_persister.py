@@ -187,6 +187,7 @@ class ThreadPersister:
             written, manifest_hash = result.written, result.manifest_hash
             commit = result.checkpoint.commit if result.checkpoint is not None else None
             size_bytes = result.size_bytes if commit is not None else written.bytes_new
+            counts = (result.checkpoint or written).byte_counts()  # all ranks' on rank 0
         else:
             with e.store_lock:
                 writer = e.parts.writer
@@ -194,6 +195,7 @@ class ThreadPersister:
                 committed = writer.commit(meta, [written])
             manifest_hash, size_bytes = committed.manifest_hash, committed.size_bytes
             commit = committed.commit
+            counts = committed.byte_counts()
         persist_s = time.perf_counter() - job.submitted
         e.prev_hash = manifest_hash
         tier = snap.tier.value
@@ -216,8 +218,7 @@ class ThreadPersister:
             step=snap.step,
             tier=snap.tier,
             persist_s=round(persist_s, 6),
-            bytes_new=size_bytes,
-            bytes_reused=written.bytes_reused,
+            **counts,
             blobs_new=written.blobs_new,
             blobs_reused=written.blobs_reused,
             manifest_hash=manifest_hash,

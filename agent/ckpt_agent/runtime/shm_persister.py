@@ -4,8 +4,9 @@
 used with ``config.shm_dir`` (``CKPT_SHM_DIR``): the training thread copies
 the state into a shared-memory slot (:class:`~ckpt_agent.runtime.flash.FlashTarget`);
 the pod's sidecar — or a local subprocess — writes, validates and records it.
-Its results (persist times, commit hashes, errors) come back through
-:meth:`ShmPersister.poll`. An in-place restart may resume straight from
+Its results (persist times, commit hashes, errors: every save's) come back through
+:meth:`ShmPersister.poll`; a local persister's metrics are served by the trainer
+(:meth:`~ckpt_agent.metrics.Metrics.relay`). An in-place restart may resume straight from
 checked shared-memory snapshots, on every rank alike (:meth:`ShmPersister.resume_point`,
 :mod:`~ckpt_agent.runtime.shm_restore`).
 """
@@ -16,6 +17,7 @@ import time
 
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
+from ckpt_agent.flash.protocol import PersistedMark, read_file
 from ckpt_agent.format.manifest import lineage_to_json
 from ckpt_agent.records import Tier, checkpoint_id
 from ckpt_agent.runtime.capture import StateCapture
@@ -49,6 +51,9 @@ class ShmPersister:
         self._errors: list[JobError] = []
         self._pending: dict[int, Tier] = {}
         self._resume_step = -1
+        if self.flash.local_persister:  # no sidecar container: serve the persister's metrics
+            path = self.flash.reader.metrics_path
+            engine.metrics.relay(lambda: read_file(path))
 
     @property
     def _live(self) -> bool:
@@ -92,8 +97,8 @@ class ShmPersister:
             self._settle()
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
-        if not self._live:
-            return True
+        if not self._live or self.flash.last_seq <= 0:
+            return True  # nothing written to wait for
         ok = self.flash.wait(timeout=timeout) is not None
         self._settle()
         return ok
@@ -164,12 +169,14 @@ class ShmPersister:
         return checkpoint_id(tier, step)
 
     def poll(self) -> None:
-        """The persister's newest result: persist time, commit hash, or the error."""
+        """The persister's results since the last poll: persist times, commit hashes, errors."""
         if not self._live:
             return
-        mark = self.flash.poll()
-        if mark is None:
-            return
+        for mark in self.flash.poll():
+            self._handled(mark)
+
+    def _handled(self, mark: PersistedMark) -> None:
+        """One save's result (every save's latency is observed, not only the newest's)."""
         e = self.engine
         tier = Tier.PULSE
         for seq in [s for s in self._pending if s <= mark.seq]:

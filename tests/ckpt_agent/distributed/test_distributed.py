@@ -79,6 +79,14 @@ def test_agreement_under_skewed_losses_and_restart(tmp_path: Path) -> None:
         assert "model" in m0.meta.sections and "scheduler" in m0.meta.sections
         assert set(m1.meta.sections) == {"progress", "rng"}  # shared state written once
         assert rec.status == CheckpointStatus.VALID
+    # rank 0's `committed` events count every rank's bytes (the report's per-save row)
+    logs = [(out1 / "work" / f"decisions.rank{i}.jsonl").read_text().splitlines() for i in (0, 1)]
+    done = [{e["checkpoint"]: e for e in map(json.loads, log) if e["event"] == "committed"}
+            for log in logs]  # fmt: skip
+    for rec in records:
+        raw = read_checkpoint(store, w.RUN, rec.id, 0)[0].commit.raw_bytes
+        assert done[0][rec.id]["raw_bytes"] == raw > done[1][rec.id]["raw_bytes"] > 0
+        assert done[0][rec.id]["bytes_new"] > rec.size_bytes  # the parts + the COMMIT
 
     # restart: the loss profiles swap ranks; both start from rank 0's saved scheduler state
     out2 = tmp_path / "phase2"

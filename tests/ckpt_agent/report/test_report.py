@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpt_agent.cli.main import app
-from ckpt_agent.report import fleet_summary, load_run, plot_all, run_summary, traits_of
+from ckpt_agent.records import CheckpointRecord, Tier
+from ckpt_agent.report import fleet_summary, load_run, plot_all, run_page, run_summary, traits_of
 from ckpt_agent.report.data import iter_log
 from ckpt_agent.storage.fs import LocalStorage
 
@@ -52,6 +53,10 @@ def test_summary_of_a_real_run(rp_run: RealRun) -> None:
     committed = [r for r in s["saves"] if r["persist_s"] is not None]
     assert committed and all(r["stall_s"] is not None for r in committed)
     assert all(0 < r["bytes_written"] <= r["bytes_full"] for r in committed)
+    assert all(r["bytes_raw"] > 0 for r in committed)  # raw_bytes of the `committed` events
+    assert s["bytes_raw"] > 0 and s["compression_share"] == pytest.approx(
+        sum(r["bytes_full"] for r in committed) / sum(r["bytes_raw"] for r in committed)
+    )
     # the flipped checkpoint: corrupted verdict (from the resume), deleted by retention
     bad = next(r for r in s["saves"] if r["checkpoint"] == rp_run.rejected)
     assert bad["status"] == "corrupted" and "corrupted bytes" in bad["reason"]
@@ -73,6 +78,50 @@ def test_summary_of_a_real_run(rp_run: RealRun) -> None:
     expected = 100 * valid / judged * (1 - s["io_share"])
     assert s["health"] == pytest.approx(expected, abs=0.01)
     assert "corrupted checkpoints" in traits_of(s) and "restarted" in traits_of(s)
+
+
+def test_flash_mode_run_reports_persists_verdicts_retention_and_bytes(
+    rp_flash_run: RealRun,
+) -> None:
+    assert (rp_flash_run.work / "sidecar.jsonl").is_file()
+    assert not any(e["event"] == "committed" for e in rp_flash_run.events())
+    s = _summary(rp_flash_run)
+    saves = s["saves"]
+    assert len(saves) >= 6 and {r["tier"] for r in saves} == {"pulse", "full"}
+    for r in saves:  # every save: persist time (persisted), stall (snapshot, by step+tier)
+        assert r["persist_s"] is not None and r["stall_s"] is not None, r
+        assert 0 < r["bytes_written"] <= r["bytes_full"] and r["bytes_raw"] > 0, r
+        assert r["status"] == "valid" and r["validation_s"] is not None, r  # sidecar verdicts
+    assert s["persist_s"] > 0 and s["stall_s"] > 0 and s["bytes_raw"] > 0
+    # retention from the persister's log; what it deleted is still listed, not stored
+    deleted = {cid for r in s["retention"] for cid in r["deleted"]}
+    assert deleted and deleted <= {r["checkpoint"] for r in saves if not r["stored"]}
+    # the persister's own start/stop are not the run's: one (fresh) start
+    assert [r["action"] for r in s["restarts"]] == ["fresh"]
+    assert s["recovery"]["starts"] == 1
+
+
+def test_unknown_bytes_read_n_a_not_zero() -> None:
+    """A persisted event without byte counts (an older persister) and a stored record with
+    no log: what is not known is None / "n/a", never 0 B (which would read as 100 % dedup)."""
+    events = [
+        {"event": "snapshot", "step": 5, "tier": "pulse", "stall_s": 0.01, "time": 1.0},
+        {"event": "persisted", "checkpoint": "pulse_step_000000000005", "step": 5,
+         "committed": True, "persist_s": 0.2, "time": 2.0},
+        {"event": "persisted", "checkpoint": "pulse_step_000000000007", "step": 7,
+         "committed": False, "persist_s": 0.2, "time": 3.0},  # another rank's part only
+    ]  # fmt: skip
+    stored = CheckpointRecord(id="full_step_000000000009", step=9, tier=Tier.FULL, size_bytes=4096)
+    s = run_summary("r", [stored], events)
+    first, last = s["saves"]
+    assert first["checkpoint"] == "pulse_step_000000000005" and first["tier"] == "pulse"
+    assert first["stall_s"] == 0.01 and first["persist_s"] == 0.2
+    assert first["bytes_written"] is None and first["bytes_full"] is None
+    assert last["bytes_written"] == 4096 and last["bytes_full"] is None  # size_bytes: written
+    assert s["bytes_written"] == 4096 and s["bytes_full"] is None and s["bytes_raw"] is None
+    assert s["dedup_share"] is None and s["compression_share"] is None
+    page = run_page(s, {})
+    assert "4.0 KiB / n/a / n/a" in page and "0 B" not in page
 
 
 def test_html_report_is_self_contained(rp_run: RealRun, tmp_path: Path) -> None:
@@ -97,6 +146,29 @@ def test_json_twin(rp_run: RealRun) -> None:
         json.dumps(_summary(rp_run) | {"logs": doc["logs"], "skipped_lines": 0})
     )
     assert doc["logs"] == [str(rp_run.work / "decisions.rank0.jsonl")]
+
+
+def test_work_dir_repeats_to_merge_pods_logs(rp_flash_run: RealRun, tmp_path: Path) -> None:
+    """One --work-dir per pod (here: the trainer's log and the persister's apart), merged."""
+    trainer, persister = tmp_path / "pod-a" / "flash1", tmp_path / "pod-b" / "flash1"
+    for d, name in ((trainer, "decisions.rank0.jsonl"), (persister, "sidecar.jsonl")):
+        d.mkdir(parents=True)
+        shutil.copy(rp_flash_run.work / name, d / name)
+    doc = json.loads(_report(rp_flash_run, "--json", "--work-dir", str(persister), work=trainer))
+    assert sorted(doc["logs"]) == [
+        str(trainer / "decisions.rank0.jsonl"),
+        str(persister / "sidecar.jsonl"),
+    ]
+    assert doc["saves"] == json.loads(json.dumps(_summary(rp_flash_run)["saves"]))
+    # --all: each --work-dir a folder of per-run directories
+    code, text = _invoke(
+        "--storage", str(rp_flash_run.store), "--all", "--json",
+        "--work-dir", str(trainer.parent), "--work-dir", str(persister.parent),
+    )  # fmt: skip
+    assert code == 0, text
+    (run,) = json.loads(text)["runs"]
+    assert run["run_id"] == "flash1" and "no decision log" not in run["traits"]
+    assert run["checkpoints"] == len(doc["saves"])
 
 
 def test_without_a_decision_log_storage_still_tells(rp_run: RealRun, tmp_path: Path) -> None:

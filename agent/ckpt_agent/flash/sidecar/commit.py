@@ -127,8 +127,10 @@ class Coordinator:
         desc = own.desc
         self.part_writer.last_commit = (desc.step, committed.manifest_hash)
         tier = desc.tier.value
-        self.metrics.save_latency.labels(tier=tier).observe(max(0.0, time.time() - desc.created_at))
+        # ckpt_save_latency_seconds is the trainer's (every save's, from persisted.json):
+        # observed here too, a pod's histogram would count each save twice.
         self.metrics.bytes_written.labels(tier=tier).inc(committed.size_bytes)
+        self.metrics.bytes_reused.labels(tier=tier).inc(committed.byte_counts()["bytes_reused"])
         record = committed.commit.record(committed.manifest_hash, CheckpointStatus.PENDING)
         record = replace(record, size_bytes=committed.size_bytes)
         self.parts.catalog.upsert(

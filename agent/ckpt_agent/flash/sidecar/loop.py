@@ -11,14 +11,16 @@ live next to this module: :mod:`.discovery` (areas, liveness), :mod:`.persisting
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckpt_agent.flash.protocol import Descriptor, PersistedMark
+from ckpt_agent.flash.protocol import Descriptor, PersistedMark, atomic_write
 from ckpt_agent.flash.sidecar.commit import Coordinator
 from ckpt_agent.flash.sidecar.discovery import Areas, AreaState
 from ckpt_agent.flash.sidecar.drain import Drain
@@ -26,7 +28,7 @@ from ckpt_agent.flash.sidecar.health import HealthMonitor
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.flash.sidecar.options import SidecarOptions
 from ckpt_agent.flash.sidecar.persisting import Handled, PartWriter
-from ckpt_agent.metrics import DecisionLog, MetricsServer
+from ckpt_agent.metrics import DecisionLog, MetricsServer, snapshot
 from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.persist.catalog import Catalog
 from ckpt_agent.persist.finalize import anomalies_from_records
@@ -85,6 +87,7 @@ class Sidecar:
             self.options.grace_s, self.metrics, self._event, signal_file=config.signal_file
         )
         self._server: MetricsServer | None = None
+        self._instance = secrets.token_hex(8)
         self._loop_beat = 0.0
         self._started = time.monotonic()
         self.persisted = 0
@@ -185,11 +188,13 @@ class Sidecar:
             seq=desc.seq,
             checkpoint=desc.checkpoint_id,
             step=desc.step,
+            tier=desc.tier,
             committed=committed is not None,
             manifest_hash=None if committed is None else committed.manifest_hash,
             seconds=round(seconds, 6),
             trigger=trigger,
             error=error or None,
+            **({} if committed is None else committed.byte_counts()),
         )
         if handled is not None and committed is not None:
             self.coordinator.after_commit(handled, committed)
@@ -236,6 +241,15 @@ class Sidecar:
             "areas": self.areas.summary(),
             "draining": self.drain.draining,
         }
+
+    def publish_metrics(self) -> None:
+        """The metrics, into every area served (``persister-metrics.json``), for a trainer
+        with a local persister to serve (:meth:`ckpt_agent.metrics.Metrics.relay`)."""
+        data = snapshot(self.metrics.registry, self._instance)
+        for st in self.areas:
+            if st.claimed:
+                with contextlib.suppress(OSError):
+                    atomic_write(st.reader.metrics_path, data)
 
     def serve_http(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics, /healthz, /readyz; returns the bound port (0: pick one)."""
@@ -294,10 +308,12 @@ class Sidecar:
             while True:
                 self._loop_beat = time.monotonic()
                 self.metrics.healthy.set(1)
-                if time.monotonic() >= next_probe:
+                probe = time.monotonic() >= next_probe
+                if probe:
                     self.sample_health()
                     next_probe = time.monotonic() + self.options.probe_every_s
-                self.run_once()
+                if self.run_once() or probe:
+                    self.publish_metrics()
                 if self._should_stop(until):
                     break
                 self.drain.stop.wait(self.options.poll_s)
@@ -305,6 +321,7 @@ class Sidecar:
                     break
         finally:
             self.metrics.healthy.set(0)
+            self.publish_metrics()
             self._event(
                 "stop",
                 persisted=self.persisted,
