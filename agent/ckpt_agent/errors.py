@@ -73,6 +73,10 @@ class PermanentError(CkptError):
 class StorageError(CkptError):
     """Base class of storage failures."""
 
+    #: The backend's own error code (S3: ``InvalidRange``, ``NoSuchUpload`` ...), when it
+    #: gave one: what callers decide on, never the message text.
+    code: str | None = None
+
 
 class PermanentStorageError(StorageError, PermanentError):
     """Retrying will not help (bad credentials, missing bucket, no space, permissions).

@@ -51,7 +51,7 @@ from ckpt_operator.restart import (
     plan_restart,
     precheck_restart,
 )
-from ckpt_operator.runfacts import run_started_at
+from ckpt_operator.runfacts import PoolEvidence, run_started_at
 from ckpt_operator.trainjob import planned_attempt, pod_attempt
 
 __all__ = [
@@ -193,13 +193,16 @@ def plan_attempt(
     verify: Callable[[str], bool],
     progress: Sequence[tuple[int, float]] = (),
     mtbf_prior_s: float | None = None,
+    mtbf_pool: PoolEvidence | None = None,
 ) -> AttemptOutcome:
     """Plan JobSet restart attempt ``attempt`` of ``trainjob`` (see the module docstring)."""
     early = precheck_attempt(trainjob, attempt, spec, now)
     if early is not None:
         return early
     view = attempt_view(trainjob, now)
-    outcome = plan_restart(view, _no_backoff(spec), records, now, verify, progress, mtbf_prior_s)
+    outcome = plan_restart(
+        view, _no_backoff(spec), records, now, verify, progress, mtbf_prior_s, mtbf_pool
+    )
     if not isinstance(outcome, Restart):
         return outcome if isinstance(outcome, Skip | GiveUp) else Skip("nothing to plan")
     return AttemptPlan(

@@ -404,10 +404,12 @@ async def on_trainjob_pod_event(
 
 async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     deps = _rt(memo).deps
-    if type == "DELETED":
+    if type == "DELETED":  # its pool is kept: the failures of its pods still count
         deps.node_signals.pop(str((body.get("metadata") or {}).get("name")), None)
         return
-    await signal_node(deps, _raw(body))
+    node = _raw(body)
+    deps.pools.note_node(node, deps.config.recovery.node_pool_labels)
+    await signal_node(deps, node)
 
 
 # --------------------------------------------------------------------------- registration

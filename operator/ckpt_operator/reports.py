@@ -7,8 +7,16 @@ verified checkpoints in its container's termination message
 however the container ended. :func:`pod_reports` reads them back, :func:`known_checkpoints`
 merges them with what the job already carries (``ckpt.dev/checkpoints``, written by the
 operator and copied onto each restart), and :func:`last_verified` says which one a
-restart would start from. A message that is not a report is skipped with a reason, never
-an error.
+restart would start from. A message that is not a report (however malformed: it is the
+application's file, and the annotation is editable) is skipped with a reason, never an
+error.
+
+A report is its writer's listing of the storage (valid and corrupted checkpoints, the
+newest heartbeat): the newest pod report, when it is at least as new as what the job
+carries, also says which carried checkpoints are gone (deleted by retention in the pod, or
+lost) — those in its range that it does not name are dropped. A checkpoint a pod found
+corrupted keeps that verdict over an older report that called it valid
+(:func:`~ckpt_agent.format.termination.merge_checkpoints`).
 """
 
 from __future__ import annotations
@@ -97,6 +105,7 @@ def known_checkpoints(
     groups: list[tuple[ReportedCheckpoint, ...]] = []
     problems: list[str] = []
     written = 0.0
+    newest: CheckpointReport | None = None
     for text in carried:
         if not text:
             continue
@@ -116,10 +125,14 @@ def known_checkpoints(
             )
             continue
         groups.append(pr.report.checkpoints)
-        written = max(written, pr.report.written_at)
-    return KnownCheckpoints(
-        CheckpointReport(run_id, merge_checkpoints(*groups), written), tuple(problems)
-    )
+        if newest is None or pr.report.written_at > newest.written_at:
+            newest = pr.report
+    merged = merge_checkpoints(*groups)
+    if newest is not None and newest.written_at >= written:  # newer than what was carried
+        listed = {cp.id for cp in newest.checkpoints}
+        merged = tuple(cp for cp in merged if cp.id in listed or not newest.covers(cp.step))
+        written = newest.written_at
+    return KnownCheckpoints(CheckpointReport(run_id, merged, written), tuple(problems))
 
 
 def last_verified(report: CheckpointReport, source: str = "pods") -> dict[str, Any] | None:

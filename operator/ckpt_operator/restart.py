@@ -5,7 +5,8 @@ The protocol (``docs/operator.md``, "Restart protocol"):
 1. Job ``J`` (run id ``R``, restart count ``k``) reaches ``Failed``.
 2. The planner applies ``maxRestarts`` and the exponential backoff, detects a
    crash loop (``J`` was itself a restart from checkpoint ``S`` and wrote
-   nothing past ``S``: ``S`` becomes poisoned), and walks the recovery ladder
+   nothing past ``S``: ``S`` becomes poisoned, unless it fails verification, which
+   explains the failure), and walks the recovery ladder
    of :mod:`ckpt_agent.decide.recovery` over ``R``'s checkpoints, verifying each
    candidate through ``verify``.
 3. The outcome is a :class:`Restart` carrying the new job ``J-r<k+1>``
@@ -28,12 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.decide.recovery import is_poisoned, plan_recovery, walk
+from ckpt_agent.errors import RetryableError
 from ckpt_agent.policy import RecoverySpec
-from ckpt_agent.records import CheckpointRecord
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator import constants as c
 from ckpt_operator.jobkinds import kind_of
 from ckpt_operator.jobs import JobFacts, job_facts, parse_time
-from ckpt_operator.runfacts import estimate_mtbf, run_started_at
+from ckpt_operator.runfacts import PoolEvidence, estimate_mtbf, run_started_at
 
 __all__ = [
     "GiveUp",
@@ -313,14 +315,17 @@ def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict
     return body
 
 
-def run_mtbf(facts: JobFacts, prior_s: float | None, now: float) -> float | None:
-    """The MTBF estimate after this job's failure (None: no prior known)."""
+def run_mtbf(
+    facts: JobFacts, prior_s: float | None, now: float, pool: PoolEvidence | None = None
+) -> float | None:
+    """The MTBF estimate after this job's failure, with its node ``pool``'s evidence
+    (None: no prior known)."""
     if prior_s is None:
         return None
     started = run_started_at(facts)
     failed = facts.failed_at if facts.failed_at is not None else now
     elapsed = failed - started if started is not None else 0.0
-    return estimate_mtbf(prior_s, facts.restart_count + 1, elapsed)
+    return estimate_mtbf(prior_s, facts.restart_count + 1, elapsed, pool)
 
 
 def precheck_restart(
@@ -366,6 +371,42 @@ def precheck_restart(
     return None
 
 
+def _once(verify: Callable[[str], bool]) -> Callable[[str], bool]:
+    """``verify`` asked at most once per checkpoint (its answer or its error kept), except
+    a :class:`~ckpt_agent.errors.RetryableError` (a storage outage), asked again."""
+    seen: dict[str, bool | Exception] = {}
+
+    def check(cid: str) -> bool:
+        if cid not in seen:
+            try:
+                seen[cid] = bool(verify(cid))
+            except RetryableError:
+                raise
+            except Exception as e:
+                seen[cid] = e
+        result = seen[cid]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return check
+
+
+def _fails(verify: Callable[[str], bool], cid: str, records: Sequence[CheckpointRecord]) -> bool:
+    """Whether ``cid``, listed valid in ``records``, fails verification: a run that crashed
+    on a corrupted checkpoint is explained (a pod's verdict, when the operator plans from the
+    pods' reports), and the ladder keeps the checkpoint's place (its chain, the newest full)
+    rejecting it, as it would had the operator found the corruption itself."""
+    if not any(r.id == cid and r.status == CheckpointStatus.VALID for r in records):
+        return False
+    try:
+        return not verify(cid)
+    except RetryableError:
+        raise
+    except Exception:
+        return True
+
+
 def plan_restart(
     job: Mapping[str, Any],
     spec: RecoverySpec,
@@ -374,11 +415,13 @@ def plan_restart(
     verify: Callable[[str], bool],
     progress: Sequence[tuple[int, float]] = (),
     mtbf_prior_s: float | None = None,
+    mtbf_pool: PoolEvidence | None = None,
 ) -> RestartOutcome:
     """Decide what to do about a (possibly) failed job; see the module docstring.
 
     ``mtbf_prior_s``: the policy's ``mtbfSeconds``; the decision carries it blended
-    with the run's failures (:func:`ckpt_operator.runfacts.estimate_mtbf`).
+    with the run's failures and its node pool's, ``mtbf_pool``
+    (:func:`ckpt_operator.runfacts.estimate_mtbf`).
 
     ``records`` are the run's checkpoints (all of them, as listed from the
     manifests); ``progress`` the run's heartbeats ``(step, time)``;
@@ -390,12 +433,15 @@ def plan_restart(
         return early
     facts = job_facts(job)
     poisoned = list(facts.poisoned)
+    verify = _once(verify)
     crash = crash_loop_checkpoint(facts, records, progress)
+    if crash is not None and _fails(verify, crash, records):
+        crash = None  # explained: the ladder rejects it where it stands, not poisoned
     if crash is not None and crash not in poisoned:
         poisoned.append(crash)
 
     name = restart_name(facts.name, facts.restart_count)
-    mtbf = run_mtbf(facts, mtbf_prior_s, now)
+    mtbf = run_mtbf(facts, mtbf_prior_s, now, mtbf_pool)
     if not records:
         if facts.resume_from:
             return GiveUp(

@@ -32,7 +32,7 @@ from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.heartbeat import read_heartbeat
 from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.owner import RunOwner, claim_owner
+from ckpt_agent.format.owner import RunOwner, claim_owner, read_owner
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import (
     GcResult,
@@ -41,7 +41,7 @@ from ckpt_agent.persist.housekeeping import (
     gc_blobs,
 )
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
-from ckpt_agent.records import CheckpointRecord, Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
 from ckpt_agent.storage import (
     PermanentStorageError,
     RetryableStorageError,
@@ -115,6 +115,10 @@ class CheckpointSource(Protocol):
 
     def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
         """The run's owner (``OWNER.json``), claimed for ``owner`` when it has none."""
+        ...
+
+    def run_owner(self, run_id: str) -> RunOwner | None:
+        """The run's owner, read only (None: the run has no owner record yet)."""
         ...
 
     def reachable(self) -> bool:
@@ -206,6 +210,9 @@ class StorageCheckpointSource:
     def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
         return claim_owner(self.storage, run_id, owner)
 
+    def run_owner(self, run_id: str) -> RunOwner | None:
+        return read_owner(self.storage, run_id)
+
     def reachable(self) -> bool:
         if isinstance(self.storage, LocalStorage):
             return self.storage.root.is_dir()
@@ -220,11 +227,26 @@ class ReportedCheckpointSource:
     cannot reach (:mod:`ckpt_operator.reports`).
 
     Nothing can be verified or deleted from here: the restarted pod re-verifies each
-    candidate before it loads one (its own ladder), and retention runs in the pods.
+    candidate before it loads one (its own ladder), and retention runs in the pods. What
+    the pods verified stands in for that re-verification: a committed checkpoint (one with
+    a manifest hash) a pod reported corrupted is listed as the checkpoint it was committed
+    as (so the ladder keeps its place: the chain through it, the newest full) and fails
+    :meth:`verify` with the pod's verdict, as the operator's own hash check fails it on
+    storage it can read — the ladder walks on to the rung that storage would give (e.g. a
+    heartbeat rebuild, where the only older full checkpoint is not the newest full). One
+    without a hash (an unreadable COMMIT) stays corrupted: it has no place in a chain.
+    Everything else verifies.
     """
 
     def __init__(self, records: list[CheckpointRecord]) -> None:
-        self.records = records
+        self.corrupted = {
+            r.id: r.extra.get("status_reason") or "corrupted"
+            for r in records
+            if r.status == CheckpointStatus.CORRUPTED and r.manifest_hash
+        }
+        self.records = [
+            r.with_status(CheckpointStatus.VALID) if r.id in self.corrupted else r for r in records
+        ]
 
     def list_checkpoints(
         self, run_id: str, *, include_heartbeat: bool = True
@@ -237,7 +259,12 @@ class ReportedCheckpointSource:
         return []  # the newest heartbeat is one of the records
 
     def verify(self, run_id: str, checkpoint_id: str) -> bool:
-        del run_id, checkpoint_id
+        why = self.corrupted.get(checkpoint_id)
+        if why is not None:
+            raise VerificationFailedError(
+                f"{checkpoint_id}: {why} (run {run_id}; the pod's verdict, from its "
+                "checkpoint report: the operator cannot read this storage)"
+            )
         return True  # the pod verifies before loading
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
@@ -253,6 +280,10 @@ class ReportedCheckpointSource:
     def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
         del run_id
         return owner  # the owner record is in the storage; the pods' agents keep it
+
+    def run_owner(self, run_id: str) -> RunOwner | None:
+        del run_id
+        return None  # not readable from here (the pods' agents check it)
 
     def reachable(self) -> bool:
         return False

@@ -310,6 +310,9 @@ class FakeSource:
     def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
         return self.owners.setdefault(run_id, owner)
 
+    def run_owner(self, run_id: str) -> RunOwner | None:
+        return self.owners.get(run_id)
+
     def close(self) -> None:
         pass
 

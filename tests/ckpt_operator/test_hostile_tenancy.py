@@ -27,6 +27,7 @@ from ckpt_agent.records import CheckpointStatus, Tier
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_operator import constants as c
 from ckpt_operator.behaviours.admission import inject_pod, validate_job
+from ckpt_operator.behaviours.agentcheck import check_agents
 from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.behaviours.guard import storage_call
 from ckpt_operator.behaviours.policies import reconcile_policy
@@ -40,7 +41,7 @@ from ckpt_operator.config import (
     parse_config,
     parse_tenancy,
 )
-from ckpt_operator.jobs import job_facts
+from ckpt_operator.jobs import job_facts, parse_time
 from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.sources import StorageCheckpointSource, StorageSourceFactory, StorageTimeoutError
 from ckpt_operator.tenancy import (
@@ -211,6 +212,47 @@ def test_a_legacy_run_is_claimed_by_the_first_namespace_seen_using_it(
     asyncio.run(recover_job(deps, job_a))
     assert world.api.called("create_job") == ["mnist-ddp-r1"]
     assert job_facts(world.api.jobs[(TEAM_A, "mnist-ddp")]).status.reason == "RunOwnedElsewhere"  # type: ignore[union-attr]
+
+
+def test_the_agent_check_never_reads_another_namespaces_run(
+    world: Any, fixture: Any, shared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod of A naming B's run: B's heartbeats and checkpoints are not read (their times
+    would decide A's AgentMissing verdict); the pod is left to its own owner check."""
+    read: list[str] = []
+
+    def recording(real: Any) -> Any:
+        def spy(self: Any, run_id: str, *args: Any, **kwargs: Any) -> Any:
+            read.append(run_id)
+            return real(self, run_id, *args, **kwargs)
+
+        return spy
+
+    for method in ("progress", "list_checkpoints"):
+        real = getattr(StorageCheckpointSource, method)
+        monkeypatch.setattr(StorageCheckpointSource, method, recording(real))
+    deps = _deps(world, _everyone(shared))
+    started = "2024-05-02T10:00:00Z"
+    world.clock.now = (parse_time(started) or 0.0) + 3600
+    for namespace in (TEAM_A, TEAM_B):
+        world.api.add_policy(_policy(fixture, namespace, _local(shared)))
+        world.api.add_job(_job(fixture, namespace, RUN_B))
+        pod = fixture("admission_review_pod.json")["request"]["object"]
+        pod["metadata"]["namespace"] = namespace
+        pod["metadata"].setdefault("annotations", {}).update(
+            {c.ANN_POLICY: "llm-finetune", c.ANN_RUN_ID: RUN_B}
+        )
+        pod["metadata"].setdefault("labels", {})[c.LABEL_INJECTED] = "true"
+        pod["status"] = {"phase": "Running", "startTime": started}
+        world.api.add_pod(pod)
+
+    assert asyncio.run(check_agents(deps, world.api.policies[(TEAM_A, "llm-finetune")])) == []
+    assert read == [] and _events(world, "AgentMissing") == []
+    assert read_owner(LocalStorage(shared), RUN_B).namespace == TEAM_B  # type: ignore[union-attr]
+
+    # control: B's own check reads its run (whose checkpoints predate the pod: silent)
+    flagged = asyncio.run(check_agents(deps, world.api.policies[(TEAM_B, "llm-finetune")]))
+    assert len(flagged) == 1 and set(read) == {RUN_B}
 
 
 def test_owner_record_is_written_once(tmp_path: Path) -> None:

@@ -146,6 +146,30 @@ def test_crash_loop_poisons_the_resume_checkpoint(
     assert out.job["metadata"]["annotations"][c.ANN_RESTART_OF] == "mnist-ddp-r1"
 
 
+def test_a_crash_on_a_checkpoint_that_fails_verification_is_explained_not_poisoned(
+    fixture: Any, rec: Callable[..., CheckpointRecord]
+) -> None:
+    """r1 died on its pin because the pin is corrupted (a pod's verdict, when the operator
+    plans from the pods' reports): the ladder rejects it where it stands, each checkpoint
+    verified once."""
+    job = fixture("pytorchjob_r1_failed.json")  # restart 1 from pulse 1200, failed at once
+    asked: list[str] = []
+
+    def verify(cid: str) -> bool:
+        asked.append(cid)
+        if cid == "pulse_step_000000001200":
+            raise ValueError("a pod found it corrupted")
+        return True
+
+    out = plan_restart(job, RecoverySpec(), history(rec), LATER, verify)
+    assert isinstance(out, Restart)
+    assert out.crash_loop is None and out.decision.poisoned == ()
+    assert out.decision.resume_from == "pulse_step_000000001100"
+    rejected, _ = out.ladder
+    assert rejected.checkpoint_id == "pulse_step_000000001200" and "corrupted" in rejected.why
+    assert asked == ["pulse_step_000000001200", "pulse_step_000000001100"]  # once each
+
+
 def test_progress_after_the_restart_is_not_a_crash_loop(
     fixture: Any, rec: Callable[..., CheckpointRecord]
 ) -> None:

@@ -29,9 +29,10 @@ from rich.markup import escape
 
 from ckpt_agent.errors import CkptError, UnsafePathError
 from ckpt_agent.format.listing import list_checkpoints, list_runs
+from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
-from ckpt_agent.storage import Storage, StorageError, open_storage
+from ckpt_agent.storage import Storage, StorageError
 
 __all__ = [
     "EXIT_CODES_HELP",
@@ -113,7 +114,8 @@ ConfigOpt = Annotated[
     typer.Option(
         "--config",
         envvar="CKPT_CONFIG",
-        help="Agent config JSON with the retention/recovery policy (default: built-in defaults).",
+        help="Agent config JSON: the retention/recovery policy and the S3 section (endpoint, "
+        "region, part size, attempts) applied over CKPT_S3_* (default: built-in defaults).",
         show_envvar=True,
         exists=False,
     ),
@@ -218,7 +220,10 @@ def non_negative(value: float | None) -> float | None:
     return value
 
 
-def open_store(url: str) -> Storage:
+def open_store(url: str, config: AgentConfig | None = None) -> Storage:
+    """Open ``url`` the way the trainer does (:meth:`PersistBuilder.open_storage
+    <ckpt_agent.persist.builder.PersistBuilder.open_storage>`): the ``CKPT_S3_*`` environment
+    with ``config``'s S3 section (``--config``: endpoint, region, part size, attempts) over it."""
     if not url:
         raise fail("no storage given: pass --storage URL or set CKPT_STORAGE_URL")
     parts = urlsplit(url)
@@ -229,8 +234,9 @@ def open_store(url: str) -> Storage:
                 f"storage directory {path} does not exist (check --storage / CKPT_STORAGE_URL; "
                 "the trainer creates it on its first checkpoint)"
             )
+    cfg = (config or AgentConfig()).model_copy(update={"storage_url": url})
     try:
-        return open_storage(url)
+        return PersistBuilder(cfg).open_storage()[0]
     except StorageError:
         raise  # unreachable, refused, unsafe: guarded() explains it (exit code 3 or 4)
     except (ValueError, ImportError) as e:

@@ -14,8 +14,9 @@ imports torch or unpickles anything, so it is safe to point at any storage.
     ckpt sidecar                                    # the pod's persisting sidecar
 
 ``--storage`` and ``--run-id`` default to ``CKPT_STORAGE_URL`` and
-``CKPT_RUN_ID``; retention and recovery settings come from the policy
-config in ``CKPT_CONFIG`` (``--config``), else the defaults. Exit codes:
+``CKPT_RUN_ID``; retention and recovery settings, and the S3 options (applied
+over ``CKPT_S3_*``), come from the agent config in ``CKPT_CONFIG``
+(``--config``), else the defaults. Exit codes:
 :class:`~ckpt_agent.cli.common.ExitCode` (0 fine, 1 a problem was found, 2 bad
 usage, 3 storage failed, 4 unsafe storage, 5 malformed data, 70 a bug). Every
 command is :func:`~ckpt_agent.cli.common.guarded` and shows stored strings only
@@ -79,7 +80,7 @@ unpickles anything, and shows what it read as plain text (markup and terminal
 escape sequences in stored strings are escaped).
 
 [b]--storage[/] and [b]--run-id[/] default to [b]CKPT_STORAGE_URL[/] and [b]CKPT_RUN_ID[/];
-retention and recovery settings come from [b]CKPT_CONFIG[/] ([b]--config[/]).
+retention and recovery settings, and the S3 options, come from [b]CKPT_CONFIG[/] ([b]--config[/]).
 
 Examples:
 
@@ -142,7 +143,7 @@ def ls(
     checkpoint's reason is printed under the table.
     """
     cfg = load_policy(config)
-    store = open_store(storage)
+    store = open_store(storage, cfg)
     records = records_of(store, run_id)
     if as_json:
         rows = [
@@ -210,6 +211,7 @@ def verify(
     ] = None,
     storage: StorageOpt = "",
     run_id: RunOpt = "",
+    config: ConfigOpt = None,
     all_: Annotated[bool, typer.Option("--all", help="Verify every committed checkpoint.")] = False,
     hashes_only: Annotated[
         bool, typer.Option("--hashes-only", help="Only re-hash the stored bytes (skip decoding).")
@@ -221,7 +223,7 @@ def verify(
     tree only references tensors the manifest holds. Nothing is unpickled and
     no torch is imported. Exit code 1 when any checkpoint is damaged.
     """
-    store = open_store(storage)
+    store = open_store(storage, load_policy(config))
     records = [r for r in records_of(store, run_id) if r.tier != Tier.HEARTBEAT]
     by_id = {r.id: r for r in records}
     if checkpoints:
@@ -315,7 +317,7 @@ def gc(
     it might reference any blob.
     """
     cfg = load_policy(config)
-    store = open_store(storage)
+    store = open_store(storage, cfg)
     records = records_of(store, run_id, include_heartbeat=False)
     plan = plan_retention(records, cfg.retention, (), time.time())
     table = Table(title=safe(f"retention for {run_id}") + (" (dry run)" if dry_run else ""))

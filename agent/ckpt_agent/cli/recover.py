@@ -87,7 +87,7 @@ def _recover(
     if manual and step is None:
         raise fail("--manual needs --step N (the global step to resume from)")
     cfg = load_policy(config)
-    store = open_store(storage)
+    store = open_store(storage, cfg)
     records = records_of(store, run_id)
     if step is not None and not any(r.step == step for r in records):
         steps = ", ".join(str(s) for s in sorted({r.step for r in records}))

@@ -34,6 +34,7 @@ from ckpt_agent.records import RANK_DIGITS, STEP_DIGITS, Json, Tier, rank_name
 
 __all__ = [
     "AUDIT_LOG",
+    "AUDIT_TAIL_BYTES",
     "BLOB_MAX_BYTES",
     "CHUNK_MAX_BYTES",
     "COMMIT",
@@ -45,6 +46,7 @@ __all__ = [
     "JSON_MAX_INT_DIGITS",
     "JSON_MAX_NUMBER_CHARS",
     "MANIFEST_MAX_BYTES",
+    "RECOVER_MAX_BYTES",
     "RECOVER_REQUEST",
     "TENSOR_MAX_BYTES",
     "TENSOR_MAX_DIMS",
@@ -94,6 +96,10 @@ COMMIT_MAX_BYTES: Final = 4 * 1024 * 1024
 MANIFEST_MAX_BYTES: Final = 64 * 1024 * 1024
 #: Largest VALIDATION.json.
 VALIDATION_MAX_BYTES: Final = 1024 * 1024
+#: Largest RECOVER.json (``ckpt recover`` writes a few hundred bytes).
+RECOVER_MAX_BYTES: Final = 1024 * 1024
+#: Readers of ``audit.log`` read only its last this many bytes (older lines are dropped).
+AUDIT_TAIL_BYTES: Final = 4 * 1024 * 1024
 #: Largest raw (decoded) size of one chunk: the writer cuts tensors at this size.
 CHUNK_MAX_BYTES: Final = 16 * 1024 * 1024
 #: Largest stored size of one blob (a zstd frame of an incompressible chunk grows a little).

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ckpt_agent.errors import CheckpointFormatError, RunOwnershipError
-from ckpt_agent.format.layout import run_prefix
+from ckpt_agent.format.layout import loads, run_prefix
 from ckpt_agent.policy.agent_config import ENV_JOB_NAME, ENV_JOB_UID, ENV_NAMESPACE
 from ckpt_agent.storage import NotFoundError, Storage
 
@@ -67,13 +67,8 @@ class RunOwner:
     @classmethod
     def from_bytes(cls, data: bytes) -> RunOwner:
         """Parse an owner record; :class:`CheckpointFormatError` when it is not one."""
-        if len(data) > OWNER_MAX_BYTES:
-            raise CheckpointFormatError(f"{OWNER} is {len(data)} bytes: not an owner record")
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            raise CheckpointFormatError(f"{OWNER} is not JSON") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("namespace"), str):
+        doc = loads(data, OWNER, OWNER_MAX_BYTES)  # bounded: no deep nesting, no huge numbers
+        if not isinstance(doc.get("namespace"), str):
             raise CheckpointFormatError(f"{OWNER} has no namespace")
         if not doc["namespace"]:
             raise CheckpointFormatError(f"{OWNER} has an empty namespace")

@@ -5,22 +5,33 @@ job's namespace and is mounted only into the job's pods. What it can always read
 pod's status, and the kubelet copies the file named by the container's
 ``terminationMessagePath`` (default ``/dev/termination-log``) into
 ``status.containerStatuses[].state.terminated.message`` (and later ``lastState``) however
-the container ends: exit, SIGKILL, OOM kill. So the agent keeps the run's newest verified
-checkpoints in that file, rewritten after every validation verdict; the operator reads
-them back (:func:`parse_report`) when it cannot list the storage itself. The agent writes
-(:class:`TerminationLog`) and the operator parses with this one module.
+the container ends: exit, SIGKILL, OOM kill. So the agent keeps the run's newest
+checkpoints and their verdicts in that file, rewritten when it starts, after every
+validation verdict, and before a start fails on a checkpoint it cannot restore; the
+operator reads them back (:func:`parse_report`) when it cannot list the storage itself.
+The agent writes (:class:`TerminationLog`) and the operator parses with this one module.
 
 Format, version 1: one line of JSON, then ``\\n``::
 
     {"format": "ckpt.dev/checkpoints", "v": 1, "run": "<run id>", "at": <unix time>,
      "cps": [{"s": <step>, "t": "<tier>", "st": "<status>", "at": <unix time>,
               "h": "<manifest hash, first 16 hex>", "p": "<previous link's hash, 16 hex>",
-              "f": "<flags: l lightweight, a approximate, e emergency>"}, ...]}
+              "f": "<flags: l lightweight, a approximate, e emergency>",
+              "vt": <unix time of a corrupted verdict>}, ...]}
 
-``cps`` is newest first (step, then tier); ``p`` and ``f`` are left out when empty. The
-checkpoint id is ``<tier>_step_<step>`` (:func:`ckpt_agent.records.checkpoint_id`). A
-report is at most :data:`MAX_BYTES` (the kubelet keeps 4096 bytes per container and
-12 KiB per pod): the oldest checkpoints are dropped to fit.
+``cps`` is newest first (step, then tier); ``p``, ``f`` and ``vt`` are left out when empty.
+Statuses: ``valid``, and ``corrupted`` (failed validation, or found corrupted by a resume),
+which carries ``vt``, the time it was known corrupted: ``at`` is the commit's time, the same
+in every report of one checkpoint, so two reports of one commit are told apart by ``vt``
+(:func:`merge_checkpoints`). The checkpoint id is ``<tier>_step_<step>``
+(:func:`ckpt_agent.records.checkpoint_id`). A report is at most :data:`MAX_BYTES` (the
+kubelet keeps 4096 bytes per container and 12 KiB per pod): the oldest checkpoints are
+dropped to fit. Its entries are the writer's listing of the storage, from the oldest
+entry's step up (:meth:`CheckpointReport.covers`).
+
+:func:`parse_report` reads anything (a termination message is the application's to write,
+and the operator's ``ckpt.dev/checkpoints`` annotation is editable): whatever is not a
+report of this format, however deep, long or odd, is a :class:`TerminationReportError`.
 
 Writing happens in place (the file is a bind mount: nothing can be renamed over it): one
 ``pwrite`` of the whole line at offset 0, then a truncate. A reader takes the first line
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -67,8 +79,11 @@ HASH_CHARS = 16
 ENV_PATH = "CKPT_TERMINATION_LOG"
 #: The Kubernetes default ``terminationMessagePath``.
 DEFAULT_PATH = "/dev/termination-log"
-#: Statuses a report carries: what a restart may use.
-_REPORTED = (CheckpointStatus.VALID,)
+#: Longest first line :func:`parse_report` reads (the kubelet keeps 4096 bytes; the
+#: operator's annotation is written by :func:`encode_report`, within :data:`MAX_BYTES`).
+MAX_PARSE_CHARS = 16384
+#: Statuses a report carries: what a restart may use, and what it must not.
+_REPORTED = (CheckpointStatus.VALID, CheckpointStatus.CORRUPTED)
 _TIER_ORDER = {Tier.HEARTBEAT: 0, Tier.PULSE: 1, Tier.FULL: 2}
 _FLAGS = (("l", "lightweight"), ("a", "approximate"), ("e", "emergency"))
 
@@ -86,6 +101,8 @@ class ReportedCheckpoint:
     lightweight: bool = False
     approximate: bool = False
     emergency: bool = False
+    verdict_at: float = 0.0
+    """When it was known corrupted (0 for a valid one)."""
 
     @property
     def id(self) -> str:
@@ -96,8 +113,15 @@ class ReportedCheckpoint:
         """Newest is largest: step, then tier, then commit time."""
         return (self.step, _TIER_ORDER[self.tier], self.created_at)
 
+    @property
+    def merge_key(self) -> tuple[float, float]:
+        """Of two entries with one id the larger wins: a later commit, then a later verdict."""
+        return (self.created_at, self.verdict_at)
+
     @classmethod
-    def from_record(cls, r: CheckpointRecord) -> ReportedCheckpoint:
+    def from_record(cls, r: CheckpointRecord, verdict_at: float = 0.0) -> ReportedCheckpoint:
+        """``verdict_at``: when a corrupted ``r`` was known corrupted (ignored when valid)."""
+        corrupted = r.status == CheckpointStatus.CORRUPTED
         return cls(
             step=r.step,
             tier=r.tier,
@@ -108,6 +132,7 @@ class ReportedCheckpoint:
             lightweight=r.lightweight,
             approximate=r.approximate,
             emergency=r.emergency,
+            verdict_at=round(verdict_at, 3) if corrupted else 0.0,
         )
 
     def to_record(self) -> CheckpointRecord:
@@ -124,6 +149,7 @@ class ReportedCheckpoint:
             approximate=self.approximate,
             emergency=self.emergency,
             reason="reported by the pod (termination message)",
+            extra={"status_reason": "a pod found it corrupted"} if self.verdict_at else {},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -139,6 +165,8 @@ class ReportedCheckpoint:
         flags = "".join(c for c, name in _FLAGS if getattr(self, name))
         if flags:
             out["f"] = flags
+        if self.verdict_at:
+            out["vt"] = self.verdict_at
         return out
 
     @classmethod
@@ -146,11 +174,10 @@ class ReportedCheckpoint:
         if not isinstance(data, Mapping):
             raise TerminationReportError(f"a checkpoint entry is {type(data).__name__}, not a map")
         try:
-            step, at = data["s"], data["at"]
+            step = data["s"]
             if isinstance(step, bool) or not isinstance(step, int) or step < 0:
                 raise ValueError(f"step {step!r} is not a non-negative integer")
-            if isinstance(at, bool) or not isinstance(at, int | float):
-                raise ValueError(f"time {at!r} is not a number")
+            at, vt = _time(data["at"]), _time(data.get("vt", 0.0))
             h, p, f = data.get("h", ""), data.get("p"), data.get("f", "")
             if not isinstance(h, str) or not (p is None or isinstance(p, str)):
                 raise ValueError("hashes must be strings")
@@ -163,11 +190,26 @@ class ReportedCheckpoint:
                 created_at=float(at),
                 manifest_hash=h,
                 prev_hash=p or None,
+                verdict_at=vt,
                 **{name: c in f for c, name in _FLAGS},
             )
         except (KeyError, ValueError, TypeError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-            raise TerminationReportError(f"bad checkpoint entry {dict(data)!r}: {what}") from None
+            raise TerminationReportError(
+                f"bad checkpoint entry {_clip(repr(dict(data)))}: {_clip(what)}"
+            ) from None
+
+
+def _time(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"time {_clip(repr(value))} is not a number")
+    if not math.isfinite(value):
+        raise ValueError(f"time {value!r} is not finite")
+    return float(value)
+
+
+def _clip(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
 
 
 @dataclass(frozen=True)
@@ -182,9 +224,18 @@ class CheckpointReport:
     def from_records(
         cls, run_id: str, records: Iterable[CheckpointRecord], written_at: float = 0.0
     ) -> CheckpointReport:
-        """The reportable records (valid ones; the newest heartbeat included), newest first."""
-        kept = [ReportedCheckpoint.from_record(r) for r in records if r.status in _REPORTED]
+        """The reportable records (valid and corrupted ones; the newest heartbeat included),
+        newest first; a corrupted one is known corrupted at ``written_at``."""
+        kept = [
+            ReportedCheckpoint.from_record(r, written_at) for r in records if r.status in _REPORTED
+        ]
         return cls(run_id, merge_checkpoints(kept), written_at)
+
+    def covers(self, step: int) -> bool:
+        """Whether this report's listing reaches back past ``step`` (its entries are what the
+        writer's storage held from its oldest entry's step up; older ones were left out to
+        fit): a checkpoint at a later step that it does not name was gone when it was written."""
+        return bool(self.checkpoints) and step > self.checkpoints[-1].step
 
     def records(self) -> list[CheckpointRecord]:
         """As records, oldest first (like :func:`ckpt_agent.format.listing.list_checkpoints`)."""
@@ -192,12 +243,13 @@ class CheckpointReport:
 
 
 def merge_checkpoints(*groups: Iterable[ReportedCheckpoint]) -> tuple[ReportedCheckpoint, ...]:
-    """Union by id, newest first; of two entries with one id the later commit wins."""
+    """Union by id, newest first; of two entries with one id the later commit wins, and of
+    one commit the later verdict (a corrupted verdict over the valid one it replaces)."""
     by_id: dict[str, ReportedCheckpoint] = {}
     for group in groups:
         for cp in group:
             old = by_id.get(cp.id)
-            if old is None or cp.created_at >= old.created_at:
+            if old is None or cp.merge_key >= old.merge_key:
                 by_id[cp.id] = cp
     return tuple(sorted(by_id.values(), key=lambda c: c.order, reverse=True))
 
@@ -232,17 +284,26 @@ def encode_report(report: CheckpointReport, max_bytes: int = MAX_BYTES) -> bytes
 
 def parse_report(text: str | bytes) -> CheckpointReport:
     """The report in a termination message (its first line); :class:`TerminationReportError`
-    saying what is wrong when it is not one (e.g. the application wrote its own message)."""
+    saying what is wrong when it is not one (e.g. the application wrote its own message) —
+    never any other exception, whatever ``text`` holds."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
+    if not isinstance(text, str):
+        raise TerminationReportError(f"the termination message is {type(text).__name__}, not text")
     first = text.split("\n", 1)[0].strip()
     if not first:
         raise TerminationReportError("the termination message is empty: no checkpoint report")
-    try:
-        doc = json.loads(first)
-    except ValueError:
+    if len(first) > MAX_PARSE_CHARS:
         raise TerminationReportError(
-            f"the termination message is not a checkpoint report (not JSON): {first[:80]!r}"
+            f"the termination message is not a checkpoint report ({len(first)} characters; a "
+            f"report has at most {MAX_PARSE_CHARS}): {first[:80]!r}"
+        )
+    try:
+        doc = json.loads(first, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        what = "nested too deep" if isinstance(e, RecursionError) else "not JSON"
+        raise TerminationReportError(
+            f"the termination message is not a checkpoint report ({what}): {first[:80]!r}"
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise TerminationReportError(
@@ -254,15 +315,21 @@ def parse_report(text: str | bytes) -> CheckpointReport:
             f"checkpoint report version {doc.get('v')!r} is not supported (this reader knows "
             f"{VERSION}): upgrade the operator to the agent's version"
         )
-    run, cps, at = doc.get("run"), doc.get("cps"), doc.get("at", 0.0)
+    run, cps = doc.get("run"), doc.get("cps")
     if not isinstance(run, str) or not run:
         raise TerminationReportError("checkpoint report without a run id")
     if not isinstance(cps, list):
         raise TerminationReportError(f"checkpoint report of run {run!r}: 'cps' is not a list")
-    if isinstance(at, bool) or not isinstance(at, int | float):
-        raise TerminationReportError(f"checkpoint report of run {run!r}: bad time {at!r}")
+    try:
+        at = _time(doc.get("at", 0.0))
+    except ValueError as e:
+        raise TerminationReportError(f"checkpoint report of run {run!r}: {e}") from None
     entries = merge_checkpoints(ReportedCheckpoint.from_json(e) for e in cps)
-    return CheckpointReport(run, entries, float(at))
+    return CheckpointReport(run, entries, at)
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number a report holds")
 
 
 class TerminationLog:

@@ -2,10 +2,12 @@
 
 Storage (with :meth:`StorageOptions.for_config
 <ckpt_agent.storage.options.StorageOptions.for_config>`), the writer (codec policy
-from the compression section), the validator, the local catalog and the
+from the compression section), the validator (its loader process gets the same
+storage options), the local catalog and the
 :class:`~ckpt_agent.persist.finalize.FinalizePipeline` are built here, once, the
-same way for the trainer (:class:`~ckpt_agent.runtime.checkpointer.Checkpointer`),
-the sidecar (:mod:`ckpt_agent.flash.sidecar`) and the CLI.
+same way for the trainer (:class:`~ckpt_agent.runtime.checkpointer.Checkpointer`)
+and the sidecar (:mod:`ckpt_agent.flash.sidecar`); the CLI opens its storage with
+:meth:`PersistBuilder.open_storage` (:func:`ckpt_agent.cli.common.open_store`).
 
 .. code-block:: python
 
@@ -102,7 +104,10 @@ class PersistBuilder:
         )
 
     def validator(self, storage: Storage) -> Validator:
-        return Validator(storage, self.run_id, self.config.validation)
+        """The validator; its loader process opens ``storage.url`` with :meth:`storage_options`
+        (passed as ``CKPT_S3_*`` variables: the policy's S3 section reaches the child too)."""
+        env = self.storage_options().to_env()
+        return Validator(storage, self.run_id, self.config.validation, env=env)
 
     def build(
         self,

@@ -135,8 +135,9 @@ class FinalizePipeline:
             world size.
         store_lock: held around storage writes (shared with the caller's writer).
         tolerate_retention_errors: a storage/format error in retention is logged, not raised.
-        report: the container's termination message, rewritten with the run's verified
-            checkpoints after every retention pass (:mod:`ckpt_agent.format.termination`).
+        report: the container's termination message, rewritten with the run's checkpoints
+            after every validation verdict, from the retention pass that follows it (or the
+            catalog when that pass fails) (:mod:`ckpt_agent.format.termination`).
     """
 
     def __init__(
@@ -194,12 +195,15 @@ class FinalizePipeline:
             return self._reported(FinalizeResult(outcome, self.apply_retention(grace)))
         except (StorageError, CheckpointFormatError) as e:
             log.warning("retention after %s failed: %s", job.checkpoint_id, e)
-            return FinalizeResult(outcome, None)
+            return self._reported(FinalizeResult(outcome, None))
 
     def _reported(self, result: FinalizeResult) -> FinalizeResult:
-        """Rewrite the termination-message report from what retention kept."""
-        if self.report is not None and result.retention is not None:
-            self.report.write(self.run_id, result.retention.kept)
+        """Rewrite the termination-message report with the verdict: from what retention kept
+        (the storage's listing), or from the catalog when retention failed."""
+        if self.report is not None:
+            retention = result.retention
+            kept = retention.kept if retention is not None else self.catalog.records(self.run_id)
+            self.report.write(self.run_id, kept)
         return result
 
     # ------------------------------------------------------------------ steps

@@ -26,6 +26,7 @@ from typing import Any
 from ckpt_agent.decide.retention import RetentionPlan
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.layout import (
+    AUDIT_TAIL_BYTES,
     COMMIT,
     MANIFEST_MAX_BYTES,
     audit_key,
@@ -41,7 +42,15 @@ from ckpt_agent.records import Tier
 from ckpt_agent.storage.base import NotFoundError, Storage, StorageError
 from ckpt_agent.tuning import GC_GRACE_S
 
-__all__ = ["GcResult", "append_audit", "apply_retention", "delete_checkpoint", "gc_blobs", "who"]
+__all__ = [
+    "GcResult",
+    "append_audit",
+    "apply_retention",
+    "delete_checkpoint",
+    "gc_blobs",
+    "read_audit_tail",
+    "who",
+]
 
 log = logging.getLogger(__name__)
 
@@ -229,12 +238,35 @@ def append_audit(storage: Storage, run_id: str, entry: Mapping[str, Any]) -> Non
     """Append one JSON line to ``<run>/audit.log`` (read, append, atomic replace).
 
     Manual recoveries are rare and made by one person at a time; the replace is
-    atomic, so a reader never sees a half-written log.
+    atomic, so a reader never sees a half-written log. Only the log's last
+    :data:`~ckpt_agent.format.layout.AUDIT_TAIL_BYTES` are read and kept (a real log
+    never gets there; a forged or damaged one costs no more).
+    """
+    try:
+        old, cut = read_audit_tail(storage, run_id)
+    except NotFoundError:
+        old, cut = b"", False
+    if cut:  # only a damaged or forged log is this large: keep its newest lines
+        log.warning("%s: over %d bytes, oldest lines dropped", audit_key(run_id), AUDIT_TAIL_BYTES)
+    if old and not old.endswith(b"\n"):
+        old += b"\n"
+    line = json.dumps(dict(entry), sort_keys=True, separators=(",", ":"), default=str) + "\n"
+    storage.commit(audit_key(run_id), old + line.encode())
+
+
+def read_audit_tail(
+    storage: Storage, run_id: str, limit: int = AUDIT_TAIL_BYTES
+) -> tuple[bytes, bool]:
+    """The newest whole lines of ``<run>/audit.log`` within its last ``limit`` bytes, and
+    whether older ones were left out (never more than ``limit`` bytes read).
+
+    :class:`NotFoundError` when the run has no audit log.
     """
     key = audit_key(run_id)
-    try:
-        old = storage.read(key)
-    except NotFoundError:
-        old = b""
-    line = json.dumps(dict(entry), sort_keys=True, separators=(",", ":"), default=str) + "\n"
-    storage.commit(key, old + line.encode())
+    size = storage.stat(key).size
+    if size <= limit:
+        return storage.read(key, 0, limit), False
+    data = storage.read(key, size - limit - 1, limit + 1)
+    # Whole lines only: the byte before the tail tells whether its first line is cut.
+    cut = data.find(b"\n")
+    return (data[cut + 1 :] if cut >= 0 else b""), True

@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.errors import IntegrityError, one_line
-from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
+from ckpt_agent.format.codec import Shuffler
 from ckpt_agent.format.layout import blob_key, sha256_hex, validation_key
 from ckpt_agent.format.manifest import ValidationRecord
 from ckpt_agent.format.readers import check_tensor_bytes, read_commit, read_rank_manifest
+from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
 from ckpt_agent.format.statecheck import check_state
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus, Json
@@ -103,14 +104,6 @@ class LoadReport:
         )
 
 
-def _default_shuffler() -> Shuffler:
-    try:
-        from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
-    except ImportError:  # pragma: no cover - numpy is an agent dependency
-        return PY_SHUFFLER
-    return NUMPY_SHUFFLER
-
-
 def load_check(
     storage: Storage, run_id: str, ckpt_id: str, rank: int = 0, shuffler: Shuffler | None = None
 ) -> LoadReport:
@@ -120,7 +113,7 @@ def load_check(
     so what ``Checkpointer.start()`` would refuse is not called valid. Memory stays at one
     chunk whatever the manifest declares; a blob referenced many times is decoded once.
     """
-    shuffler = shuffler or _default_shuffler()
+    shuffler = shuffler or NUMPY_SHUFFLER
     report = LoadReport()
     try:
         committed = read_commit(storage, run_id, ckpt_id)
@@ -303,7 +296,14 @@ class LoaderProcess:
 
 
 class Validator:
-    """Runs the checks of a :class:`~ckpt_agent.policy.models.ValidationSpec` on checkpoints."""
+    """Runs the checks of a :class:`~ckpt_agent.policy.models.ValidationSpec` on checkpoints.
+
+    ``env`` is the loader process's environment (default ``os.environ``): the child opens
+    ``storage.url`` with the ``CKPT_S3_*``/``CKPT_FS_*`` options found there, so pass
+    :meth:`StorageOptions.to_env() <ckpt_agent.storage.options.StorageOptions.to_env>` of the
+    options the storage was opened with (:meth:`PersistBuilder.validator
+    <ckpt_agent.persist.builder.PersistBuilder.validator>` does).
+    """
 
     def __init__(
         self,

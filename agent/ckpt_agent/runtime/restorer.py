@@ -19,9 +19,11 @@ Every rejected candidate carries a :class:`Rejection` with its
 is read, decoded, checked (:mod:`~ckpt_agent.runtime.preflight`, before anything
 is applied) or applied is a rejection, never a crash; checkpoints past the resume step are
 marked superseded (:meth:`Restorer.restore`); the lineage the new checkpoints
-carry is the engine's ``lineage``. What a resume reads and writes in storage besides
-the checkpoint (``RECOVER.json``, verdicts, retirements) is in
-:mod:`~ckpt_agent.runtime.resume_records`; :class:`ResumePoint` and the candidate
+carry is the engine's ``lineage``. A start that fails leaves its verdicts in the
+termination-message report first (after a failed pin: the ladder's next candidates
+probed too, :func:`~ckpt_agent.runtime.resume_records.report_failed_start`). What a
+resume reads and writes in storage besides the checkpoint (``RECOVER.json``, verdicts,
+retirements) is in :mod:`~ckpt_agent.runtime.resume_records`; :class:`ResumePoint` and the candidate
 types in :mod:`~ckpt_agent.runtime.resume_point`.
 """
 
@@ -73,6 +75,7 @@ from ckpt_agent.runtime.resume_records import (
     consume_recover_request,
     read_recover_request,
     record_verdict,
+    report_failed_start,
     retire_newer,
 )
 from ckpt_agent.runtime.serialization import LoadedState, load_tensors, restore_rng
@@ -126,6 +129,14 @@ class _Attempts:
     def reasons(self) -> dict[str, str]:
         return {k: v.reason for k, v in self.rejected.items()}
 
+    def current(self) -> list[CheckpointRecord]:
+        """The records with this resume's verdicts (a candidate at fault is corrupted)."""
+        bad = {k for k, v in self.rejected.items() if v.kind.corrupted}
+        return [
+            r.with_status(CheckpointStatus.CORRUPTED) if r.id in bad else r
+            for r in self.by_id.values()
+        ]
+
     def reject(self, err: CandidateRejectedError) -> None:
         """A candidate failed while being applied: never offer it again (marked if its fault)."""
         self._cache[err.checkpoint_id] = None
@@ -170,7 +181,7 @@ class Restorer:
             e.finalizer.last_valid_step = max(full) if full else -1
             e.metrics.last_valid_step.set(e.finalizer.last_valid_step)
         if e.finalizer.report is not None:  # report in at once: the operator sees the agent
-            e.finalizer.report.write(e.run_id, weights)
+            e.finalizer.report.write(e.run_id, records)
         attempts = _Attempts(self, records)
         # 1. rank 0 chose: exactly that one.
         if forced is not None:
@@ -190,13 +201,20 @@ class Restorer:
         if pins:
             log.info("resume lineage: %s", choice.reason)
         pin = choice.apply
-        if pin is not None:
-            named = {"checkpoint_id": pin.checkpoint_id, "weights_from": pin.weights_from}
-            point = self._named(attempts, pin.checkpoint_id, pin.source, named, choice.lineage)
-        else:  # 4. the ladder (a spent pin: its lineage only).
-            if choice.candidates is not None:
-                attempts.records = [r for r in attempts.records if r.id in choice.candidates]
-            point = self._ladder(attempts, choice)
+        try:
+            if pin is not None:
+                named = {"checkpoint_id": pin.checkpoint_id, "weights_from": pin.weights_from}
+                point = self._named(attempts, pin.checkpoint_id, pin.source, named, choice.lineage)
+            else:  # 4. the ladder (a spent pin: its lineage only).
+                if choice.candidates is not None:
+                    attempts.records = [r for r in attempts.records if r.id in choice.candidates]
+                point = self._ladder(attempts, choice)
+        except ResumeError as err:  # the verdicts reach the operator before the start fails
+            if isinstance(err, CandidateRejectedError):
+                attempts.reject(err)
+            probe = None if pin is None else (lambda cid: attempts.get(cid) is not None)
+            report_failed_start(e, attempts.current, probe)
+            raise
         if request is not None and e.ranks.coordinator:
             applied = pin is not None and pin.source == "manual"
             if applied or any(p.source == "manual" for p in choice.spent):

@@ -2,44 +2,67 @@
 
 The pending ``RECOVER.json`` request of ``ckpt recover --manual`` (read, then
 consumed with an audit entry), the verdicts found while resuming (validation
-records and the catalog), and the retirement of checkpoints past the resume
-step (:func:`ckpt_agent.decide.lineage.superseded`). Used by
+records and the catalog), the retirement of checkpoints past the resume
+step (:func:`ckpt_agent.decide.lineage.superseded`), and the checkpoint report a start
+that fails leaves in the termination message (:func:`report_failed_start`). Used by
 :class:`~ckpt_agent.runtime.restorer.Restorer`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckpt_agent.decide.lineage import superseded
-from ckpt_agent.errors import NotFoundError, ResumeError, StorageError
-from ckpt_agent.format.layout import recover_request_key, validation_key
+from ckpt_agent.decide.recovery import plan_recovery, walk
+from ckpt_agent.errors import (
+    CheckpointFormatError,
+    NotFoundError,
+    ResumeError,
+    RetryableError,
+    StorageError,
+    UnsafePathError,
+)
+from ckpt_agent.format.layout import (
+    RECOVER_MAX_BYTES,
+    loads,
+    recover_request_key,
+    validation_key,
+)
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import ValidationRecord
+from ckpt_agent.format.readers import read_capped
 from ckpt_agent.persist.housekeeping import append_audit, who
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.runtime.context import Engine
 
-__all__ = ["consume_recover_request", "read_recover_request", "record_verdict", "retire_newer"]
+__all__ = [
+    "consume_recover_request",
+    "read_recover_request",
+    "record_verdict",
+    "report_failed_start",
+    "retire_newer",
+]
 
 log = logging.getLogger(__name__)
 
 
 def read_recover_request(e: Engine) -> dict[str, Any] | None:
-    """The pending ``RECOVER.json`` of ``ckpt recover --manual`` (None: there is none)."""
+    """The pending ``RECOVER.json`` of ``ckpt recover --manual`` (None: there is none).
+
+    Read capped at :data:`RECOVER_MAX_BYTES` and parsed with the format's bounded
+    parser: an oversized, malformed or deeply nested one is a :class:`ResumeError`.
+    """
     key = recover_request_key(e.run_id)
     try:
-        raw = e.storage.read(key)
+        req: dict[str, Any] = loads(read_capped(e.storage, key, RECOVER_MAX_BYTES), key)
     except NotFoundError:
         return None
-    try:
-        req = json.loads(raw)
-    except ValueError:
-        raise ResumeError(f"{key} is not valid JSON: delete it or rerun `ckpt recover`") from None
-    if not isinstance(req, dict) or not isinstance(req.get("checkpoint_id"), str):
+    except (CheckpointFormatError, UnsafePathError) as err:
+        raise ResumeError(f"{err}: delete {key} or rerun `ckpt recover`") from None
+    if not isinstance(req.get("checkpoint_id"), str):
         raise ResumeError(f"{key} names no checkpoint_id: delete it or rerun `ckpt recover`")
     return req
 
@@ -124,3 +147,28 @@ def retire_newer(e: Engine, step: int, resumed_from: str) -> None:
         )
         e.catalog.set_status(e.run_id, r.id, CheckpointStatus.EXPIRED, reason)
         e.event("superseded", checkpoint=r.id, reason=reason)
+
+
+def report_failed_start(
+    e: Engine,
+    records: Callable[[], list[CheckpointRecord]],
+    usable: Callable[[str], bool] | None = None,
+) -> None:
+    """Before a start fails on a checkpoint it cannot restore: rewrite the termination
+    report (:mod:`ckpt_agent.format.termination`) with ``records()`` — the run's
+    checkpoints with the verdicts this start found.
+
+    With ``usable`` (a resume pin failed: ``usable(id)`` loads and checks one candidate,
+    recording its verdict), the candidates the recovery ladder would take instead are
+    tried first, until one is usable: an operator that plans from the pods' reports
+    (it cannot read the storage) then skips every bad checkpoint at its next restart,
+    not one per crash loop. Best effort: a storage outage ends the probe.
+    """
+    if e.finalizer.report is None or not e.ranks.coordinator:
+        return
+    if usable is not None:
+        try:
+            walk(plan_recovery(records(), e.config.recovery), usable)
+        except RetryableError as err:
+            log.warning("probing the recovery ladder after a failed pin stopped: %s", err)
+    e.finalizer.report.write(e.run_id, records())

@@ -218,6 +218,22 @@ class StorageOptions:
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
+    def to_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default ``os.environ``) with these options as its ``CKPT_S3_*``/``CKPT_FS_*``
+        variables: the inverse of :meth:`from_env` (``from_env(o.to_env()) == o``).
+
+        The variables of ``base`` that :data:`ENV_VARS` names are dropped first, so a child
+        process started with this environment (the validator's loader) opens its storage
+        with exactly these options, the policy's S3 section included.
+        """
+        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in ENV_VARS}
+        for var, name in ENV_VARS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            env[var] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        return env
+
     @classmethod
     def from_spec(
         cls,

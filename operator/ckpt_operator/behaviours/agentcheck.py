@@ -23,7 +23,7 @@ from ckpt_operator.agentcheck import (
     unreported_pods,
 )
 from ckpt_operator.behaviours.deps import Deps, Obj, kind_kw
-from ckpt_operator.behaviours.guard import storage_call
+from ckpt_operator.behaviours.guard import read_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.reports import pod_reports
 from ckpt_operator.sources import StorageAccessDeniedError
@@ -57,13 +57,19 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
             silent: list[SilentPod] = _blind_verdict(pods, now, deadline)
         else:
             activity: dict[str, list[float]] = {}
-            for run_id in sorted(
-                {(p["metadata"].get("annotations") or {})[c.ANN_RUN_ID] for p in pods}
-            ):
+            refused: set[str] = set()
+            for run_id in sorted({_run_of(p) for p in pods}):
+                # Another namespace's run is not read (its pods fail their own owner check).
+                refusal = await read_refusal(deps, source, run_id, namespace)
+                if refusal is not None:
+                    log.info("agent check of %s/%s: %s", namespace, name, refusal)
+                    refused.add(run_id)
+                    continue
                 times = [t for _, t in await storage_call(deps, source.progress, run_id)]
                 records = await storage_call(deps, source.list_checkpoints, run_id)
                 activity[run_id] = times + [r.created_at for r in records]
-            silent = silent_pods(pods, activity, now, deadline)
+            mine = [p for p in pods if _run_of(p) not in refused]
+            silent = silent_pods(mine, activity, now, deadline)
     except StorageAccessDeniedError:
         if spec.storage.type != StorageType.LOCAL:
             return []
@@ -106,6 +112,10 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
     if current is None or current.get("reason") != reason or current.get("message") != message:
         await write_policy_status(deps, namespace, name, build)
     return [s.pod for s in silent]
+
+
+def _run_of(pod: Mapping[str, Any]) -> str:
+    return str((pod["metadata"].get("annotations") or {})[c.ANN_RUN_ID])
 
 
 def _blind_verdict(pods: list[Any], now: float, deadline_s: float) -> list[SilentPod]:

@@ -168,6 +168,7 @@ async def plan_jobset_attempt(
             inputs.verify,
             inputs.progress,
             spec.scheduler.risk.mtbf_seconds,
+            inputs.pool,
             timeout_s=deps.config.verify_timeout_s,
         )
     if isinstance(outcome, Skip):

@@ -15,6 +15,7 @@ from ckpt_operator.jobkinds import KINDS, PYTORCHJOB, TRAINJOB, JobKind, kind_of
 from ckpt_operator.jobs import JobStatusAnnotation, format_time
 from ckpt_operator.kube import KubeApi, NotFoundError
 from ckpt_operator.metrics import Metrics
+from ckpt_operator.pools import PoolLedger
 from ckpt_operator.sources import SourceFactory
 
 __all__ = [
@@ -60,6 +61,8 @@ class Deps:
     """(namespace, TrainJob) → the newest JobSet restart attempt a pod refused by the webhook
     carried: JobSet labels a pod with the attempt it is at, so the attempt is due even while
     the JobSet watch is silent (kopf serves JobSets only once it discovered their CRD)."""
+    pools: PoolLedger = field(default_factory=PoolLedger)
+    """Nodes' pools and finished jobs' running time and failures per pool (MTBF)."""
     reported_pods: set[str] = field(default_factory=set)
     """uids of unprotected pods already reported (dropped when the pod is deleted)."""
     admission_api: KubeApi | None = None

@@ -8,7 +8,8 @@ backend's own timeouts fire — S3 connect/read timeouts are capped at the same
 value — and its result is dropped.)
 
 :func:`run_refusal` claims or reads a run's owner (:mod:`ckpt_agent.format.owner`)
-before anything else touches the run.
+before anything else touches the run; :func:`read_refusal` only reads it (for
+paths that only look, e.g. the agent check).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.owner import RunOwner
 from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.jobs import JobFacts
 from ckpt_operator.sources import CheckpointSource, StorageTimeoutError
 from ckpt_operator.tenancy import owner_refusal
 
-__all__ = ["run_refusal", "storage_call"]
+__all__ = ["read_refusal", "run_refusal", "storage_call"]
 
 T = TypeVar("T")
 
@@ -60,3 +62,18 @@ async def run_refusal(
     claim = RunOwner(job.namespace, job.name, job.uid, "operator", deps.clock())
     owner = await storage_call(deps, source.claim_run, run_id, claim)
     return owner_refusal(run_id, owner.namespace, job.namespace)
+
+
+async def read_refusal(
+    deps: Deps, source: CheckpointSource, run_id: str, namespace: str
+) -> str | None:
+    """Why ``namespace`` may not read run ``run_id`` (None: it may), claiming nothing.
+
+    A run without an owner record is readable (its pods' agent claims it); an
+    unreadable record refuses (as :func:`run_refusal` would fail).
+    """
+    try:
+        owner = await storage_call(deps, source.run_owner, run_id)
+    except CheckpointFormatError as e:
+        return f"run {run_id}: unreadable owner record ({e})"
+    return None if owner is None else owner_refusal(run_id, owner.namespace, namespace)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_agent.decide.mtbf import PoolEvidence
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_agent.records import CheckpointRecord
 from ckpt_operator import constants as c
@@ -23,9 +24,10 @@ from ckpt_operator.behaviours.deps import (
 )
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.jobkinds import kind_of
-from ckpt_operator.jobs import JobStatusAnnotation, format_time, job_facts
+from ckpt_operator.jobs import JobStatusAnnotation, condition, format_time, job_facts, parse_time
 from ckpt_operator.kube import ApiError, ConflictError
 from ckpt_operator.manual import RecoverRequest, blocked_reason, pending_request, plan_manual
+from ckpt_operator.pools import node_names
 from ckpt_operator.reports import (
     KnownCheckpoints,
     known_checkpoints,
@@ -87,6 +89,8 @@ async def observe_job(deps: Deps, job: Mapping[str, Any]) -> bool:
     if not facts.annotations.get(c.ANN_RUN_ID):
         patch[c.ANN_RUN_ID] = facts.run_id
     finished = facts.succeeded or facts.handled
+    if facts.succeeded:
+        _pool_success(deps, job)
     if not finished and (
         facts.status is None or facts.status.state in ("Watching", "PolicyMissing")
     ):
@@ -171,6 +175,7 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
             planning_view(job),  # a TrainJob: counted from its last JobSet restart attempt
             *(spec.recovery, inputs.records, now, inputs.verify, inputs.progress),
             spec.scheduler.risk.mtbf_seconds,
+            inputs.pool,
             timeout_s=deps.config.verify_timeout_s,
         )
         fresh = isinstance(outcome, Restart) and outcome.decision.action == "fresh"
@@ -219,12 +224,14 @@ async def _recover_manually(
         return deps.config.recovery.policy_missing_retry_s
     outcome: Restart | GiveUp | None = None
     if spec is not None:
-        job, known = await take_reports(deps, job, await job_pods(deps, job))
+        pods = await job_pods(deps, job)
+        job, known = await take_reports(deps, job, pods)
         found = await run_checkpoints(deps, job, spec, known)
         if found is None:
             return None
         source, records = found
-        mtbf = run_mtbf(facts, spec.scheduler.risk.mtbf_seconds, deps.clock())
+        pool = deps.pools.evidence(facts.run_id, node_names(pods))
+        mtbf = run_mtbf(facts, spec.scheduler.risk.mtbf_seconds, deps.clock(), pool)
         outcome = await storage_call(
             deps,
             plan_manual,
@@ -362,6 +369,35 @@ class PlanInputs:
     records: list[CheckpointRecord]
     progress: list[tuple[int, float]]
     verify: Callable[[str], bool]
+    pool: PoolEvidence | None = None
+    """What other runs showed on the job's node pool (:mod:`ckpt_operator.pools`)."""
+
+
+def _pool_failure(
+    deps: Deps, job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], now: float
+) -> PoolEvidence | None:
+    """Book the failed job's running time and failure on its nodes' pools (once per job or
+    TrainJob attempt); return what other runs showed on its pool."""
+    facts = job_facts(planning_view(job))
+    nodes = node_names(pods)
+    if facts.created_at is not None:
+        ended = facts.failed_at if facts.failed_at is not None else now
+        key = f"{facts.uid}@{facts.created_at:.3f}"
+        deps.pools.record(key, facts.run_id, nodes, ended - facts.created_at, failed=True)
+    return deps.pools.evidence(facts.run_id, nodes)
+
+
+def _pool_success(deps: Deps, job: Mapping[str, Any]) -> None:
+    """Book a succeeded job's running time on its nodes' pools (runs that never fail count:
+    without them a pool's MTBF would be too short)."""
+    facts = job_facts(planning_view(job))
+    done = condition(job, "Succeeded") or condition(job, "Complete") or {}
+    ended = parse_time(done.get("lastTransitionTime"))
+    if facts.created_at is not None and ended is not None:
+        pods = deps.pod_index(kind_of(job)).of_job(facts.namespace, facts.name)
+        key = f"{facts.uid}@{facts.created_at:.3f}"
+        seconds = ended - facts.created_at
+        deps.pools.record(key, facts.run_id, node_names(pods), seconds, failed=False)
 
 
 async def gather_plan_inputs(
@@ -378,6 +414,7 @@ async def gather_plan_inputs(
     waiting = await wait_for_terminating_pods(deps, job, pods, now)
     if waiting is not None:
         return waiting
+    pool = _pool_failure(deps, job, pods, now)
     job, known = await take_reports(deps, job, pods, pending)
     found = await run_checkpoints(deps, job, spec, known)
     if found is None:
@@ -385,7 +422,7 @@ async def gather_plan_inputs(
     source, records = found
     run_id = job_facts(job).run_id
     progress = await storage_call(deps, source.progress, run_id)
-    return PlanInputs(job, records, progress, functools.partial(source.verify, run_id))
+    return PlanInputs(job, records, progress, functools.partial(source.verify, run_id), pool)
 
 
 async def wait_for_terminating_pods(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import struct
 import subprocess
 import sys
@@ -221,3 +223,26 @@ def test_console_scripts_are_installed_and_torch_free(ck_store: LocalStorage) ->
 def test_every_command_has_help(cmd: str) -> None:
     code, out = _invoke(cmd, "--help")
     assert code == 0 and "--storage" in out and "--run-id" in out
+
+
+@pytest.mark.parametrize("cmd", ["ls", "verify", "gc"])
+def test_the_configs_s3_section_opens_the_storage(
+    cmd: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--config``'s S3 section (endpoint, attempts) applies, as in the trainer: the command
+    goes to the configured endpoint (here a closed port: refused at once, one attempt)."""
+    for var in [v for v in os.environ if v.startswith(("CKPT_S3_", "AWS_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"s3": {"endpoint": endpoint, "maxAttempts": 1}}))
+    storage = "s3://bucket/prefix"
+    code, out = _invoke(cmd, "--storage", storage, "--run-id", RUN, "--config", str(cfg))
+    assert code == 3, out  # the storage failed (exit code 3) ...
+    assert endpoint in out and "after 1 attempt" in out, out  # ... at the configured endpoint
+    with common.open_store(storage, common.load_policy(cfg)) as store:
+        assert store.options.max_attempts == 1  # type: ignore[attr-defined]

@@ -27,10 +27,19 @@ from ckpt_agent.errors import (
     RetryableStorageError,
     UnsafePathError,
 )
-from ckpt_agent.format.layout import blob_key, commit_key, rank_manifest_key, validation_key
+from ckpt_agent.format.layout import (
+    AUDIT_TAIL_BYTES,
+    audit_key,
+    blob_key,
+    commit_key,
+    rank_manifest_key,
+    validation_key,
+)
 from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.persist.housekeeping import append_audit, read_audit_tail
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
 from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.report.data import load_run
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"
@@ -275,6 +284,53 @@ def test_recover_with_a_planted_audit_log_is_one_line(ck_store: LocalStorage) ->
     code, out = _invoke(ck_store, "recover", "--manual", "--step", "10", "--force")
     assert code == ExitCode.UNSAFE, out
     assert "unsafe storage" in _error_line(out)
+
+
+def test_report_skips_hostile_audit_lines(ck_store: LocalStorage) -> None:
+    """Nesting past the recursion limit, huge numbers, a list, bad UTF-8: skipped, never
+    ``internal error``; the good entries are reported."""
+    _commit(ck_store, 10)
+    good = {"time": 1e9, "who": "me@host", "what": "manual recovery requested"}
+    lines = [
+        json.dumps(good).encode(),
+        b"[" * 100_000,
+        b'{"time": ' + b"9" * 5000 + b"}",
+        b'{"time": 1e400}',
+        b"[1, 2]",
+        b"\xff\xfe",
+    ]
+    ck_store.commit(audit_key(RUN), b"\n".join(lines) + b"\n")
+    assert load_run(ck_store, RUN).audit == [good]
+    page = ck_store.root.parent / "report.html"
+    code, out = _invoke(
+        ck_store, "report", "--storage", str(ck_store.root), "--run-id", RUN, "--out", str(page)
+    )
+    assert code == 0 and "internal error" not in out, out
+    assert page.is_file()
+
+
+def test_the_audit_log_is_read_from_its_tail_only(
+    ck_store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forged multi-MiB audit log: readers take its last whole lines, within the limit,
+    and an append keeps the log bounded instead of growing it."""
+    line = b'{"what":"old"}\n'
+    ck_store.commit(audit_key(RUN), b"x" * 100 + line * (AUDIT_TAIL_BYTES // len(line) + 10))
+    tail, cut = read_audit_tail(ck_store, RUN, limit=10 * len(line) + 3)
+    assert cut and tail == line * 10  # whole lines only
+    asked: list[int | None] = []
+    real = LocalStorage.read
+
+    def spy(self: LocalStorage, key: str, start: int = 0, length: int | None = None) -> bytes:
+        asked.append(length)
+        return real(self, key, start, length)
+
+    monkeypatch.setattr(LocalStorage, "read", spy)
+    append_audit(ck_store, RUN, {"what": "new"})
+    assert asked and all(n is not None and n <= AUDIT_TAIL_BYTES + 1 for n in asked)
+    log = ck_store.root.joinpath(audit_key(RUN)).read_bytes()
+    assert len(log) <= AUDIT_TAIL_BYTES + 100 and log.startswith(line)
+    assert log.endswith(b'{"what":"new"}\n')
 
 
 def test_recover_when_the_request_cannot_be_written(ck_store: LocalStorage) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_agent.errors import RunOwnershipError
+from ckpt_agent.errors import CheckpointFormatError, RunOwnershipError
 from ckpt_agent.format.owner import (
     RunOwner,
     check_owner,
@@ -64,3 +64,20 @@ def test_the_agent_claims_its_run_and_refuses_another_namespaces(
     with pytest.raises(RunOwnershipError, match="team-a"):
         start("team-b")
     assert claim_owner(ck_store, "run1", RunOwner("x")).namespace == "team-a"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 4000,  # nesting past the interpreter's recursion limit
+        b'{"namespace": "a", "time": ' + b"9" * 3000 + b"}",  # float() would overflow
+        b'{"namespace": "a", "time": 1e400}',
+        b'["a"]',
+        b"\xff",
+        b'{"namespace": "' + b"a" * 5000 + b'"}',
+    ],
+    ids=["deep", "huge-int", "inf", "not-an-object", "not-utf8", "oversized"],
+)
+def test_a_hostile_owner_record_is_a_format_error(raw: bytes) -> None:
+    with pytest.raises(CheckpointFormatError, match=r"OWNER\.json"):
+        RunOwner.from_bytes(raw)

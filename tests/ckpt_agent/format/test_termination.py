@@ -70,15 +70,69 @@ def test_round_trip_keeps_what_the_ladder_needs() -> None:
     assert out["full_step_000000000010"].created_at == 1_764_500_010.0
 
 
-def test_only_verified_checkpoints_are_reported() -> None:
+def test_only_verdicts_are_reported_corrupted_ones_with_their_time() -> None:
     records = [
         rec(1),
         rec(2, status=CheckpointStatus.PENDING),
         rec(3, status=CheckpointStatus.CORRUPTED),
         rec(4, status=CheckpointStatus.EXPIRED),
     ]
-    report = CheckpointReport.from_records(RUN, records)
-    assert [c.step for c in report.checkpoints] == [1]
+    report = CheckpointReport.from_records(RUN, records, 1_764_600_000.25)
+    assert [(c.step, c.status) for c in report.checkpoints] == [(3, "corrupted"), (1, "valid")]
+    bad, good = report.checkpoints
+    assert bad.verdict_at == 1_764_600_000.25 and good.verdict_at == 0.0
+    line = encode_report(report).decode()
+    assert line.count('"vt":') == 1  # a valid entry carries no verdict time
+    back = parse_report(line)
+    assert back == report
+    out = {r.step: r for r in back.records()}
+    assert out[3].status == CheckpointStatus.CORRUPTED and out[3].extra["status_reason"]
+    assert out[1].status == CheckpointStatus.VALID and not out[1].extra
+
+
+def test_a_corrupted_verdict_replaces_the_valid_report_of_the_same_commit() -> None:
+    valid = CheckpointReport.from_records(RUN, [rec(5)], 100.0).checkpoints
+    bad = CheckpointReport.from_records(
+        RUN, [rec(5, status=CheckpointStatus.CORRUPTED)], 200.0
+    ).checkpoints
+    # whatever order the reports come in: the commit time is the same, the verdict decides
+    for groups in ((valid, bad), (bad, valid)):
+        (merged,) = merge_checkpoints(*groups)
+        assert merged.status == CheckpointStatus.CORRUPTED and merged.verdict_at == 200.0
+    # the same step id committed again later (a rewritten checkpoint) is the new one
+    again = ReportedCheckpoint(
+        5, Tier.PULSE, CheckpointStatus.VALID, rec(5).created_at + 50, f"{6:064x}"
+    )
+    (merged,) = merge_checkpoints(bad, [again])
+    assert merged == again
+
+
+def test_corrupted_verdicts_stay_under_the_bound_and_keep_the_newest() -> None:
+    records = [
+        rec(
+            s,
+            status=CheckpointStatus.CORRUPTED if s % 3 else CheckpointStatus.VALID,
+            prev_hash=f"{s - 1:064x}",
+            lightweight=s % 2 == 0,
+            emergency=True,
+        )
+        for s in range(1, 1001)
+    ]
+    report = CheckpointReport.from_records(RUN, records, 1_764_600_000.123)
+    data = encode_report(report)
+    assert len(data) <= MAX_BYTES < 4096
+    back = parse_report(data)
+    steps = [c.step for c in back.checkpoints]
+    assert steps == list(range(1000, 1000 - len(steps), -1)) and len(steps) >= 8
+    assert {c.status for c in back.checkpoints} == {"valid", "corrupted"}
+    assert all(c.verdict_at for c in back.checkpoints if c.status == "corrupted")
+    assert back.covers(1000) and not back.covers(steps[-1])
+
+
+def test_covers_the_steps_after_its_oldest_entry() -> None:
+    report = CheckpointReport.from_records(RUN, [rec(10, Tier.FULL), rec(20)])
+    assert report.covers(11) and report.covers(30) and not report.covers(10)
+    assert not CheckpointReport(RUN).covers(5)  # an empty report says nothing
 
 
 def test_many_checkpoints_stay_under_the_bound_and_keep_the_newest() -> None:
@@ -139,12 +193,67 @@ def test_a_run_id_too_long_for_the_bound_is_refused_clearly() -> None:
             '"cps":[{"s":1,"t":"pulse","st":"valid","at":"noon"}]}',
             "not a number",
         ),
+        # hostile or broken messages (well within the kubelet's 4096 bytes)
+        ("[" * 3000, "nested too deep"),
+        ("{" * 3000, "nested too deep|not JSON"),
+        (f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[{"[" * 1500}{"]" * 1500}]}}', "deep"),
+        ('{"a":' * 1500 + "1" + "}" * 1500, "nested too deep"),
+        ("[" * 100_000, "100000 characters"),
+        ('"' + "x" * 20_000 + '"', "characters"),
+        ("9" * 5000, "not JSON"),  # past Python's int digit limit
+        (f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[],"at":NaN}}', "not JSON"),
+        (f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[],"at":1e400}}', "not finite"),
+        (
+            f'{{"format":"{FORMAT}","v":1,"run":"r",'
+            '"cps":[{"s":1,"t":"pulse","st":"valid","at":1e400}]}',
+            "not finite",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":1,"run":"r",'
+            '"cps":[{"s":1,"t":"pulse","st":"corrupted","at":1,"vt":"later"}]}',
+            "not a number",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[{{"s":1,"t":[],"st":"valid","at":1}}]}}',
+            "bad checkpoint entry",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[{{"s":1,"t":"pulse","st":{{}},"at":1}}]}}',
+            "bad checkpoint entry",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[{{"s":1,"t":"pulse","st":"valid","at":1,"h":7}}]}}',
+            "strings",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[{{"s":true,"t":"pulse","st":"valid","at":1}}]}}',
+            "non-negative",
+        ),
+        (
+            f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[{{"s":1,"t":"pulse","st":"valid","at":1,"f":[1]}}]}}',
+            "flags",
+        ),
+        (f'{{"format":"{FORMAT}","v":1,"run":{{"x":1}},"cps":[]}}', "without a run id"),
+        ("\ud800\udfff garbage", "not JSON"),
     ],
 )
 def test_parse_errors_say_what_is_wrong(text: str, match: str) -> None:
     with pytest.raises(TerminationReportError, match=match) as info:
         parse_report(text)
     assert isinstance(info.value, CheckpointFormatError)  # one family: decide on types
+
+
+def test_a_long_bad_entry_is_quoted_short() -> None:
+    entry = '{"s":1,"t":"pulse","st":"valid","at":"' + "x" * 1000 + '"}'
+    with pytest.raises(TerminationReportError) as info:
+        parse_report(f'{{"format":"{FORMAT}","v":1,"run":"r","cps":[{entry}]}}')
+    assert len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize("blob", [b"\xff\xfe\x00" * 100, bytes(range(256)) * 10])
+def test_bytes_that_are_no_text_are_a_report_error(blob: bytes) -> None:
+    with pytest.raises(TerminationReportError):
+        parse_report(blob)
 
 
 def test_stale_bytes_after_the_first_line_are_ignored() -> None:

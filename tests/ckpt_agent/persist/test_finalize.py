@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,9 @@ from ckpt_agent.persist.finalize import FinalizeJob, anomalies_from_records
 from ckpt_agent.persist.writer import TensorSource
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.storage.base import StorageError
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_agent.storage.options import StorageOptions
 
 EXPECTED = {"model/w": ("float32", (64, 64))}
 
@@ -34,6 +37,13 @@ def _write(parts: PersistParts, run: str, step: int) -> tuple[str, str]:
     record = committed.commit.record(committed.manifest_hash, CheckpointStatus.PENDING)
     parts.catalog.upsert(run, record)
     return checkpoint_id(Tier.PULSE, step), committed.manifest_hash
+
+
+def _break_retention(parts: PersistParts, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(grace_s: float) -> Any:
+        raise StorageError("storage down")
+
+    monkeypatch.setattr(parts.finalizer, "apply_retention", broken)
 
 
 def _build(
@@ -108,8 +118,6 @@ def test_finalize_tolerates_retention_errors_when_asked(
     ck_config: Callable[..., AgentConfig],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ckpt_agent.storage.base import StorageError
-
     cfg = ck_config()
     metrics = Metrics()
     parts = PersistBuilder(cfg, storage=ck_store).build(
@@ -117,11 +125,7 @@ def test_finalize_tolerates_retention_errors_when_asked(
     )
     try:
         cid, digest = _write(parts, cfg.run_id, 5)
-
-        def broken(grace_s: float) -> Any:
-            raise StorageError("storage down")
-
-        monkeypatch.setattr(parts.finalizer, "apply_retention", broken)
+        _break_retention(parts, monkeypatch)
         result = parts.finalizer.finalize(FinalizeJob(cid, Tier.PULSE, 5, digest))
         assert result.outcome.valid and result.retention is None
     finally:
@@ -159,6 +163,33 @@ def test_builder_applies_the_policys_s3_section(tmp_path: Path) -> None:
     assert PersistBuilder(local, environ={}).storage_options().part_size_bytes == 16 * 1024 * 1024
 
 
+def test_the_validators_loader_gets_the_policys_s3_section(
+    ck_store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader child opens storage from its environment: the builder hands it the options
+    it built (endpoint, attempts, part size from the config), not only the pod's CKPT_S3_*."""
+    monkeypatch.setenv("CKPT_S3_MAX_ATTEMPTS", "2")  # the pod's env: the policy overrides it
+    cfg = AgentConfig.model_validate(
+        {
+            "storageUrl": "s3://bucket/prefix",
+            "s3": {"endpoint": "http://minio.example:9000", "maxAttempts": 7, "partSizeMb": 32},
+        }
+    )
+    builder = PersistBuilder(cfg, storage=ck_store)
+    validator = builder.validator(ck_store)
+    try:
+        child = StorageOptions.from_env(validator.env)
+        assert child == builder.storage_options()
+        assert (child.endpoint_url, child.max_attempts, child.part_size_bytes) == (
+            "http://minio.example:9000",
+            7,
+            32 * 1024 * 1024,
+        )
+        assert validator.env.get("PATH") == os.environ.get("PATH")  # the rest of the env stays
+    finally:
+        validator.close()
+
+
 def test_finalize_rewrites_the_termination_report_after_each_verdict(
     tmp_path: Path, ck_store: LocalStorage, ck_config: Callable[..., AgentConfig]
 ) -> None:
@@ -185,5 +216,38 @@ def test_finalize_rewrites_the_termination_report_after_each_verdict(
             assert not set(result.retention.deleted) & {c.id for c in report.checkpoints}
         kept = [r.step for r in list_checkpoints(ck_store, cfg.run_id, include_heartbeat=False)]
         assert steps == sorted(kept, reverse=True)
+    finally:
+        parts.close()
+
+
+def test_a_verdict_is_reported_when_retention_fails_and_a_corrupted_one_too(
+    tmp_path: Path,
+    ck_store: LocalStorage,
+    ck_config: Callable[..., AgentConfig],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = ck_config()
+    report_path = tmp_path / "termination-log"
+    parts = PersistBuilder(cfg, storage=ck_store, environ={ENV_PATH: str(report_path)}).build(
+        tmp_path / "catalog.sqlite", metrics=Metrics(), tolerate_retention_errors=True
+    )
+    try:
+        good, good_digest = _write(parts, cfg.run_id, 5)
+        bad, bad_digest = _write(parts, cfg.run_id, 10)
+        _break_retention(parts, monkeypatch)
+        parts.finalizer.finalize(FinalizeJob(good, Tier.PULSE, 5, good_digest, expected=EXPECTED))
+        report = parse_report(report_path.read_bytes())  # from the catalog: retention failed
+        assert [(c.id, c.status) for c in report.checkpoints] == [(good, "valid")]
+        wrong = {"model/w": ("float32", (8, 8))}  # the verdict: corrupted (shape mismatch)
+        result = parts.finalizer.finalize(
+            FinalizeJob(bad, Tier.PULSE, 10, bad_digest, expected=wrong)
+        )
+        assert not result.outcome.valid and result.retention is None
+        report = parse_report(report_path.read_bytes())
+        assert [(c.id, c.status) for c in report.checkpoints] == [
+            (bad, "corrupted"),
+            (good, "valid"),
+        ]
+        assert report.checkpoints[0].verdict_at >= report.checkpoints[0].created_at
     finally:
         parts.close()

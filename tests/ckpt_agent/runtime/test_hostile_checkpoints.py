@@ -27,15 +27,18 @@ from typer.testing import CliRunner
 from ckpt_agent.cli.main import app
 from ckpt_agent.errors import RejectionKind
 from ckpt_agent.format.layout import (
+    RECOVER_MAX_BYTES,
     blob_key,
     commit_key,
     dumps,
     rank_manifest_key,
+    recover_request_key,
     sha256_hex,
     validation_key,
 )
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import ValidationRecord
+from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.validate import Validator, load_check
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.policy.models import ValidationSpec
@@ -454,3 +457,39 @@ def test_a_missing_commit_or_a_symlink_loop_under_steps_leaves_the_rest_usable(r
     run.store.delete(commit_key(RUN, run.second))
     assert [r.id for r in list_checkpoints(run.store, RUN)] == [run.first]
     assert _resume(run)[1].checkpoint_id == run.first
+
+
+def test_a_symlinked_blob_of_the_newest_checkpoint_is_rejected(run: Run, tmp_path: Path) -> None:
+    """A blob replaced by a link to a file outside the root (same bytes, so every hash
+    holds): never followed; the checkpoint is rejected and the previous one resumed."""
+    older = set(read_checkpoint(run.store, RUN, run.first)[1].blobs)
+    digest = min(set(read_checkpoint(run.store, RUN, run.second)[1].blobs) - older)
+    path = run.store.root / blob_key(RUN, digest)
+    outside = tmp_path / "outside"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    os.symlink(outside, path)
+    assert "UnsafePathError" in _assert_fell_back(run)
+    assert path.is_symlink() and outside.exists()  # the link is reported, not followed
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,  # nesting past the interpreter's recursion limit
+        b'{"checkpoint_id": ' + b"9" * 5000 + b"}",
+        b'{"checkpoint_id": "' + b"x" * RECOVER_MAX_BYTES + b'"}',
+        b"\xff\xfe",
+    ],
+    ids=["deep", "huge-int", "oversized", "not-utf8"],
+)
+def test_a_hostile_recover_request_is_a_resume_error_that_says_what_to_do(
+    run: Run, raw: bytes
+) -> None:
+    run.store.commit(recover_request_key(RUN), raw)
+    ckpt = Tiny(seed=1).checkpointer(run.cfg)
+    try:
+        with pytest.raises(ResumeError, match=r"RECOVER\.json.*delete .*RECOVER\.json"):
+            ckpt.start()
+    finally:
+        ckpt.close()

@@ -15,6 +15,7 @@ from ckpt_agent.storage import (
     NotFoundError,
     PermanentStorageError,
     RetryableStorageError,
+    StorageError,
     StorageOptions,
     open_storage,
 )
@@ -97,6 +98,30 @@ def test_options_from_env() -> None:
     assert StorageOptions.from_env({}) == StorageOptions()
     assert StorageOptions.from_env({}, max_attempts=7).max_attempts == 7
     assert set(ENV_VARS) >= set(env)
+
+
+def test_options_to_env_round_trip() -> None:
+    """What a child process (the validator's loader) is given opens the same storage."""
+    o = StorageOptions(
+        endpoint_url="http://minio.storage:9000",
+        region="eu-central-1",
+        path_style=True,
+        sse="aws:kms",
+        kms_key_id="alias/ckpt",
+        part_size_bytes=48 * 1024 * 1024,
+        max_attempts=9,
+        backoff_base_s=0.125,
+        read_timeout_s=7.5,
+        access_key_id="AKIA",
+        secret_access_key="s3cr3t",
+        fsync=False,
+    )
+    base = {"PATH": "/bin", "CKPT_S3_PROFILE": "stale", "CKPT_S3_MAX_ATTEMPTS": "1"}
+    env = o.to_env(base)
+    assert StorageOptions.from_env(env) == o
+    assert env["PATH"] == "/bin" and "CKPT_S3_PROFILE" not in env  # the base's own are replaced
+    assert (env["CKPT_S3_MAX_ATTEMPTS"], env["CKPT_FS_FSYNC"]) == ("9", "false")
+    assert StorageOptions.from_env(StorageOptions().to_env({})) == StorageOptions()
 
 
 @pytest.mark.parametrize(
@@ -253,6 +278,8 @@ def test_error_classification(
     err = offline_s3.classify(_client_error(code, status), "PutObject", "k")
     assert type(err) is kind
     assert "s3://bkt/pre/k" in str(err) and hint in str(err)
+    assert isinstance(err, StorageError)
+    assert err.code == ("AccessDenied" if code == "403" else code)  # what callers decide on
 
 
 def test_network_errors_are_retryable_and_bugs_are_not_classified() -> None:

@@ -108,6 +108,7 @@ def test_missing_bucket_is_permanent_everywhere(make_s3: Any) -> None:
         with pytest.raises(PermanentStorageError, match="NoSuchBucket") as ei:
             action()
         assert "create it" in str(ei.value) and "no-such-bucket" in str(ei.value)
+        assert ei.value.code == "NoSuchBucket"  # from HEAD (no code) too: the bucket check
     assert s.retries == 0
 
 

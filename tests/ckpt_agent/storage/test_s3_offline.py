@@ -16,7 +16,12 @@ import pytest
 from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
-from ckpt_agent.storage import StorageOptions
+from ckpt_agent.storage import (
+    NotFoundError,
+    PermanentStorageError,
+    RetryableStorageError,
+    StorageOptions,
+)
 from ckpt_agent.storage.s3 import S3Storage
 
 PART = 5 * 1024 * 1024
@@ -92,3 +97,105 @@ def test_listing_strips_the_prefix_and_skips_markers(stubbed: tuple[S3Storage, S
         {"Bucket": "b", "Prefix": "pre/run/", "MaxKeys": ANY},
     )
     assert [(i.key, i.size) for i in s.list("run/")] == [("run/a", 3)]
+
+
+class _Counted(io.BytesIO):
+    """A response body that counts what was read from it."""
+
+    taken = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        data = super().read(size)
+        self.taken += len(data)
+        return data
+
+
+def test_a_ranged_read_never_takes_more_than_it_asked(stubbed: tuple[S3Storage, Stubber]) -> None:
+    """A server that ignores Range and sends the whole object: the body is read at most
+    one byte past the range; from the start the range is cut out, elsewhere it is refused."""
+    s, stub = stubbed
+    whole = bytes(range(100))
+    sent = _Counted(whole)
+    stub.add_response(
+        "get_object",
+        {"Body": StreamingBody(sent, len(whole))},
+        {"Bucket": "b", "Key": "pre/k", "Range": "bytes=0-3"},
+    )
+    assert s.read("k", 0, 4) == whole[:4]
+    assert sent.taken == 5  # not the whole body
+    stub.add_response(
+        "get_object",
+        {"Body": _body(whole)},
+        {"Bucket": "b", "Key": "pre/k", "Range": "bytes=10-13"},
+    )
+    with pytest.raises(PermanentStorageError, match="ignored the Range header"):
+        s.read("k", 10, 4)
+
+
+# --- the backend decides on S3's error code, never on the message text ---------------------
+
+
+def _stubbed(**options: Any) -> tuple[S3Storage, Stubber]:
+    opts = StorageOptions(region="us-east-1", part_size_bytes=PART, **options)
+    s = S3Storage("b", "pre", opts)
+    stub = Stubber(s.client)
+    stub.activate()
+    return s, stub
+
+
+def test_an_error_keeps_its_code_through_the_retries() -> None:
+    s, stub = _stubbed(max_attempts=2, backoff_base_s=0.0)
+    for _ in range(2):
+        stub.add_client_error("get_object", "SlowDown", "slow down", 503)
+    with pytest.raises(RetryableStorageError, match="gave up after 2") as ei:
+        s.read("k")
+    assert ei.value.code == "SlowDown"
+    stub.add_client_error("get_object", "NoSuchKey", "gone", 404)
+    with pytest.raises(NotFoundError) as nf:
+        s.read("k")
+    assert nf.value.code == "NoSuchKey"
+    s.close()
+
+
+def test_a_read_past_the_end_is_empty_by_code_not_by_message() -> None:
+    s, stub = _stubbed()
+    stub.add_client_error("get_object", "InvalidRange", "not satisfiable", 416)
+    assert s.read("k", 10, 5) == b""
+    # a key that merely names the code is no licence to swallow a real refusal
+    stub.add_client_error("get_object", "AccessDenied", "no", 403)
+    with pytest.raises(PermanentStorageError, match="AccessDenied"):
+        s.read("InvalidRange", 10, 5)
+    stub.assert_no_pending_responses()
+    s.close()
+
+
+def test_a_failed_complete_is_not_excused_by_a_key_that_names_no_such_upload() -> None:
+    s, stub = _stubbed()
+    where = {"Bucket": "b", "Key": "pre/NoSuchUpload"}
+    stub.add_response("create_multipart_upload", {"UploadId": "U"}, None)
+    for n in (1, 2):
+        stub.add_response("upload_part", {"ETag": f'"p{n}"'}, None)
+    stub.add_client_error("complete_multipart_upload", "AccessDenied", "no", 403)
+    done = {"ETag": '"e-2"', "ContentLength": PART + 1, "LastModified": datetime.datetime.now()}
+    stub.add_response("head_object", done, where)
+    with pytest.raises(PermanentStorageError, match="AccessDenied"):
+        with s.open_write("NoSuchUpload") as f:
+            f.write(b"x" * (PART + 1))
+    assert s.calls["HeadObject"] == 0  # the error's code is not NoSuchUpload: no excuse sought
+    s.close()
+
+
+def test_a_refused_read_is_not_a_replaced_object_because_of_its_key() -> None:
+    s, stub = _stubbed(max_attempts=1)
+    where = {"Bucket": "b", "Key": "pre/PreconditionFailed"}
+    head = {"ETag": '"e"', "ContentLength": 4, "LastModified": datetime.datetime.now(datetime.UTC)}
+    stub.add_response("head_object", head, where)
+    stub.add_client_error("get_object", "AccessDenied", "no", 403)
+    with s.open_read("PreconditionFailed") as r, pytest.raises(PermanentStorageError):
+        r.read()
+    stub.add_response("head_object", head, {**where, "Key": "pre/k"})
+    stub.add_client_error("get_object", "PreconditionFailed", "changed", 412)
+    with s.open_read("k") as r, pytest.raises(RetryableStorageError, match="replaced"):
+        r.read()
+    stub.assert_no_pending_responses()
+    s.close()

@@ -32,7 +32,7 @@ from ckpt_agent.storage.base import (
     validate_prefix,
 )
 from ckpt_agent.storage.options import S3_MIN_PART_SIZE, StorageOptions
-from ckpt_agent.storage.s3.failures import HINTS, backoff_s, classify_error
+from ckpt_agent.storage.s3.failures import HINTS, backoff_s, classify_error, with_code
 from ckpt_agent.storage.s3.transfer import S3Reader, S3Writer
 
 if TYPE_CHECKING:
@@ -161,7 +161,10 @@ class S3Storage(Storage):
                         )
                         time.sleep(delay)
                         continue
-                    err = RetryableStorageError(f"{err}; gave up after {attempt} attempt(s)")
+                    err = with_code(
+                        RetryableStorageError(f"{err}; gave up after {attempt} attempt(s)"),
+                        err.code,
+                    )
                 raise err from e
 
     def _check_bucket(self) -> None:
@@ -171,8 +174,11 @@ class S3Storage(Storage):
         try:
             self._call("HeadBucket", None, lambda: self._client.head_bucket(Bucket=self.bucket))
         except NotFoundError:
-            raise PermanentStorageError(
-                f"S3 HeadBucket {self._where(None)}: NoSuchBucket. {HINTS['NoSuchBucket']}"
+            raise with_code(
+                PermanentStorageError(
+                    f"S3 HeadBucket {self._where(None)}: NoSuchBucket. {HINTS['NoSuchBucket']}"
+                ),
+                "NoSuchBucket",
             ) from None
         except PermanentStorageError:
             # HEAD responses carry no error code: ask a call that does (ListObjectsV2).
@@ -225,12 +231,23 @@ class S3Storage(Storage):
         def get() -> bytes:
             resp = self._client.get_object(**kwargs)
             with resp["Body"] as body:
-                return body.read()
+                if length is None:
+                    return body.read()
+                # Never trust the server to honour Range: read at most one byte past it.
+                data: bytes = body.read(length + 1)
+            if len(data) <= length:
+                return data
+            if start:  # a whole object where a part of it was asked: the bytes are wrong
+                raise PermanentStorageError(
+                    f"S3 GetObject {self._where(key)}: the endpoint ignored the Range header "
+                    "(sent more than was asked): use an S3-compatible endpoint that honours it"
+                )
+            return data[:length]
 
         try:
             return self._call("GetObject", key, get)
         except PermanentStorageError as e:
-            if "InvalidRange" in str(e):  # start at/after the end
+            if e.code == "InvalidRange":  # start at/after the end
                 return b""
             raise
 

@@ -1,14 +1,15 @@
 """What a failed S3 request means: retryable or permanent, and what to fix.
 
 Maps boto3/botocore/network exceptions to the storage error taxonomy
-(:mod:`ckpt_agent.storage.base`) with a hint per error code, and computes the
-retry backoff. No I/O here.
+(:mod:`ckpt_agent.storage.base`) with a hint per error code, keeps S3's error
+code on the error (:attr:`StorageError.code <ckpt_agent.errors.StorageError.code>`,
+what the backend decides on), and computes the retry backoff. No I/O here.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, TypeVar
 
 import botocore.exceptions as bexc
 import urllib3.exceptions
@@ -20,7 +21,9 @@ from ckpt_agent.storage.base import (
     StorageError,
 )
 
-__all__ = ["CRED_HINT", "HINTS", "STREAM_ERRORS", "backoff_s", "classify_error"]
+__all__ = ["CRED_HINT", "HINTS", "STREAM_ERRORS", "backoff_s", "classify_error", "with_code"]
+
+_E = TypeVar("_E", bound=StorageError)
 
 #: Error codes worth retrying (besides any 5xx, 408 and 429).
 RETRYABLE_CODES = frozenset(
@@ -105,6 +108,12 @@ STREAM_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def with_code(err: _E, code: str | None) -> _E:
+    """``err`` with :attr:`~ckpt_agent.errors.StorageError.code` set (an empty code: None)."""
+    err.code = code or None
+    return err
+
+
 def classify_error(e: BaseException, where: str) -> StorageError | None:
     """Map a boto3/botocore/network exception to the storage taxonomy (None: a bug).
 
@@ -118,14 +127,18 @@ def classify_error(e: BaseException, where: str) -> StorageError | None:
         msg = str(err.get("Message", "")).strip()
         status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         if code in ("NoSuchKey", "404", "NotFound"):
-            return NotFoundError(f"{where}: no such object")
+            return with_code(NotFoundError(f"{where}: no such object"), code)
         if code in RETRYABLE_CODES or status >= 500 or status in (408, 429):
-            return RetryableStorageError(f"{where}: {code or status} {msg} (HTTP {status})")
+            return with_code(
+                RetryableStorageError(f"{where}: {code or status} {msg} (HTTP {status})"), code
+            )
         if code == "403" or (status == 403 and code not in HINTS):
             code = "AccessDenied"
         hint = HINTS.get(code, "")
         detail = f"{code}: {msg}" if msg else code or f"HTTP {status}"
-        return PermanentStorageError(f"{where}: {detail}. {hint}".rstrip(". ") + ".")
+        return with_code(
+            PermanentStorageError(f"{where}: {detail}. {hint}".rstrip(". ") + "."), code
+        )
     if isinstance(e, bexc.NoCredentialsError | bexc.PartialCredentialsError):
         return PermanentStorageError(f"{where}: no usable credentials found. {CRED_HINT}")
     if isinstance(e, bexc.ParamValidationError):

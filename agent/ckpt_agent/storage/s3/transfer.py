@@ -174,7 +174,7 @@ class S3Writer(ObjectWriter):
             )
         except PermanentStorageError as e:
             # A retried Complete whose first attempt succeeded answers NoSuchUpload.
-            if "NoSuchUpload" not in str(e) or not self._completed_already(len(parts)):
+            if e.code != "NoSuchUpload" or not self._completed_already(len(parts)):
                 raise
         self._upload_id = None  # nothing left to abort
 
@@ -266,7 +266,7 @@ class S3Reader(io.RawIOBase):
         try:
             return s3._call("GetObject", self._key, lambda: s3._client.get_object(**kwargs))["Body"]
         except PermanentStorageError as e:
-            if "PreconditionFailed" in str(e):
+            if e.code == "PreconditionFailed":
                 raise RetryableStorageError(
                     f"{s3._where(self._key)} was replaced while being read; read it again"
                 ) from e
