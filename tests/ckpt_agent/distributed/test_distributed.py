@@ -26,6 +26,16 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 STEPS = 30
 
 
+def _persister_logs(out: Path) -> str:
+    """What the persisters said (their log and events, tails): for a failed assertion."""
+    parts = []
+    for path in sorted((out / "work").glob("sidecar*")):
+        if path.suffix in (".log", ".jsonl"):
+            lines = path.read_text(errors="replace").splitlines()[-25:]
+            parts.append(f"== {path.name}\n" + "\n".join(line[:240] for line in lines))
+    return "\n".join(parts) or "(no persister logs)"
+
+
 def _storage(root: Path) -> LocalStorage:
     return LocalStorage(root / "store")
 
@@ -200,7 +210,7 @@ def test_flash_ddp_rank_sigkilled_after_snapshot_is_committed_by_the_persisters(
         if newest is not None and newest.step == died and newest.status != CheckpointStatus.PENDING:
             break
         time.sleep(0.1)
-    assert newest is not None and newest.step == died, newest
+    assert newest is not None and newest.step == died, (newest, died, _persister_logs(out))
     assert newest.world_size == 2 and newest.status == CheckpointStatus.VALID
     for rank in range(2):  # the persisters exit once their trainer is gone
         pid = int((out / "work" / f"sidecar.rank{rank}.pid").read_text())
