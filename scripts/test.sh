@@ -14,6 +14,20 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 stage() { printf '\n\033[1;34m==> %s\033[0m\n' "$*"; }
 t0=$(date +%s)
 
+# Disk first: a full disk fails late and obscurely (pip's "No space left on device" after
+# minutes, or checkpoints that are never committed in a test that waits for them).
+need_gib() {  # need_gib DIR GIB WHAT
+  local avail
+  avail=$(df -Pk "$1" | awk 'NR == 2 { print int($4 / 1048576) }')
+  if (( avail < $2 )); then
+    printf 'error: %s GiB free in %s; %s needs about %s GiB. Free space (old clones and their .venv, /tmp/pytest-of-*, ~/.cache/go-build) and run again.\n' \
+      "$avail" "$1" "$3" "$2" >&2
+    exit 1
+  fi
+}
+if [[ -d .venv ]]; then need_gib . 2 "the checkout"; else need_gib . 8 "the checkout and its new .venv (torch)"; fi
+need_gib "${TMPDIR:-/tmp}" 4 "the tests' temporary files"
+
 stage "setup (venv + Go tools + operator image)"
 scripts/setup.sh --tools --images
 # the image tests and the e2e's operator-from-the-image must run here, never skip
