@@ -156,11 +156,18 @@ class Scenario:
         return str(rid)
 
     def wait_restart(self, job_name: str, timeout: float = 90.0) -> dict[str, Any]:
-        """Wait until the operator restarted ``job_name``; returns the new job."""
+        """Wait until the operator restarted ``job_name``; returns the new job.
+
+        Done means the new job exists *and* the operator finished the restart: the failed
+        job's status left ``Restarting`` (the intent it writes before creating the job), so
+        its ``Restarted`` status and the restart's Events are written too."""
 
         def restarted() -> dict[str, Any] | None:
-            new = annotations_of(self.job(job_name)).get(RESTARTED_AS)
-            return self.job(new) if new else None
+            failed = self.job(job_name)
+            new = annotations_of(failed).get(RESTARTED_AS)
+            if not new or operator_status(failed).get("state") == "Restarting":
+                return None
+            return self.job(new)
 
         job = self.cluster.wait_for(
             restarted, timeout=timeout, what=f"the operator restarting PyTorchJob {job_name}"
