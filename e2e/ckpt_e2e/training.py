@@ -18,6 +18,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,8 +390,28 @@ def events(
     name: str | None = None,
     kind: str | None = None,
     reason: str | None = None,
+    wait: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """core/v1 Events of ``namespace`` (about object ``name`` / with ``reason``), oldest first."""
+    """core/v1 Events of ``namespace`` (about object ``name`` / with ``reason``), oldest first.
+
+    ``wait``: up to that many seconds for at least one (the operator posts its Events in
+    the background, after the writes a test waits for); then whatever there is, maybe none.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        found = _events(cluster, namespace, name, kind, reason)
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.25)
+
+
+def _events(
+    cluster: LocalCluster,
+    namespace: str,
+    name: str | None,
+    kind: str | None,
+    reason: str | None,
+) -> list[dict[str, Any]]:
     items = cluster.request("GET", f"/api/v1/namespaces/{namespace}/events").get("items") or []
     out = []
     for e in items:
@@ -421,13 +442,10 @@ def wait_event(
     name: str | None = None,
     timeout: float = 60.0,
 ) -> dict[str, Any]:
-    ev = cluster.wait_for(
-        lambda: next(iter(events(cluster, namespace, name=name, reason=reason)), None),
-        timeout=timeout,
-        what=f"Event {reason} in {namespace}" + (f" about {name}" if name else ""),
-    )
-    assert isinstance(ev, dict)
-    return ev
+    """The first Event ``reason`` (about ``name``), waiting up to ``timeout`` for it."""
+    found = events(cluster, namespace, name=name, reason=reason, wait=timeout)
+    assert found, f"no Event {reason} in {namespace}" + (f" about {name}" if name else "")
+    return found[0]
 
 
 def event_lines(cluster: LocalCluster, namespace: str) -> str:

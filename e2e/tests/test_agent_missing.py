@@ -71,7 +71,9 @@ def test_agent_missing_is_reported(scenario: Scenario) -> None:
     first.local.kill()
     assert first.wait(30) == 137
     restart = scenario.wait_restart("train")
-    restarted = events(scenario.cluster, scenario.namespace, name="train", reason="Restarted")
+    restarted = events(
+        scenario.cluster, scenario.namespace, name="train", reason="Restarted", wait=30
+    )
     assert "fresh" in restarted[0]["message"], restarted
     assert restart["metadata"]["name"] == "train-r1"
     assert "ckpt.dev/resume-from" not in (restart["metadata"].get("annotations") or {})
@@ -96,7 +98,9 @@ def test_agent_missing_is_reported_by_the_pods_when_blind(scenario: Scenario) ->
     restart = scenario.wait_restart("train")
     assert restart["metadata"]["name"] == "train-r1"
     assert "ckpt.dev/resume-from" not in (restart["metadata"].get("annotations") or {})
-    restarted = events(scenario.cluster, scenario.namespace, name="train", reason="Restarted")
+    restarted = events(
+        scenario.cluster, scenario.namespace, name="train", reason="Restarted", wait=30
+    )
     assert "fresh" in restarted[0]["message"], restarted
     warned = _missing_events(scenario)
     assert warned and warned[0]["type"] == "Warning", warned

@@ -103,7 +103,9 @@ def test_manual_recover_after_gave_up(scenario: Scenario, tmp_path: Path) -> Non
     assert new["ckpt.dev/recover-reason"] == REASON
     assert new["ckpt.dev/recover-by"]
     assert "ckpt.dev/recover-step" not in new
-    manual = events(scenario.cluster, scenario.namespace, name="train", reason="ManualRecover")
+    manual = events(
+        scenario.cluster, scenario.namespace, name="train", reason="ManualRecover", wait=30
+    )
     assert (
         manual
         and REASON in manual[0]["message"]

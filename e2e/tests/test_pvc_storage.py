@@ -94,7 +94,9 @@ def test_pvc_storage_the_operator_cannot_read(scenario: Scenario) -> None:
     failed = annotations_of(scenario.job("train"))
     last = json.loads(failed["ckpt.dev/last-verified-checkpoint"])
     assert (last["checkpointId"], last["source"]) == (newest.id, "pods")
-    ladder = events(scenario.cluster, scenario.namespace, name="train", reason="LadderStep")
+    ladder = events(
+        scenario.cluster, scenario.namespace, name="train", reason="LadderStep", wait=30
+    )
     assert ladder and newest.id in ladder[-1]["message"]
 
     # 2. the restart dies before advancing: crash loop, poisoned, the one before is next
@@ -105,7 +107,9 @@ def test_pvc_storage_the_operator_cannot_read(scenario: Scenario) -> None:
     ann2 = annotations_of(r2)
     assert ann2["ckpt.dev/poisoned"] == newest.id
     assert ann2["ckpt.dev/resume-from"] == previous.id
-    crash = events(scenario.cluster, scenario.namespace, name="train-r1", reason="CrashLoop")
+    crash = events(
+        scenario.cluster, scenario.namespace, name="train-r1", reason="CrashLoop", wait=30
+    )
     assert crash and newest.id in crash[0]["message"], crash
 
     run2 = runner.wait_run("train-r2")

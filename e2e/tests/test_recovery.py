@@ -123,7 +123,9 @@ def test_sigkill_mid_run_resumes_from_the_newest_valid_checkpoint(scenario: Scen
     reasons = [e["reason"] for e in events(scenario.cluster, scenario.namespace, name="train")]
     for r in ("Injected", "JobFailed", "LadderStep", "Restarted"):
         assert r in reasons, reasons
-    restarted = events(scenario.cluster, scenario.namespace, name="train", reason="Restarted")
+    restarted = events(
+        scenario.cluster, scenario.namespace, name="train", reason="Restarted", wait=30
+    )
     assert (
         f"restarted as train-r1 from step {newest.step} ({newest.id}, resume)"
         in (restarted[0]["message"])
@@ -186,12 +188,14 @@ def test_corrupted_newest_checkpoint_makes_the_ladder_take_the_previous(
     ann = annotations_of(restart)
     assert ann["ckpt.dev/resume-from"] == previous.id, (newest.id, previous.id)
     rejected = events(
-        scenario.cluster, scenario.namespace, name="train", reason="CheckpointRejected"
+        scenario.cluster, scenario.namespace, name="train", reason="CheckpointRejected", wait=30
     )
     assert rejected and newest.id in rejected[0]["message"], rejected
     assert f"blob {blob.name[:16]}" in rejected[0]["message"]
     assert "corrupted" in rejected[0]["message"]
-    ladder = events(scenario.cluster, scenario.namespace, name="train", reason="LadderStep")
+    ladder = events(
+        scenario.cluster, scenario.namespace, name="train", reason="LadderStep", wait=30
+    )
     assert previous.id in ladder[-1]["message"] and "accepted" in ladder[-1]["message"]
 
     second = runner.wait_run(restart["metadata"]["name"])
@@ -242,14 +246,16 @@ def test_crash_loop_poisons_checkpoints_then_gives_up_after_max_restarts(
     ann = annotations_of(last)
     assert ann["ckpt.dev/poisoned"].split(",") == [valid[-1], valid[-2]]
     for name, poisoned in (("train-r1", valid[-1]), ("train-r2", valid[-2])):
-        crash = events(scenario.cluster, scenario.namespace, name=name, reason="CrashLoop")
+        crash = events(scenario.cluster, scenario.namespace, name=name, reason="CrashLoop", wait=30)
         assert crash and poisoned in crash[0]["message"], crash
 
     # after maxRestarts: stays failed, says why, and nothing else is created
     status = scenario.wait_operator_state("train-r3", "GaveUp")
     assert status["reason"] == "MaxRestartsExceeded"
     assert "recovery.maxRestarts is 3" in status["message"]
-    gave_up = events(scenario.cluster, scenario.namespace, name="train-r3", reason="GaveUp")
+    gave_up = events(
+        scenario.cluster, scenario.namespace, name="train-r3", reason="GaveUp", wait=30
+    )
     assert gave_up and gave_up[0]["type"] == "Warning"
     assert "MaxRestartsExceeded" in gave_up[0]["message"]
     assert condition(scenario.job("train-r3"), "Failed") is not None

@@ -64,7 +64,7 @@ def test_a_job_in_another_namespace_cannot_use_a_run_it_does_not_own(
         status = thief.wait_operator_state("steal", "GaveUp", timeout=120)
         assert status["reason"] == "RunOwnedElsewhere", status
         assert f"belongs to namespace {scenario.namespace}" in status["message"]
-        gave_up = events(cluster, ns_b, name="steal", reason="GaveUp")
+        gave_up = events(cluster, ns_b, name="steal", reason="GaveUp", wait=30)
         assert gave_up and gave_up[-1]["type"] == "Warning", gave_up
         assert "RunOwnedElsewhere" in gave_up[-1]["message"]
         assert thief.job("steal-r1") is None  # no restart, from A's checkpoint or any

@@ -79,7 +79,7 @@ def test_trainjob_resumes_through_jobset_restarts_after_sigkill_and_drain(
         assert env["CKPT_RUN_ID"] == run_id
         assert env.get("CKPT_STORAGE_URL")
         assert "CKPT_RESUME_FROM" not in env
-        injected = events(cluster, ns, reason="Injected")
+        injected = events(cluster, ns, reason="Injected", wait=30)
         assert injected, [e["reason"] for e in events(cluster, ns)]
 
         # 2. SIGKILL -> Job Failed -> JobSet restart attempt 1 -> resume from the newest valid
@@ -101,7 +101,7 @@ def test_trainjob_resumes_through_jobset_restarts_after_sigkill_and_drain(
         assert ann["ckpt.dev/restart-attempt"] == "1"
         assert _env(second)["CKPT_RESUME_FROM"] == newest.id
         assert _env(second)["CKPT_RUN_ID"] == run_id  # same run, same storage folder
-        restarted = events(cluster, ns, name="train", kind="TrainJob", reason="Restarted")
+        restarted = events(cluster, ns, name="train", kind="TrainJob", reason="Restarted", wait=30)
         assert restarted, [e["reason"] for e in events(cluster, ns, name="train")]
         assert (
             f"JobSet restart attempt 1 resumes from step {newest.step} ({newest.id}"
@@ -192,7 +192,7 @@ def test_trainjob_crash_loop_poisons_checkpoints_then_gives_up(
         resumed.append(_env(run)["CKPT_RESUME_FROM"])
         assert run.wait(60) == 137
     assert resumed == [valid[-1], valid[-2]], (resumed, valid)
-    crash = events(cluster, ns, name="loop", reason="CrashLoop")
+    crash = events(cluster, ns, name="loop", reason="CrashLoop", wait=30)
     assert crash and valid[-1] in crash[0]["message"], crash
 
     # the budget (2) is spent: GaveUp, the TrainJob is suspended, no attempt 3 runs
@@ -201,7 +201,7 @@ def test_trainjob_crash_loop_poisons_checkpoints_then_gives_up(
     assert "recovery.maxRestarts is 2" in status["message"]
     ann = trainjobs.annotations("loop")
     assert valid[-1] in ann["ckpt.dev/poisoned"].split(",")
-    gave_up = events(cluster, ns, name="loop", reason="GaveUp")
+    gave_up = events(cluster, ns, name="loop", reason="GaveUp", wait=30)
     assert gave_up and gave_up[0]["type"] == "Warning"
     cluster.wait_for(  # (the suspend follows the GaveUp status)
         lambda: (trainjobs.trainjob("loop") or {}).get("spec", {}).get("suspend") is True,
