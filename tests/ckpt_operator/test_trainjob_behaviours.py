@@ -91,6 +91,15 @@ def attempt_pod(fixture: Fixture, attempt: int, name: str = "") -> dict[str, Any
     return pod
 
 
+def recording_memo(world: Any) -> tuple[kopf.Memo, list[tuple[str, str]]]:
+    """The handlers' memo, its TrainJob recovery scheduler recording what it is asked to
+    schedule instead of running it."""
+    runtime = make_runtime(world.deps)
+    scheduled: list[tuple[str, str]] = []
+    runtime.trainjob_recovery.schedule = lambda ns, name: scheduled.append((ns, name)) or True  # type: ignore[method-assign]
+    return kopf.Memo({MEMO_KEY: runtime}), scheduled
+
+
 def env_of(ops: list[Any]) -> dict[str, str]:
     for op in ops:
         if op["path"].endswith("/env") or op["path"].endswith("/env/-"):
@@ -340,10 +349,7 @@ def test_jobset_giving_up_restarts_the_trainjob(world: Any, fixture: Fixture, re
 
 def test_handlers_route_trainjobs_and_jobsets(world: Any, fixture: Fixture, rec: Any) -> None:
     checkpoints(world, rec)
-    runtime = make_runtime(world.deps)
-    memo = kopf.Memo({MEMO_KEY: runtime})
-    scheduled: list[tuple[str, str]] = []
-    runtime.trainjob_recovery.schedule = lambda ns, name: scheduled.append((ns, name)) or True  # type: ignore[method-assign]
+    memo, scheduled = recording_memo(world)
     tj = world.api.add_job(fixture("trainjob_running.json"))
     run(on_trainjob_event(type="ADDED", body=tj, memo=memo))
     assert world.deps.trainjobs.get(NS, "llm-ft") is not None and scheduled == []
@@ -421,10 +427,7 @@ def test_a_failed_pod_makes_the_operator_read_the_jobset(
     """The JobSet watch may be silent (kopf serves a resource only once it discovered its
     CRD): a failed pod of the planned attempt makes the TrainJob's task read the JobSet."""
     checkpoints(world, rec)
-    runtime = make_runtime(world.deps)
-    memo = kopf.Memo({MEMO_KEY: runtime})
-    scheduled: list[tuple[str, str]] = []
-    runtime.trainjob_recovery.schedule = lambda ns, name: scheduled.append((ns, name)) or True  # type: ignore[method-assign]
+    memo, scheduled = recording_memo(world)
     tj = world.api.add_job(fixture("trainjob_running.json"))
     world.deps.trainjobs.upsert(tj)
     js = fixture("jobset_restarting.json")
@@ -473,10 +476,7 @@ def test_a_refused_pod_makes_its_attempt_due_without_the_jobset_watch(
     the attempt JobSet is at, so the TrainJob's task plans it at once and the Job
     controller's retry of the pod is admitted."""
     checkpoints(world, rec)
-    runtime = make_runtime(world.deps)
-    memo = kopf.Memo({MEMO_KEY: runtime})
-    scheduled: list[tuple[str, str]] = []
-    runtime.trainjob_recovery.schedule = lambda ns, name: scheduled.append((ns, name)) or True  # type: ignore[method-assign]
+    memo, scheduled = recording_memo(world)
     tj = world.api.add_job(fixture("trainjob_running.json"))
     world.deps.trainjobs.upsert(tj)
     assert attempt_due(world.deps, tj) is None  # no JobSet seen, no pod refused
