@@ -5,6 +5,8 @@
 #   scripts/test.sh                 everything (what CI runs)
 #   scripts/test.sh -m "not e2e"    extra arguments go to pytest
 #
+# Needs root (the image build and the e2e's operator-from-the-image) and free disk: about
+# 8 GiB for the checkout and a new .venv, 4 GiB in $TMPDIR (checked first).
 # Environment: CKPT_TOOLS_CACHE (Go binaries cache, default ~/.cache/ckpt-operator/tools).
 # The operator image is built (scripts/build-images.sh: buildah, needs root) and the e2e
 # runs the operator from it (CKPT_E2E_OPERATOR=process: from the venv; docs/testing.md).

@@ -30,7 +30,8 @@ scalars live in :mod:`ckpt_agent.runtime.tensorboard` (they need torch).
 **Relay.** In flash mode without the sidecar container, a local persister process
 commits, validates and applies retention; it is no scrape target. It publishes its
 registry (:func:`snapshot`, into ``persister-metrics.json`` of its shared-memory area)
-and the trainer serves it (:meth:`Metrics.relay`): the :data:`PERSISTER_FAMILIES` are
+and the trainer serves it (:meth:`Metrics.relay`): the families both update (checkpoints,
+bytes written/reused, validation, last valid step: ``Metrics._persister_collectors``) are
 the trainer's own samples plus the persister's, its other families the persister's own
 (``ckpt_sidecar_*``, ``ckpt_storage_*``, ``ckpt_gpu_errors``), and the families the
 trainer measures itself (save latency, stall, ...) stay the trainer's. One scrape
@@ -62,7 +63,6 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 __all__ = [
-    "PERSISTER_FAMILIES",
     "DecisionLog",
     "HealthCheck",
     "Metrics",
@@ -224,17 +224,6 @@ class Metrics:
             srv.close()
 
 
-#: Families a persister process updates (it commits, validates, applies retention) that a
-#: relaying trainer merges with its own samples (its own: verdicts found while resuming).
-PERSISTER_FAMILIES: Final = frozenset(
-    {
-        "ckpt_checkpoints",
-        "ckpt_bytes_written",
-        "ckpt_bytes_reused",
-        "ckpt_validation_seconds",
-        "ckpt_last_valid_step",
-    }
-)
 _SNAPSHOT_FORMAT: Final = "ckpt-operator.metrics-snapshot"
 _TYPES: Final = frozenset({"counter", "gauge", "histogram", "summary", "info", "unknown"})
 _ADDITIVE: Final = frozenset({"counter", "histogram", "summary"})

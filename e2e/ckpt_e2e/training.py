@@ -18,7 +18,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,14 +394,22 @@ def events(
     """core/v1 Events of ``namespace`` (about object ``name`` / with ``reason``), oldest first.
 
     ``wait``: up to that many seconds for at least one (the operator posts its Events in
-    the background, after the writes a test waits for); then whatever there is, maybe none.
+    the background, after the writes a test waits for; failing fast if a component died);
+    then whatever there is, maybe none.
     """
-    deadline = time.monotonic() + wait
-    while True:
-        found = _events(cluster, namespace, name, kind, reason)
-        if found or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.25)
+    if wait <= 0:
+        return _events(cluster, namespace, name, kind, reason)
+    try:
+        found = cluster.wait_for(
+            lambda: _events(cluster, namespace, name, kind, reason),
+            timeout=wait,
+            what=f"Event {reason or '(any)'} in {namespace}" + (f" about {name}" if name else ""),
+            interval=0.25,
+        )
+    except TimeoutError:
+        return _events(cluster, namespace, name, kind, reason)
+    assert isinstance(found, list)
+    return found
 
 
 def _events(

@@ -92,6 +92,8 @@ def test_heartbeat_rebuild_continues_at_the_heartbeat_step_not_exact(
             break
         first.local.signal_container(signal.SIGCONT)
         time.sleep(0.3)
+    else:
+        pytest.fail("the trainer never froze at a settled point (30 tries)")
     oldest, newest_full = fulls[0], fulls[-1]
     assert heartbeat.step > valid[-1].step >= newest_full.step > oldest.step
     steps = scenario.store / run_id / "steps"

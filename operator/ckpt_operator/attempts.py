@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_agent.decide.mtbf import PoolEvidence
 from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord
 from ckpt_operator import constants as c
@@ -51,7 +52,7 @@ from ckpt_operator.restart import (
     plan_restart,
     precheck_restart,
 )
-from ckpt_operator.runfacts import PoolEvidence, run_started_at
+from ckpt_operator.runfacts import run_started_at
 from ckpt_operator.trainjob import planned_attempt, pod_attempt
 
 __all__ = [

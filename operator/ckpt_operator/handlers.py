@@ -250,9 +250,8 @@ async def on_mutate_pod(
         ) from None
     if outcome.result == "deferred":  # a TrainJob restart attempt not planned yet
         deps.metrics.injections.labels("deferred").inc()
-        job_name = TRAINJOB.job_name_of_pod(pod)
-        if job_name:  # plan it now (the JobSet watch may be silent, see Deps.attempts_seen)
-            _rt(memo).trainjob_recovery.schedule(namespace, job_name)
+        # plan it now (the JobSet watch may be silent, see Deps.attempts_seen)
+        _rt(memo).trainjob_recovery.schedule(namespace, outcome.job)
         raise kopf.AdmissionError(f"ckpt-operator: {outcome.refusal}", code=503)
     warnings.extend(outcome.warnings)
     if outcome.ops:

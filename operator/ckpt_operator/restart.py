@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_agent.decide.mtbf import PoolEvidence, estimate_mtbf
 from ckpt_agent.decide.recovery import is_poisoned, plan_recovery, walk
 from ckpt_agent.errors import RetryableError
 from ckpt_agent.policy import RecoverySpec
@@ -35,7 +36,7 @@ from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator import constants as c
 from ckpt_operator.jobkinds import kind_of
 from ckpt_operator.jobs import JobFacts, job_facts, parse_time
-from ckpt_operator.runfacts import PoolEvidence, estimate_mtbf, run_started_at
+from ckpt_operator.runfacts import run_started_at
 
 __all__ = [
     "GiveUp",
@@ -421,7 +422,7 @@ def plan_restart(
 
     ``mtbf_prior_s``: the policy's ``mtbfSeconds``; the decision carries it blended
     with the run's failures and its node pool's, ``mtbf_pool``
-    (:func:`ckpt_operator.runfacts.estimate_mtbf`).
+    (:func:`ckpt_agent.decide.mtbf.estimate_mtbf`).
 
     ``records`` are the run's checkpoints (all of them, as listed from the
     manifests); ``progress`` the run's heartbeats ``(step, time)``;

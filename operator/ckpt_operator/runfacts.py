@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-from ckpt_agent.decide.mtbf import PRIOR_FAILURES, PoolEvidence, estimate_mtbf
 from ckpt_agent.policy.agent_config import (
     ENV_MTBF_SECONDS,
     ENV_RESUME_PIN,
@@ -24,10 +23,7 @@ from ckpt_operator import constants as c
 from ckpt_operator.jobs import JobFacts
 
 __all__ = [
-    "PRIOR_FAILURES",
-    "PoolEvidence",
     "agent_run_env",
-    "estimate_mtbf",
     "mtbf_of",
     "run_started_at",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from ckpt_agent.cli.recover_job import ANNOTATIONS, annotate_command, request_recovery
+from ckpt_agent.decide.mtbf import estimate_mtbf
 from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
 from ckpt_agent.format.layout import heartbeat_key
 from ckpt_agent.format.termination import CheckpointReport, encode_report
@@ -34,7 +35,7 @@ from ckpt_operator.jobs import job_facts, parse_time
 from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.manual import RecoverRequest, parse_request, pending_request, plan_manual
 from ckpt_operator.restart import GiveUp, Restart, RestartDecision, build_restart_job
-from ckpt_operator.runfacts import agent_run_env, estimate_mtbf
+from ckpt_operator.runfacts import agent_run_env
 from ckpt_operator.sources import StorageCheckpointSource, VerificationFailedError
 
 FAILED_AT = parse_time("2024-05-02T11:02:17Z") or 0.0

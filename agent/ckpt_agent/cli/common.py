@@ -29,10 +29,9 @@ from rich.markup import escape
 
 from ckpt_agent.errors import CkptError, UnsafePathError
 from ckpt_agent.format.listing import list_checkpoints, list_runs
-from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
-from ckpt_agent.storage import Storage, StorageError
+from ckpt_agent.storage import Storage, StorageError, StorageOptions, open_storage
 
 __all__ = [
     "EXIT_CODES_HELP",
@@ -221,8 +220,8 @@ def non_negative(value: float | None) -> float | None:
 
 
 def open_store(url: str, config: AgentConfig | None = None) -> Storage:
-    """Open ``url`` the way the trainer does (:meth:`PersistBuilder.open_storage
-    <ckpt_agent.persist.builder.PersistBuilder.open_storage>`): the ``CKPT_S3_*`` environment
+    """Open ``url`` with the options the trainer uses (:meth:`StorageOptions.for_config
+    <ckpt_agent.storage.options.StorageOptions.for_config>`): the ``CKPT_S3_*`` environment
     with ``config``'s S3 section (``--config``: endpoint, region, part size, attempts) over it."""
     if not url:
         raise fail("no storage given: pass --storage URL or set CKPT_STORAGE_URL")
@@ -236,7 +235,7 @@ def open_store(url: str, config: AgentConfig | None = None) -> Storage:
             )
     cfg = (config or AgentConfig()).model_copy(update={"storage_url": url})
     try:
-        return PersistBuilder(cfg).open_storage()[0]
+        return open_storage(url, StorageOptions.for_config(cfg))
     except StorageError:
         raise  # unreachable, refused, unsafe: guarded() explains it (exit code 3 or 4)
     except (ValueError, ImportError) as e:

@@ -212,32 +212,32 @@ class SystemLayer:
 
     def check(self, signals: SystemSignals | None, now: float) -> tuple[bool, str]:
         """Fold one sample in; return (fired, why)."""
+        if signals is None:  # no metrics: healthy, and any episode is over
+            self.latency_high_since = None
+            self.alarms, self.fresh, self.owed = (), False, False
+            return False, ""
         s = self.spec
         why: list[str] = []
         alarms: list[str] = []
-        gpu = False
-        if signals is None:
-            self.latency_high_since = None
+        gpu = signals.gpu_errors is not None and signals.gpu_errors > s.gpu_error_threshold
+        if gpu:
+            why.append(f"gpu_errors={signals.gpu_errors}")
+        if signals.node_warning:
+            why.append(f"node warning: {signals.node_warning}")
+            alarms.append(f"node:{signals.node_warning}")
+        lat = signals.write_latency_ms
+        if lat is not None and math.isfinite(lat) and lat > s.write_latency_ms:
+            if self.latency_high_since is None:
+                self.latency_high_since = now
+            held = now - self.latency_high_since
+            if held >= s.sustained_seconds:
+                why.append(
+                    f"write latency {lat:.1f} ms > {s.write_latency_ms:g} ms for {held:.1f} s"
+                )
+                alarms.append("latency")
         else:
-            if signals.gpu_errors is not None and signals.gpu_errors > s.gpu_error_threshold:
-                why.append(f"gpu_errors={signals.gpu_errors}")
-                gpu = True
-            if signals.node_warning:
-                why.append(f"node warning: {signals.node_warning}")
-                alarms.append(f"node:{signals.node_warning}")
-            lat = signals.write_latency_ms
-            if lat is not None and math.isfinite(lat) and lat > s.write_latency_ms:
-                if self.latency_high_since is None:
-                    self.latency_high_since = now
-                held = now - self.latency_high_since
-                if held >= s.sustained_seconds:
-                    why.append(
-                        f"write latency {lat:.1f} ms > {s.write_latency_ms:g} ms for {held:.1f} s"
-                    )
-                    alarms.append("latency")
-            else:
-                self.latency_high_since = None
-        self.fresh = gpu or not set(alarms) <= set(self.alarms)
+            self.latency_high_since = None
+        self.fresh = gpu or any(a not in self.alarms for a in alarms)
         self.alarms = tuple(alarms)
         fired = bool(why)
         self.owed = fired and (self.owed or self.fresh)

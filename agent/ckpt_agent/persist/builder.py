@@ -6,8 +6,8 @@ from the compression section), the validator (its loader process gets the same
 storage options), the local catalog and the
 :class:`~ckpt_agent.persist.finalize.FinalizePipeline` are built here, once, the
 same way for the trainer (:class:`~ckpt_agent.runtime.checkpointer.Checkpointer`)
-and the sidecar (:mod:`ckpt_agent.flash.sidecar`); the CLI opens its storage with
-:meth:`PersistBuilder.open_storage` (:func:`ckpt_agent.cli.common.open_store`).
+and the sidecar (:mod:`ckpt_agent.flash.sidecar`); the CLI opens its storage with the
+same options (:meth:`StorageOptions.for_config`, in :func:`ckpt_agent.cli.common.open_store`).
 
 .. code-block:: python
 

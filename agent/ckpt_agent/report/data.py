@@ -24,6 +24,7 @@ from ckpt_agent.format.layout import audit_key, loads
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.persist.housekeeping import read_audit_tail
 from ckpt_agent.records import CheckpointRecord
+from ckpt_agent.report.summary import SIDECAR_SOURCE
 from ckpt_agent.storage import Storage
 
 __all__ = [
@@ -41,8 +42,6 @@ __all__ = [
 LOG_GLOB = "decisions.rank*.jsonl"
 #: The shared-memory persister's log (the local persister's or the sidecar's).
 SIDECAR_GLOB = "sidecar*.jsonl"
-#: ``source`` of the events read from a :data:`SIDECAR_GLOB` log.
-SIDECAR_SOURCE = "sidecar"
 #: Longest decision-log line read (a longer one is skipped as malformed).
 LINE_MAX = 1 << 20
 

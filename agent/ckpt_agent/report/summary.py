@@ -30,15 +30,18 @@ from typing import Any
 
 from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.records import CheckpointRecord
-from ckpt_agent.report.data import SIDECAR_SOURCE
 
 __all__ = [
     "LOW_HEALTH",
     "MAX_POINTS",
+    "SIDECAR_SOURCE",
     "fleet_summary",
     "run_summary",
     "traits_of",
 ]
+
+#: ``source`` of the events read from the persister's log (``report.data.SIDECAR_GLOB``).
+SIDECAR_SOURCE = "sidecar"
 
 #: Runs whose health score is under this are "low" in ``ckpt report --all``.
 LOW_HEALTH = 80.0

@@ -70,6 +70,9 @@ class FlashTarget:
         self.writer: ShmWriter | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._seen_seq = 0
+        self._seen_file: tuple[int, int, int] | None = None
+        """(inode, mtime ns, size) of ``persisted.json`` at the last poll: the persister
+        replaces the file, so an unchanged stat means nothing new (no read, no parse)."""
         self._last_seq = 0
         self._gpu_seen: int | None = None
         self._health_checked = 0.0
@@ -239,6 +242,15 @@ class FlashTarget:
         """The persister's results since the last call, oldest first (every save's, up to
         :data:`~ckpt_agent.flash.protocol.MARK_HISTORY` of them)."""
         assert self.writer is not None
+        try:
+            st = os.stat(self.writer.persisted_path)
+            stamp: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp is not None and stamp == self._seen_file:  # every step: a stat, no parse
+            self._check_persister()
+            return []
+        self._seen_file = stamp
         mark = self.writer.persisted()
         if mark is None or mark.seq <= self._seen_seq:
             self._check_persister()

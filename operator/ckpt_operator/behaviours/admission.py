@@ -126,6 +126,8 @@ class InjectionOutcome:
     ``deferred`` (refused for now: a TrainJob restart attempt not planned yet)."""
     refusal: str = ""
     """Why a ``deferred`` pod is refused (the admission error)."""
+    job: str = ""
+    """A ``deferred`` pod's TrainJob (its attempt is in :attr:`Deps.attempts_seen`)."""
 
 
 async def inject_pod(
@@ -161,7 +163,7 @@ async def inject_pod(
     if refusal is not None and not quiet:
         key = (namespace, job_name)
         deps.attempts_seen[key] = max(deps.attempts_seen.get(key, 0), pod_attempt(pod))
-        return InjectionOutcome([], [], "deferred", refusal)
+        return InjectionOutcome([], [], "deferred", refusal, job_name)
     pod_name = (pod.get("metadata") or {}).get("name") or "(generated name)"
 
     def skipped(reason: str, event_reason: str) -> InjectionOutcome:

@@ -244,7 +244,10 @@ class Sidecar:
 
     def publish_metrics(self) -> None:
         """The metrics, into every area served (``persister-metrics.json``), for a trainer
-        with a local persister to serve (:meth:`ckpt_agent.metrics.Metrics.relay`)."""
+        with a local persister to serve (:meth:`ckpt_agent.metrics.Metrics.relay`). The
+        sidecar container serves its own port instead: nothing reads the file there."""
+        if not self.options.exit_with_trainer:
+            return
         data = snapshot(self.metrics.registry, self._instance)
         for st in self.areas:
             if st.claimed:
