@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.decide.mtbf import PoolEvidence, estimate_mtbf
-from ckpt_agent.decide.recovery import is_poisoned, plan_recovery, walk
-from ckpt_agent.errors import RetryableError
+from ckpt_agent.decide.recovery import Verdicts, is_poisoned, plan_recovery, walk
 from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator import constants as c
@@ -372,40 +371,14 @@ def precheck_restart(
     return None
 
 
-def _once(verify: Callable[[str], bool]) -> Callable[[str], bool]:
-    """``verify`` asked at most once per checkpoint (its answer or its error kept), except
-    a :class:`~ckpt_agent.errors.RetryableError` (a storage outage), asked again."""
-    seen: dict[str, bool | Exception] = {}
-
-    def check(cid: str) -> bool:
-        if cid not in seen:
-            try:
-                seen[cid] = bool(verify(cid))
-            except RetryableError:
-                raise
-            except Exception as e:
-                seen[cid] = e
-        result = seen[cid]
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    return check
-
-
-def _fails(verify: Callable[[str], bool], cid: str, records: Sequence[CheckpointRecord]) -> bool:
+def _fails(verdicts: Verdicts, cid: str, records: Sequence[CheckpointRecord]) -> bool:
     """Whether ``cid``, listed valid in ``records``, fails verification: a run that crashed
     on a corrupted checkpoint is explained (a pod's verdict, when the operator plans from the
     pods' reports), and the ladder keeps the checkpoint's place (its chain, the newest full)
     rejecting it, as it would had the operator found the corruption itself."""
     if not any(r.id == cid and r.status == CheckpointStatus.VALID for r in records):
         return False
-    try:
-        return not verify(cid)
-    except RetryableError:
-        raise
-    except Exception:
-        return True
+    return not verdicts(cid)[0]
 
 
 def plan_restart(
@@ -434,9 +407,9 @@ def plan_restart(
         return early
     facts = job_facts(job)
     poisoned = list(facts.poisoned)
-    verify = _once(verify)
+    verdicts = Verdicts(verify)  # each checkpoint asked once, by the crash check and the walk
     crash = crash_loop_checkpoint(facts, records, progress)
-    if crash is not None and _fails(verify, crash, records):
+    if crash is not None and _fails(verdicts, crash, records):
         crash = None  # explained: the ladder rejects it where it stands, not poisoned
     if crash is not None and crash not in poisoned:
         poisoned.append(crash)
@@ -464,7 +437,7 @@ def plan_restart(
         return Restart(decision, build_restart_job(job, decision), crash_loop=crash)
 
     plan = plan_recovery(records, spec, poisoned=poisoned)
-    chosen, rejected = walk(plan, verify)
+    chosen, rejected = walk(plan, verify, verdicts)
     ladder = [
         LadderStep(s.checkpoint_id, s.action, s.rung, s.step, False, why) for s, why in rejected
     ]

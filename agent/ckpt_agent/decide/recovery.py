@@ -46,6 +46,7 @@ __all__ = [
     "ForceRequiredError",
     "PlanStep",
     "RecoveryPlan",
+    "Verdicts",
     "is_poisoned",
     "plan_recovery",
     "walk",
@@ -363,8 +364,30 @@ def _manual(
     )
 
 
+class Verdicts:
+    """``verify(checkpoint_id)`` asked at most once per id: ``verdicts(cid)`` is
+    ``(ok, why)``. An exception counts as a failure with its message as the reason,
+    except a :class:`~ckpt_agent.errors.RetryableError` (a storage outage says nothing
+    about the checkpoint): it propagates and is asked again next time."""
+
+    def __init__(self, verify: Callable[[str], bool]) -> None:
+        self._verify = verify
+        self._seen: dict[str, tuple[bool, str]] = {}
+
+    def __call__(self, cid: str) -> tuple[bool, str]:
+        if cid not in self._seen:
+            try:
+                ok = bool(self._verify(cid))
+                self._seen[cid] = (ok, "" if ok else f"{cid} failed verification")
+            except RetryableError:
+                raise
+            except Exception as exc:
+                self._seen[cid] = (False, f"{cid} verification raised {type(exc).__name__}: {exc}")
+        return self._seen[cid]
+
+
 def walk(
-    plan: RecoveryPlan, verify: Callable[[str], bool]
+    plan: RecoveryPlan, verify: Callable[[str], bool], verdicts: Verdicts | None = None
 ) -> tuple[PlanStep | None, list[tuple[PlanStep, str]]]:
     """Try the plan in order: the first step whose checkpoint (and weights source) verifies.
 
@@ -375,20 +398,9 @@ def walk(
     instead of walking past a good checkpoint.
     Steps that need force are rejected without calling ``verify``. Returns
     the accepted step (None when none verified) and the rejected ones with
-    the reason.
+    the reason. ``verdicts``: answers already asked (:class:`Verdicts` of ``verify``).
     """
-    cache: dict[str, tuple[bool, str]] = {}
-
-    def check(cid: str) -> tuple[bool, str]:
-        if cid not in cache:
-            try:
-                ok = bool(verify(cid))
-                cache[cid] = (ok, "" if ok else f"{cid} failed verification")
-            except RetryableError:
-                raise
-            except Exception as exc:
-                cache[cid] = (False, f"{cid} verification raised {type(exc).__name__}: {exc}")
-        return cache[cid]
+    check = verdicts if verdicts is not None else Verdicts(verify)
 
     rejected: list[tuple[PlanStep, str]] = []
     for step in plan.steps:
