@@ -110,16 +110,20 @@ def test_flash_mode_serves_the_local_persisters_metrics(
                 ckpt.save_now("test")
                 assert ckpt.wait(60)
         log = tmp_path / "work" / "sidecar.jsonl"
-        persisted = [
-            e
-            for e in map(json.loads, log.read_text().splitlines())
-            if e["event"] == "persisted" and e["rank"] == 0
-        ]
         deadline = time.monotonic() + 60
-        while True:  # validation follows the commit (the persister's next step)
+        while True:
+            # The persister marks a save done (what wait() returns on) before it logs the
+            # event and publishes its counts, and validation follows the commit: poll both.
+            persisted = [
+                e
+                for e in map(json.loads, log.read_text().splitlines())
+                if e["event"] == "persisted" and e["rank"] == 0
+            ]
             got = _scrape(port)
             validated = got.get(("ckpt_validation_seconds_count", ()), 0.0)
-            if validated >= len(persisted) or time.monotonic() > deadline:
+            published = got.get(("ckpt_sidecar_snapshots_total", (("outcome", "persisted"),)), 0)
+            settled = validated >= len(persisted) and published >= len(persisted)
+            if (len(persisted) >= 4 and settled) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert len(persisted) >= 4
