@@ -212,10 +212,14 @@ class Metrics:
         ]
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Start the HTTP exporter (no-op for port 0)."""
+        """Start the HTTP exporter (no-op for port 0). A port another process holds (several
+        ranks in one pod: the first serves) is logged, never an error of the training."""
         if port <= 0 or self._server is not None:
             return
-        self._server = MetricsServer(self.registry, port, addr)
+        try:
+            self._server = MetricsServer(self.registry, port, addr)
+        except OSError as e:
+            log.warning("metrics server not started on %s:%d: %s", addr, port, e)
 
     def close(self) -> None:
         srv = self._server

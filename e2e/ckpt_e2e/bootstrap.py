@@ -373,8 +373,19 @@ class ControlPlane:
         )
 
     # ------------------------------------------------------------------ API objects
-    def create_node(self, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """Create a kwok-managed fake Node and wait until kwok reports it Ready."""
+    def create_node(
+        self,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        pod_cidr: str | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> dict[str, Any]:
+        """Create a kwok-managed fake Node and wait until kwok reports it Ready.
+
+        ``pod_cidr``: the range kwok gives its pods IPs from (default: kwok's ``--cidr``).
+        A loopback range (``127.x.y.0/24``) makes each local pod reachable at its own pod IP
+        on this machine, as in a cluster (:mod:`ckpt_e2e.localpod`). ``taints``: keep
+        other tests' pods off it."""
         node = {
             "apiVersion": "v1",
             "kind": "Node",
@@ -389,7 +400,10 @@ class ControlPlane:
                     **(labels or {}),
                 },
             },
-            "spec": {},
+            "spec": {
+                **({} if pod_cidr is None else {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]}),
+                **({"taints": [dict(t) for t in taints]} if taints else {}),
+            },
             "status": {
                 "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "110"},
                 "capacity": {"cpu": "64", "memory": "256Gi", "pods": "110"},

@@ -190,9 +190,17 @@ class LocalCluster(KubeClient):
         """Tails of the component logs (all, or ``names``)."""
         return self.plane.diagnostics(names, max_bytes)
 
-    def create_node(self, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """Create a kwok-managed fake Node and wait until kwok reports it Ready."""
-        return self.plane.create_node(name, labels)
+    def create_node(
+        self,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        pod_cidr: str | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> dict[str, Any]:
+        """Create a kwok-managed fake Node and wait until kwok reports it Ready (``pod_cidr``:
+        its pods' IP range, a loopback one makes them reachable at their pod IPs here;
+        ``taints`` keep other pods off it)."""
+        return self.plane.create_node(name, labels, pod_cidr, taints)
 
     def wait_crd_established(self, name: str, timeout: float | None = None) -> None:
         """Wait until CustomResourceDefinition ``name`` is Established (served)."""

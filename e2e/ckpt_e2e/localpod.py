@@ -49,7 +49,10 @@ proxies and ``KUBECONFIG`` removed), then ``HOSTNAME=<pod name>`` and
 namespace, uid, labels/annotations and ``['key']`` forms, spec.nodeName,
 spec.serviceAccountName, status.podIP/hostIP/podIPs), ``secretKeyRef``,
 ``configMapKeyRef``, ``resourceFieldRef`` (limits/requests of cpu, memory,
-ephemeral-storage with ``divisor``; unset limits fall back to this machine's size).
+ephemeral-storage with ``divisor``; unset limits fall back to this machine's size). A pod
+on a node with a loopback pod CIDR (``create_node(pod_cidr="127.…")``) is reachable at its
+pod IP here: ``CKPT_METRICS_ADDR=<pod IP>`` (before the container's ``env``) makes the
+agent listen there, as it would on its own network namespace's address in a cluster.
 Then ``extra_env``, and ``CKPT_E2E_CONTAINER``, ``CKPT_E2E_POD_NAME``,
 ``CKPT_E2E_POD_NAMESPACE``, ``CKPT_E2E_PATH_MAP``.
 

@@ -247,11 +247,16 @@ def process_env(
     (``paths``: every mount path → local path, exported as ``CKPT_E2E_PATH_MAP``)."""
     meta = pod["metadata"]
     translated = {k: translator.text(v) for k, v in pod_env(pod, container, lookup).items()}
+    pod_ip = str((pod.get("status") or {}).get("podIP") or "")
+    # A loopback pod IP is this pod's own address here: the agent listens there, so the
+    # operator reaches it at the pod IP as in a cluster (a pod's own network namespace).
+    own_address = {"CKPT_METRICS_ADDR": pod_ip} if pod_ip.startswith("127.") else {}
     return {
         **base,
         "HOSTNAME": meta["name"],
         "KUBERNETES_SERVICE_HOST": "127.0.0.1",
         "KUBERNETES_SERVICE_PORT": api_port,
+        **own_address,
         **translated,
         **extra,
         CONTAINER_ENV: marker,

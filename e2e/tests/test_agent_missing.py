@@ -7,14 +7,17 @@ and sets the policy condition ``AgentReporting=False``; when the pod fails, the
 restart's Event says it is fresh and the operator warns again.
 
 The first test keeps the checkpoints on a volume the operator reads too
-(``Scenario.local_storage``): only there can it tell, while the pod runs, that no
-heartbeat came (a running container's termination message is not in its status). The
-second runs blind (``Scenario.pvc_storage``, a PVC only the pods mount): the agent
-reports in at ``start()`` in its termination message, so a failed pod with no report
-is the signal — the restart is fresh and says so, with the AgentMissing Warning. The
-third, blind too, restarts the container in place (``restartPolicy: OnFailure``): the
-pod stays Running, its ``lastState`` holds no report, and past the deadline that is the
-running pod's AgentMissing Event and ``AgentReporting=False``.
+(``Scenario.local_storage``): there it sees, while the pod runs, that no heartbeat came.
+The others run blind (``Scenario.pvc_storage``, a PVC only the pods mount). The second:
+the agent reports in at ``start()`` in its termination message, so a failed pod with no
+report is the signal — the restart is fresh and says so, with the AgentMissing Warning.
+The third restarts the container in place (``restartPolicy: OnFailure``) on a pod the
+operator cannot reach (kwok's pod IPs route nowhere here, as under a NetworkPolicy): the
+probe of the agent's port gives no verdict, the pod's ``lastState`` holding no report
+does. The fourth is the live signal: pods on a node whose pod IPs are loopback addresses
+(each local pod listens on its own, as on its own network namespace), one job with the
+agent and one without; within the deadline the operator probes both pods' agent metrics
+port and flags the running pod whose port refused, never the one whose agent answered.
 """
 
 from __future__ import annotations
@@ -145,4 +148,51 @@ def test_agent_missing_in_a_running_pod_when_blind(scenario: Scenario) -> None:
         assert scenario.job("train-r1") is None  # the job has not failed: no restart
     finally:
         again.stop()
+    assert not Path(scenario.pod_only_path).exists()
+
+
+LOOPBACK_NODE = "kwok-loopback-0"
+LOOPBACK_TAINT = {"key": "ckpt-e2e/loopback", "value": "true", "effect": "NoSchedule"}
+
+
+def _on_loopback_node(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Pin the job's pods to the node whose pod IPs are reachable here."""
+    spec = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    spec["nodeSelector"] = {"kubernetes.io/hostname": LOOPBACK_NODE}
+    spec["tolerations"] = [{**LOOPBACK_TAINT, "operator": "Equal"}]
+    return manifest
+
+
+def test_agent_missing_in_a_running_pod_is_probed_when_blind(scenario: Scenario) -> None:
+    if LOOPBACK_NODE not in scenario.cluster.plane.node_names:
+        scenario.cluster.create_node(
+            LOOPBACK_NODE, pod_cidr="127.77.0.0/24", taints=[LOOPBACK_TAINT]
+        )
+    _apply_policy(scenario, blind=True)
+    runner = scenario.runner()
+    with_agent = Training(steps=400, seed=3, step_sleep=0.1)
+    for name, training in (("train", TRAINING), ("good", with_agent)):
+        manifest = pytorchjob_manifest(name, training, scenario.results, policy="e2e")
+        scenario.cluster.apply(_on_loopback_node(manifest), namespace=scenario.namespace)
+    first, good = runner.wait_run("train"), runner.wait_run("good")
+    for run in (first, good):
+        pod = scenario.cluster.get_json("pod", run.name, "-n", scenario.namespace)
+        assert pod["status"]["podIP"].startswith("127.77.0."), pod["status"]
+    t0 = time.monotonic()
+    warned = scenario.cluster.wait_for(
+        lambda: _missing_events(scenario), timeout=90, what="the AgentMissing Event"
+    )
+    assert time.monotonic() - t0 < 60, "flagged, but not within the bounded time"
+    assert first.running and good.running  # nothing ended: the probe alone is the signal
+    assert len(warned) == 1 and warned[0]["type"] == "Warning", warned
+    assert first.name in warned[0]["message"] and MISSING in warned[0]["message"]
+    assert "refused the connection" in warned[0]["message"], warned
+    path = f"/apis/ckpt.dev/v1alpha1/namespaces/{scenario.namespace}/checkpointpolicies/e2e"
+    policy = scenario.cluster.request("GET", path)
+    cond = next(c for c in policy["status"]["conditions"] if c["type"] == "AgentReporting")
+    assert (cond["status"], cond["reason"]) == ("False", "AgentMissing")
+    assert first.name in cond["message"] and good.name not in cond["message"], cond
+    good_events = events(scenario.cluster, scenario.namespace, name="good", reason="AgentMissing")
+    assert not good_events, good_events
+    assert scenario.job("train-r1") is None  # the job has not failed: no restart
     assert not Path(scenario.pod_only_path).exists()

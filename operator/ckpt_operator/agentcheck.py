@@ -8,26 +8,35 @@ checkpoint in storage) is *silent*: auto-resume would restart it from step 0.
 :func:`silent_pods` finds them; the behaviour (:mod:`ckpt_operator.behaviours.agentcheck`)
 posts a Warning Event on the job and a condition on the policy.
 
-When the operator cannot read the storage (a PVC mounted in the pods only), the pods'
-termination messages are what it has: the agent writes its checkpoint report at
-``start()``, and the kubelet shows it once a container has ended. :func:`unreported_pods`
-flags running pods whose containers ended at least once (restarted in place) without a
-report; a pod whose container never ended tells nothing yet (no verdict).
+When the operator cannot read the storage (a PVC mounted in the pods only), it has two
+signals. The agent serves its metrics port from the start of ``start()``: a probe of it
+(:mod:`ckpt_operator.agentprobe`; :func:`probe_target` says where) that is refused means
+no agent, while a timeout or an unreachable pod (a NetworkPolicy) means nothing. And the
+agent writes its checkpoint report at ``start()`` into the termination message, which the
+kubelet shows once a container has ended. :func:`unreported_pods` flags running pods
+without a report whose port refused the probe, or whose containers ended at least once
+(restarted in place) while the probe could not tell; a pod whose agent answers is fine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
+from ckpt_agent.policy.agent_config import ENV_METRICS_PORT
 from ckpt_operator import constants as c
 from ckpt_operator.jobkinds import PYTORCHJOB, JobKind, owner_of
 from ckpt_operator.jobs import parse_time
 
 __all__ = [
     "AGENT_MISSING",
+    "Presence",
+    "ProbeResult",
     "SilentPod",
+    "overdue_unreported",
+    "probe_target",
     "running_injected_pods",
     "silent_pods",
     "unreported_pods",
@@ -40,6 +49,24 @@ AGENT_MISSING = (
 )
 
 
+class Presence(StrEnum):
+    """What a probe of a pod's agent metrics port found."""
+
+    SERVING = "serving"
+    """The agent's metrics answered."""
+    ABSENT = "absent"
+    """The pod refused the connection: nothing listens on the agent's port."""
+    UNKNOWN = "unknown"
+    """No verdict: a timeout, an unreachable pod, something else on the port."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    presence: Presence
+    detail: str
+    """What happened, for the Event and the log (``10.0.3.7:9400 refused the connection``)."""
+
+
 @dataclass(frozen=True)
 class SilentPod:
     """A running injected pod whose run shows no sign of the agent since it started."""
@@ -50,6 +77,42 @@ class SilentPod:
     running_s: float
     kind: JobKind = PYTORCHJOB
     """The job's kind (a TrainJob's pods name it by their JobSet)."""
+    evidence: str = ""
+    """Besides the missing heartbeats and reports: what the probe found (or empty)."""
+
+
+def probe_target(pod: Mapping[str, Any]) -> tuple[str, int] | None:
+    """Where the pod's agent serves its metrics: the pod IP and the injected container port
+    ``ckpt-metrics`` (else a container's ``CKPT_METRICS_PORT``); None when the pod has no
+    IP yet or the agent's server is off (port 0)."""
+    ip = (pod.get("status") or {}).get("podIP")
+    containers = (pod.get("spec") or {}).get("containers") or ()
+    port = next(
+        (
+            p.get("containerPort")
+            for ctr in containers
+            for p in ctr.get("ports") or ()
+            if p.get("name") == c.METRICS_PORT_NAME
+        ),
+        None,
+    )
+    if port is None:
+        port = next(
+            (
+                e.get("value")
+                for ctr in containers
+                for e in ctr.get("env") or ()
+                if e.get("name") == ENV_METRICS_PORT
+            ),
+            None,
+        )
+    try:
+        number = int(port) if port is not None else 0
+    except (TypeError, ValueError):
+        return None
+    if not ip or not 0 < number < 65536:
+        return None
+    return str(ip), number
 
 
 def running_injected_pods(
@@ -115,18 +178,38 @@ def _ended_once(pod: Mapping[str, Any]) -> bool:
     )
 
 
+def overdue_unreported(
+    pods: Iterable[Mapping[str, Any]], reported: Collection[str], now: float, deadline_s: float
+) -> list[Mapping[str, Any]]:
+    """The pods running for longer than ``deadline_s`` that left no checkpoint report
+    (``reported``: the names of the pods that did): the ones worth a probe."""
+    return [
+        p
+        for p in pods
+        if _overdue(p, now, deadline_s) is not None
+        and str((p.get("metadata") or {}).get("name")) not in reported
+    ]
+
+
 def unreported_pods(
     pods: Iterable[Mapping[str, Any]],
     reported: Collection[str],
     now: float,
     deadline_s: float,
+    probes: Mapping[str, ProbeResult] | None = None,
 ) -> list[SilentPod]:
     """For storage the operator cannot read: pods running for longer than ``deadline_s``
-    whose containers ended at least once and none of which left a checkpoint report
-    (``reported``: the names of the pods that did)."""
+    without a checkpoint report (``reported``: the names of the pods that did) whose
+    agent port refused the probe (``probes`` by pod name), or whose containers ended at
+    least once while the probe could not tell. A pod whose agent serves is never silent."""
     out: list[SilentPod] = []
     for pod in pods:
         overdue = _overdue(pod, now, deadline_s)
-        if overdue is not None and overdue[0].pod not in reported and _ended_once(pod):
-            out.append(overdue[0])
+        if overdue is None or overdue[0].pod in reported:
+            continue
+        probe = (probes or {}).get(overdue[0].pod)
+        presence = probe.presence if probe is not None else Presence.UNKNOWN
+        if presence is Presence.ABSENT or (presence is Presence.UNKNOWN and _ended_once(pod)):
+            evidence = "" if probe is None else probe.detail
+            out.append(replace(overdue[0], evidence=evidence))
     return out

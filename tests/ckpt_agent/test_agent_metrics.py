@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,3 +185,34 @@ def test_relay_merges_keeps_counts_of_a_restarted_persister_and_ignores_garbage(
     text = generate_latest(trainer.registry).decode()
     names = [f.name for f in text_string_to_metric_families(text)]
     assert len(names) == len(set(names))
+
+
+def test_metrics_are_served_from_the_start_and_a_taken_port_is_not_fatal(
+    ck_config: ConfigFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The operator probes the agent's port while the pod restores (a long restore is not
+    a missing agent); a second rank of the pod finds the port taken and trains on."""
+    port = _free_port()
+    cfg = ck_config(metricsPort=port, metricsAddr="127.0.0.1")
+    model = torch.nn.Linear(4, 4)
+    seen: list[bool] = []
+    first = Checkpointer(cfg, model=model)
+    restore = first._restorer.resume_point
+
+    def probing_restore() -> Any:
+        with socket.socket() as s:
+            seen.append(s.connect_ex(("127.0.0.1", port)) == 0)
+        return restore()
+
+    first._restorer.resume_point = probing_restore  # type: ignore[method-assign]
+    try:
+        first.start()
+        assert seen == [True]
+        second = Checkpointer(ck_config(metricsPort=port, metricsAddr="127.0.0.1"), model=model)
+        with caplog.at_level(logging.WARNING, logger="ckpt_agent.metrics"):
+            second.start()
+        second.close()
+        assert f"metrics server not started on 127.0.0.1:{port}" in caplog.text
+        assert _scrape(port)  # the first still serves
+    finally:
+        first.close()

@@ -27,7 +27,14 @@ from ckpt_agent.policy.agent_config import (
 from ckpt_agent.policy.models import RecoverySpec
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_operator import constants as c
-from ckpt_operator.agentcheck import AGENT_MISSING, silent_pods, unreported_pods
+from ckpt_operator.agentcheck import (
+    AGENT_MISSING,
+    Presence,
+    ProbeResult,
+    probe_target,
+    silent_pods,
+    unreported_pods,
+)
 from ckpt_operator.behaviours.admission import inject_pod, validate_job
 from ckpt_operator.behaviours.agentcheck import check_agents
 from ckpt_operator.behaviours.recovery import observe_job, recover_job
@@ -357,6 +364,76 @@ def test_unreported_pods() -> None:
     assert unreported_pods([pod], {"p"}, t0 + 400, 300) == []  # it reported
     assert unreported_pods([pod], set(), t0 + 100, 300) == []  # not past the deadline yet
     assert unreported_pods([pod], set(), t0 + 400, 0) == []  # disabled
+
+
+def test_unreported_pods_with_probes() -> None:
+    """A refused probe is a verdict of its own; an agent that answers clears any doubt; a
+    probe without a verdict changes nothing."""
+    pod = {
+        "metadata": {"name": "p", "annotations": {c.ANN_RUN_ID: "r"}, "labels": {}},
+        "status": {"phase": "Running", "startTime": "2024-05-02T11:00:00Z"},
+    }
+    t0 = parse_time("2024-05-02T11:00:00Z") or 0.0
+    absent = {"p": ProbeResult(Presence.ABSENT, "10.0.0.5:9400 refused the connection")}
+    serving = {"p": ProbeResult(Presence.SERVING, "the agent serves 10.0.0.5:9400")}
+    unknown = {"p": ProbeResult(Presence.UNKNOWN, "10.0.0.5:9400 did not answer within 2s")}
+    silent = unreported_pods([pod], set(), t0 + 400, 300, absent)
+    assert [(s.pod, s.evidence) for s in silent] == [("p", "10.0.0.5:9400 refused the connection")]
+    assert unreported_pods([pod], set(), t0 + 100, 300, absent) == []  # before the deadline
+    assert unreported_pods([pod], {"p"}, t0 + 400, 300, absent) == []  # it reported
+    assert unreported_pods([pod], set(), t0 + 400, 300, unknown) == []  # never ended
+    assert unreported_pods([pod], set(), t0 + 400, 300, serving) == []
+    _ended(pod, "")
+    assert unreported_pods([pod], set(), t0 + 400, 300, serving) == []  # restarted, agent up
+    assert [s.pod for s in unreported_pods([pod], set(), t0 + 400, 300, unknown)] == ["p"]
+
+
+def test_probe_target() -> None:
+    def pod(ip: str | None, ports: list[Any], env: list[Any]) -> dict[str, Any]:
+        ctr = {"name": "pytorch", "ports": ports, "env": env}
+        return {"spec": {"containers": [{"name": "other"}, ctr]}, "status": {"podIP": ip}}
+
+    named = [{"name": c.METRICS_PORT_NAME, "containerPort": 9400}]
+    env = [{"name": "CKPT_METRICS_PORT", "value": "9500"}]
+    assert probe_target(pod("10.0.0.5", named, env)) == ("10.0.0.5", 9400)
+    assert probe_target(pod("10.0.0.5", [], env)) == ("10.0.0.5", 9500)  # port declared by hand
+    assert probe_target(pod(None, named, env)) is None  # no IP yet
+    assert probe_target(pod("10.0.0.5", [], [{"name": "CKPT_METRICS_PORT", "value": "0"}])) is None
+    assert probe_target(pod("10.0.0.5", [], [{"name": "CKPT_METRICS_PORT", "value": "x"}])) is None
+    assert probe_target(pod("10.0.0.5", [], [])) is None
+
+
+def test_agent_missing_blind_probes_the_running_pod(world: Any, fixture: Any) -> None:
+    """Blind, the container never ended: the probe of the agent's port is the verdict,
+    refused → AgentMissing naming what was found; answered → fine."""
+    world.api.add_job(fixture("pytorchjob_running.json"))
+    policy = fixture("checkpointpolicy.json")
+    world.source.unreachable = True
+    pod = _running_pod(fixture, "2024-05-02T10:00:00Z")
+    pod["status"]["podIP"] = "10.0.0.5"
+    pod["spec"]["containers"][0]["ports"] = [{"name": c.METRICS_PORT_NAME, "containerPort": 9400}]
+    world.api.add_pod(pod)
+    probed: list[tuple[str, int]] = []
+    presence = [Presence.ABSENT]
+
+    async def probe(ip: str, port: int, timeout: float) -> ProbeResult:
+        probed.append((ip, port))
+        return ProbeResult(presence[0], f"{ip}:{port} says {presence[0]}")
+
+    world.deps.probe = probe
+    world.clock.now = (parse_time("2024-05-02T10:00:00Z") or 0.0) + 100
+    assert run(check_agents(world.deps, policy)) == []  # not past the deadline: not probed
+    assert probed == []
+    world.clock.now += 500
+    assert run(check_agents(world.deps, policy)) == ["mnist-ddp-worker-0"]
+    assert probed == [("10.0.0.5", 9400)]
+    warnings = [e for e in world.events.events if e.reason == "AgentMissing"]
+    assert len(warnings) == 1 and "10.0.0.5:9400 says absent" in warnings[0].message
+    presence[0] = Presence.SERVING
+    policy = world.api.policies[("ml-team", "llm-finetune")]
+    assert run(check_agents(world.deps, policy)) == []
+    conditions = world.api.policies[("ml-team", "llm-finetune")]["status"]["conditions"]
+    assert next(x for x in conditions if x["type"] == "AgentReporting")["status"] == "True"
 
 
 def test_agent_missing_blind_uses_the_pods_reports(world: Any, fixture: Any) -> None:

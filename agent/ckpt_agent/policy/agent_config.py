@@ -22,6 +22,7 @@ Environment contract (all optional):
 ``CKPT_SHM_DIR``     memory-backed directory for snapshots (flash checkpoints)
 ``CKPT_SIGNAL_FILE`` downward-API file; a change of its content means "save now"
 ``CKPT_METRICS_PORT`` Prometheus port (0 disables the server)
+``CKPT_METRICS_ADDR`` the address it binds (default ``0.0.0.0``; ``::`` for IPv6 pods)
 ``CKPT_WORK_DIR``    local directory for the catalog and the decision log
 ``CKPT_NAMESPACE``   the pod's namespace (downward API): the owner the run is claimed for
 ``CKPT_JOB_NAME``    the PyTorchJob's name, ``CKPT_JOB_UID`` its uid (owner record, humans)
@@ -67,6 +68,7 @@ ENV_MTBF_SECONDS = "CKPT_MTBF_SECONDS"
 ENV_SHM_DIR = "CKPT_SHM_DIR"
 ENV_SIGNAL_FILE = "CKPT_SIGNAL_FILE"
 ENV_METRICS_PORT = "CKPT_METRICS_PORT"
+ENV_METRICS_ADDR = "CKPT_METRICS_ADDR"
 ENV_WORK_DIR = "CKPT_WORK_DIR"
 ENV_NAMESPACE = "CKPT_NAMESPACE"
 ENV_JOB_NAME = "CKPT_JOB_NAME"
@@ -117,7 +119,10 @@ class AgentConfig(CamelModel):
     work_dir: str | None = None
     """Local folder for the catalog and decision log (default: a temp dir per run)."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
-    """Prometheus port; 0 disables the HTTP server."""
+    """Prometheus port; 0 disables the HTTP server. The operator probes it too: a pod past
+    ``spec.agent.reportDeadlineSeconds`` whose port refuses connections has no agent."""
+    metrics_addr: str = "0.0.0.0"
+    """The address the metrics server binds (``::`` serves IPv6 and IPv4)."""
 
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     tiers: TiersSpec = Field(default_factory=TiersSpec)
@@ -249,6 +254,7 @@ class AgentConfig(CamelModel):
             ENV_SIGNAL_FILE: "signalFile",
             ENV_WORK_DIR: "workDir",
             ENV_METRICS_PORT: "metricsPort",
+            ENV_METRICS_ADDR: "metricsAddr",
         }
         for var, key in overlay.items():
             value = env.get(var)

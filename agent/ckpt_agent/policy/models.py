@@ -393,14 +393,17 @@ class AgentSpec(CamelModel):
     image: str | None = None
     """Agent image for the sidecar (default: the operator's image)."""
     metrics_port: Annotated[int, Field(ge=1024, le=65535)] = 9400
-    """Prometheus metrics port of the agent."""
+    """Prometheus metrics port of the agent, served from ``start()`` on; the operator probes
+    it when it cannot read the storage (a refused connection: no agent in the pod)."""
     shm_size_mb: Annotated[int, Field(ge=16)] = 1024
     """Size of the injected memory-backed volume for snapshots."""
     container_name: str = "pytorch"
     """Training container to configure."""
     report_deadline_seconds: Annotated[int, Field(ge=0, le=86_400)] = 300
-    """A running pod whose agent has not reported in (a heartbeat or checkpoint in storage)
-    after this long is flagged: the training code does not use the agent (0: never)."""
+    """A running pod whose agent has not reported in (a heartbeat or checkpoint in storage;
+    storage the operator cannot read: its metrics port refuses the operator's probe, or its
+    container ended without a report) after this long is flagged: the training code does
+    not use the agent (0: never)."""
 
 
 # --------------------------------------------------------------------------- spec / status

@@ -217,6 +217,8 @@ class Checkpointer:
             raise CheckpointError("start() was already called")
         self._started = True
         e, t0 = self._engine, time.perf_counter()
+        if e.config.metrics_port:  # first: the operator's presence probe sees a restoring agent
+            e.metrics.serve(e.config.metrics_port, e.config.metrics_addr)
         try:
             e.check_owner()
             if self._group is not None:
@@ -250,8 +252,6 @@ class Checkpointer:
         self._signals.arm()
         if self.handle_sigterm:
             self._signals.install_sigterm()
-        if e.config.metrics_port:
-            e.metrics.serve(e.config.metrics_port)
         e.decisions.flush()
         return resume
 

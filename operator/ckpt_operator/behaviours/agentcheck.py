@@ -3,11 +3,13 @@
 Runs with each policy's reconcile pass (:mod:`ckpt_operator.agentcheck` decides): a
 Warning Event ``AgentMissing`` on the job (once per pod) and the policy condition
 ``AgentReporting``. For storage the operator cannot read, the pods' termination
-messages are the evidence (:func:`ckpt_operator.agentcheck.unreported_pods`).
+messages and a probe of each overdue pod's agent metrics port are the evidence
+(:func:`ckpt_operator.agentcheck.unreported_pods`, :mod:`ckpt_operator.agentprobe`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +19,10 @@ from ckpt_agent.storage import StorageError
 from ckpt_operator import constants as c
 from ckpt_operator.agentcheck import (
     AGENT_MISSING,
+    Presence,
     SilentPod,
+    overdue_unreported,
+    probe_target,
     running_injected_pods,
     silent_pods,
     unreported_pods,
@@ -36,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: The policy condition this behaviour owns.
 CONDITION = "AgentReporting"
+#: Longest wait for one pod's agent probe (they run concurrently, on the event loop).
+PROBE_TIMEOUT_S = 2.0
 
 
 async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
@@ -54,7 +61,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
     try:
         source = await deps.sources(namespace, name, spec)
         if not await storage_call(deps, source.reachable):
-            silent: list[SilentPod] = _blind_verdict(pods, now, deadline)
+            silent: list[SilentPod] = await _blind_verdict(deps, pods, now, deadline)
         else:
             activity: dict[str, list[float]] = {}
             refused: set[str] = set()
@@ -73,7 +80,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
     except StorageAccessDeniedError:
         if spec.storage.type != StorageType.LOCAL:
             return []
-        silent = _blind_verdict(pods, now, deadline)  # a PVC of the namespace
+        silent = await _blind_verdict(deps, pods, now, deadline)  # a PVC of the namespace
     except (StorageError, ValueError) as e:
         log.info("agent check of %s/%s skipped: %s", namespace, name, e)
         return []
@@ -87,7 +94,8 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
             "Warning",
             "AgentMissing",
             f"pod {s.pod} has run {s.running_s:.0f}s without a heartbeat, checkpoint or "
-            f"report of run {s.run_id}: {AGENT_MISSING}",
+            f"report of run {s.run_id}{f' ({s.evidence})' if s.evidence else ''}: "
+            f"{AGENT_MISSING}",
         )
         await deps.api.patch_job_annotations(
             namespace, s.job, {c.ANN_AGENT_MISSING: s.pod}, **kind_kw(s.kind)
@@ -118,7 +126,23 @@ def _run_of(pod: Mapping[str, Any]) -> str:
     return str((pod["metadata"].get("annotations") or {})[c.ANN_RUN_ID])
 
 
-def _blind_verdict(pods: list[Any], now: float, deadline_s: float) -> list[SilentPod]:
-    """Storage the operator cannot read: what the pods' termination messages say."""
+async def _blind_verdict(
+    deps: Deps, pods: list[Any], now: float, deadline_s: float
+) -> list[SilentPod]:
+    """Storage the operator cannot read: what the pods' termination messages say, and
+    for the overdue pods without a report, a probe of their agent's metrics port."""
     reports, _ = pod_reports(pods)
-    return unreported_pods(pods, {r.pod for r in reports}, now, deadline_s)
+    reported = {r.pod for r in reports}
+    targets = {
+        str(p["metadata"]["name"]): target
+        for p in overdue_unreported(pods, reported, now, deadline_s)
+        if (target := probe_target(p)) is not None
+    }
+    results = await asyncio.gather(
+        *(deps.probe(ip, port, PROBE_TIMEOUT_S) for ip, port in targets.values())
+    )
+    probes = dict(zip(targets, results, strict=True))
+    for pod, result in sorted(probes.items()):
+        if result.presence is Presence.UNKNOWN:
+            log.info("agent probe of pod %s: no verdict (%s)", pod, result.detail)
+    return unreported_pods(pods, reported, now, deadline_s, probes)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_operator import constants as c
+from ckpt_operator.agentcheck import ProbeResult
+from ckpt_operator.agentprobe import probe_agent
 from ckpt_operator.caches import ObjectCache, PodIndex
 from ckpt_operator.config import OperatorConfig
 from ckpt_operator.events import EventSink
@@ -19,6 +21,7 @@ from ckpt_operator.pools import PoolLedger
 from ckpt_operator.sources import SourceFactory
 
 __all__ = [
+    "AgentProbe",
     "Deps",
     "Obj",
     "annotate_job",
@@ -31,6 +34,8 @@ __all__ = [
 ]
 
 Obj = dict[str, Any]
+AgentProbe = Callable[[str, int, float], Awaitable[ProbeResult]]
+"""(pod IP, port, timeout) → what the pod's agent metrics port says."""
 
 
 @dataclass
@@ -65,6 +70,9 @@ class Deps:
     """Nodes' pools and finished jobs' running time and failures per pool (MTBF)."""
     reported_pods: set[str] = field(default_factory=set)
     """uids of unprotected pods already reported (dropped when the pod is deleted)."""
+    probe: AgentProbe = probe_agent
+    """Probes a pod's agent metrics port (ip, port, timeout): the agent check's live signal
+    when the storage is out of the operator's reach."""
     admission_api: KubeApi | None = None
     """The API client the webhook falls back to on a cache miss (its own worker threads,
     so admission never waits behind reconciliation); None: ``api``."""

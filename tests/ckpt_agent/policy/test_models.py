@@ -15,7 +15,13 @@ from ckpt_agent.policy import (
     StorageType,
     Tier,
 )
-from ckpt_agent.policy.agent_config import ENV_CONFIG, ENV_RUN_ID, ENV_STORAGE_URL
+from ckpt_agent.policy.agent_config import (
+    ENV_CONFIG,
+    ENV_METRICS_ADDR,
+    ENV_METRICS_PORT,
+    ENV_RUN_ID,
+    ENV_STORAGE_URL,
+)
 
 
 def test_defaults_follow_the_design() -> None:
@@ -179,6 +185,9 @@ def test_from_env_file_and_overrides(tmp_path) -> None:  # type: ignore[no-untyp
     assert got.storage_url == f"file://{tmp_path / 'store'}"
     got2 = AgentConfig.from_env({**env, ENV_RUN_ID: "over"})
     assert got2.run_id == "over"
+    assert (got2.metrics_port, got2.metrics_addr) == (9400, "0.0.0.0")  # the policy's
+    got3 = AgentConfig.from_env({**env, ENV_METRICS_PORT: "9401", ENV_METRICS_ADDR: "::"})
+    assert (got3.metrics_port, got3.metrics_addr) == (9401, "::")
 
 
 def test_from_env_missing_file_says_what_to_do(tmp_path) -> None:  # type: ignore[no-untyped-def]
