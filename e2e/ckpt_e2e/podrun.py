@@ -109,6 +109,7 @@ def container_run(
     volumes = {v["name"]: v for v in pod.get("volumes") or []}
     mounts: dict[str | Path, str] = {}
     secret_dirs: dict[str, Path] = {}
+    shared: list[Path] = []
     for mount in spec.get("volumeMounts") or []:
         volume, host = volumes[mount["name"]], volumes_dir / mount["name"]
         if "secret" in volume:
@@ -118,10 +119,14 @@ def container_run(
             shutil.rmtree(host, ignore_errors=True)  # a new pod gets a new emptyDir
             host.mkdir(parents=True)
             host.chmod(0o777)
+        elif "hostPath" in volume:  # e.g. the shared checkpoint root (chart extraVolumes)
+            host = Path(volume["hostPath"]["path"])
+            host.mkdir(parents=True, exist_ok=True)
+            shared.append(host)
         else:
             raise ClusterError(
-                f"volume {mount['name']!r}: the e2e mounts only secret and emptyDir volumes;"
-                " run the operator as a process (CKPT_E2E_OPERATOR=process) for others"
+                f"volume {mount['name']!r}: the e2e mounts only secret, emptyDir and hostPath"
+                " volumes; run the operator as a process (CKPT_E2E_OPERATOR=process) for others"
             )
         mounts[host] = mount["mountPath"]
     account = volumes_dir / "kube-api-access"
@@ -131,11 +136,10 @@ def container_run(
     shutil.copyfile(cluster.ca.cert_path, account / "ca.crt")
     (account / "namespace").write_text(namespace)
     mounts[account] = SERVICE_ACCOUNT_MOUNT
-    cluster.pvc_dir.mkdir(parents=True, exist_ok=True)
-    mounts[cluster.pvc_dir] = str(cluster.pvc_dir)
     fs_group = security.get("fsGroup")
     if fs_group is not None:
-        share_with_group(cluster.pvc_dir, int(fs_group))
+        for folder in shared:
+            share_with_group(folder, int(fs_group))
     for f in (p for p in volumes_dir.rglob("*") if p.is_file()):
         if fs_group is not None:
             os.chown(f, -1, int(fs_group))

@@ -29,7 +29,9 @@ Deployment's ``args`` (listen addresses changed as above), its ``env``, the pod'
 group-owned by ``fsGroup``), and a ServiceAccount token, ``ca.crt`` and ``namespace`` at
 ``/var/run/secrets/kubernetes.io/serviceaccount`` with ``KUBERNETES_SERVICE_HOST``/``PORT``:
 the in-cluster configuration a kubelet gives the pod. The host network is shared (the
-webhook and probes listen on 127.0.0.1) and so is the PVC root (``pvc_dir``, same path).
+webhook and probes listen on 127.0.0.1); of the host's files it sees only its volumes: the
+shared checkpoint root (``pvc_dir``) because the chart's values mount it as a real install
+would (``storage.extraVolumes``, a ``hostPath`` here), never a pod-only PVC folder.
 
 It can be killed (SIGKILL) and restarted; its log is ``<cluster workdir>/logs/ckpt-operator.log``.
 """
@@ -118,6 +120,10 @@ class Stack:
             )
 
 
+#: The chart's extra volume for the shared checkpoint root (``cluster.pvc_dir``).
+SHARED_VOLUME = "shared-checkpoints"
+
+
 def e2e_values(webhook_port: int, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Chart values for a local run: webhook URL on 127.0.0.1, readable logs, quick loops."""
     values: dict[str, Any] = {
@@ -154,13 +160,21 @@ def install_chart(
     """``helm upgrade --install`` the chart and wait until the Deployment is available."""
     port = webhook_port or free_port()
     # Every namespace's PVC folder lives under pvc_dir, the one storage root the "pods" and
-    # the operator share; runs are kept apart by their owner records. Local MinIO servers
-    # listen on 127.0.0.1.
+    # the operator share (an NFS-like volume the operator's Deployment mounts, as a real
+    # install declares it: storage.extraVolumes); runs are kept apart by their owner
+    # records. Folders outside it (Scenario.pvc_storage) the operator never sees. Local
+    # MinIO servers listen on 127.0.0.1.
     tenancy = {
         "localPaths": [{"namespace": "*", "path": str(cluster.pvc_dir)}],
         "allowedS3Endpoints": ["http://127.0.0.1:*"],
     }
-    vals = e2e_values(port, _merge({"tenancy": tenancy}, values or {}))
+    storage = {
+        "extraVolumes": {
+            SHARED_VOLUME: {"hostPath": {"path": str(cluster.pvc_dir), "type": "DirectoryOrCreate"}}
+        },
+        "extraVolumeMounts": {SHARED_VOLUME: {"mountPath": str(cluster.pvc_dir)}},
+    }
+    vals = e2e_values(port, _merge({"tenancy": tenancy, "storage": storage}, values or {}))
     if cluster.kubectl("get", "namespace", namespace, check=False).returncode != 0:
         cluster.create_namespace(namespace)
     values_file = cluster.workdir / f"values-{release}.yaml"
