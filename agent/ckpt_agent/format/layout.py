@@ -27,10 +27,17 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Final, TypeGuard
+from types import ModuleType
+from typing import Final, Protocol, TypeGuard
 
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.records import RANK_DIGITS, STEP_DIGITS, Json, Tier, rank_name
+
+_blake3: ModuleType | None
+try:  # the agent's extra; the operator's image has no need for it
+    import blake3 as _blake3
+except ImportError:  # pragma: no cover - depends on the install
+    _blake3 = None
 
 __all__ = [
     "AUDIT_LOG",
@@ -53,7 +60,9 @@ __all__ = [
     "TENSOR_MAX_ELEMENTS",
     "VALIDATION",
     "VALIDATION_MAX_BYTES",
+    "Hasher",
     "audit_key",
+    "blake3_hex",
     "blob_key",
     "blobs_prefix",
     "checkpoint_prefix",
@@ -64,6 +73,7 @@ __all__ = [
     "is_rank_file",
     "is_run_id",
     "loads",
+    "new_blake3",
     "parse_checkpoint_id",
     "rank_manifest_key",
     "recover_request_key",
@@ -238,6 +248,29 @@ def recover_request_key(run_id: str) -> str:
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class Hasher(Protocol):
+    """What :mod:`hashlib` and :mod:`blake3` hash objects share."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_blake3() -> Hasher | None:
+    """A BLAKE3 hasher (one thread), or None where the ``blake3`` package is not installed
+    (the operator's image: it never restores, SHA-256 verifies there)."""
+    return None if _blake3 is None else _blake3.blake3(max_threads=1)
+
+
+def blake3_hex(data: bytes | bytearray | memoryview) -> str | None:
+    """BLAKE3-256 of ``data`` as hex (None without the ``blake3`` package)."""
+    h = new_blake3()
+    if h is None:
+        return None
+    h.update(data)
+    return h.hexdigest()
 
 
 def dumps(obj: Json) -> bytes:

@@ -82,12 +82,16 @@ class BlobEntry:
     """Decoded bytes."""
     codec: CodecSpec
     """How it was encoded."""
+    raw_blake3: str | None = None
+    """BLAKE3-256 of the decoded bytes, where the writer had the ``blake3`` package: the
+    restore's check of every byte it uses (as strong as SHA-256, several times faster)."""
 
     def to_json(self) -> dict[str, Json]:
         return {
             "size": self.size,
             "raw_sha256": self.raw_sha256,
             "raw_size": self.raw_size,
+            **({} if self.raw_blake3 is None else {"raw_blake3": self.raw_blake3}),
             **self.codec.to_json(),
         }
 
@@ -105,6 +109,9 @@ class BlobEntry:
             raw_sha256=digest_field(d.get("raw_sha256"), f"{what}.raw_sha256"),
             raw_size=nonneg_field(d.get("raw_size"), f"{what}.raw_size"),
             codec=codec,
+            raw_blake3=None
+            if d.get("raw_blake3") is None
+            else digest_field(d.get("raw_blake3"), f"{what}.raw_blake3"),
         )
         if entry.raw_size > CHUNK_MAX_BYTES or entry.size > BLOB_MAX_BYTES:
             raise CheckpointFormatError(

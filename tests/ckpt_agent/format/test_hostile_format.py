@@ -136,8 +136,10 @@ def test_tensor_entries_past_the_limits_are_refused(entry: dict[str, object]) ->
         {"codec": "zstd", "size": 32 << 10, "raw_size": 1 << 30, "raw_sha256": D},
         {"codec": "none", "size": 100, "raw_size": 50, "raw_sha256": D},
         {"codec": "none", "size": 100, "raw_size": 100, "raw_sha256": "cd" * 32},
+        {"codec": "none", "size": 100, "raw_size": 100, "raw_sha256": D, "raw_blake3": "x"},
+        {"codec": "none", "size": 100, "raw_size": 100, "raw_sha256": D, "raw_blake3": 7},
     ],
-    ids=["bomb-1GiB", "none-size", "none-hash"],
+    ids=["bomb-1GiB", "none-size", "none-hash", "blake3-text", "blake3-number"],
 )
 def test_blob_entries_past_the_limits_are_refused(entry: dict[str, object]) -> None:
     with pytest.raises(CheckpointFormatError):

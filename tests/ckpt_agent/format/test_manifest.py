@@ -199,6 +199,7 @@ def test_tensor_bytes_read_through_any_backend_view(
         assert bytes(mapped) == ck_store.read(key)
     copying = LocalStorage(ck_store.root)  # with the interface's default view: a copy
     monkeypatch.setattr(copying, "read_view", functools.partial(Storage.read_view, copying))
+    monkeypatch.setattr(copying, "read_into", functools.partial(Storage.read_into, copying))
     with copying.read_view(key) as copied:
         assert isinstance(copied.obj, bytes) and bytes(copied) == ck_store.read(key)
     raw = read_tensor_bytes(copying, RUN, manifest, entry, "model/w")

@@ -10,15 +10,17 @@ import hashlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import zstandard
 
 from ckpt_agent.errors import IntegrityError
 from ckpt_agent.format import jsontree
-from ckpt_agent.format.chunkread import Scratch, read_chunk
+from ckpt_agent.format.chunkread import Scratch, raw_check, read_chunk
 from ckpt_agent.format.codec import CodecSpec
-from ckpt_agent.format.layout import DTYPE_ITEMSIZE, blob_key, sha256_hex
+from ckpt_agent.format.layout import DTYPE_ITEMSIZE, blake3_hex, blob_key, sha256_hex
 from ckpt_agent.format.manifest import BlobEntry, CheckpointMeta, RankManifest
 from ckpt_agent.format.parallel_read import Target, read_into, restore_workers
 from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
@@ -144,6 +146,41 @@ def test_the_bytes_used_are_the_bytes_verified(ck_store: LocalStorage) -> None:
         read_chunk(ck_store, RUN, lying, "x", out, NUMPY_SHUFFLER, Scratch())
 
 
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_the_restore_checks_with_the_recorded_blake3(ck_store: LocalStorage, codec: str) -> None:
+    """Where the writer recorded a BLAKE3 of the raw bytes, it is what the restore checks:
+    a wrong one is refused even when the SHA-256 matches; without one, SHA-256 decides."""
+    raw = bytes(range(256)) * 64
+    spec = CodecSpec(codec, 3 if codec == "zstd" else 0, 0)
+    stored = raw if codec == "none" else zstandard.ZstdCompressor(level=3).compress(raw)
+    plain = _blob(ck_store, stored, raw, spec)
+    assert raw_check(plain)[1] == plain.raw_sha256
+    fast = replace(plain, raw_blake3=blake3_hex(raw))
+    assert raw_check(fast)[1] == fast.raw_blake3
+    out = memoryview(bytearray(len(raw)))
+    read_chunk(ck_store, RUN, fast, "x", out, NUMPY_SHUFFLER, Scratch())
+    assert bytes(out) == raw
+    lying = replace(plain, raw_blake3=blake3_hex(b"other"))
+    with pytest.raises(IntegrityError, match="decodes to the wrong bytes"):
+        read_chunk(ck_store, RUN, lying, "x", out, NUMPY_SHUFFLER, Scratch())
+    flipped = bytearray(stored)
+    flipped[len(flipped) // 2] ^= 1
+    ck_store.write(blob_key(RUN, plain.digest), bytes(flipped))
+    with pytest.raises(IntegrityError, match=r"corrupted bytes|corrupt zstd"):
+        read_chunk(ck_store, RUN, fast, "x", out, NUMPY_SHUFFLER, Scratch())
+
+
+def test_the_writer_records_the_blake3_of_every_new_chunk(ck_store: LocalStorage) -> None:
+    manifest, data = _save(ck_store, "zstd")
+    checked = 0
+    for name, entry in manifest.tensors.items():
+        for i, digest in enumerate(entry.chunks):
+            raw = data[name][i * CHUNK : (i + 1) * CHUNK]
+            assert manifest.blobs[digest].raw_blake3 == blake3_hex(raw)
+            checked += 1
+    assert checked > 4
+
+
 @pytest.mark.parametrize("content_size", [True, False])
 def test_a_frame_larger_than_declared_never_writes_past_the_destination(
     ck_store: LocalStorage, content_size: bool
@@ -165,13 +202,20 @@ class _Slow(LocalStorage):
         self.reads = 0
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def read_view(self, key: str) -> Iterator[memoryview]:
+    def _count(self) -> None:
         with self._lock:
             self.reads += 1
         time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def read_view(self, key: str) -> Iterator[memoryview]:
+        self._count()
         with super().read_view(key) as view:
             yield view
+
+    def read_into(self, key: str, out: memoryview, *args: Any, **kw: Any) -> int:
+        self._count()  # raw blobs are read straight into their destination
+        return super().read_into(key, out, *args, **kw)
 
 
 def test_the_first_failure_stops_the_remaining_chunks(ck_store: LocalStorage) -> None:
@@ -184,4 +228,4 @@ def test_the_first_failure_stops_the_remaining_chunks(ck_store: LocalStorage) ->
     assert total >= 20
     with pytest.raises(IntegrityError, match="is missing"):
         read_into(slow, RUN, manifest, targets, workers=2)
-    assert slow.reads < total  # the rest were never started
+    assert 0 < slow.reads < total  # the rest were never started

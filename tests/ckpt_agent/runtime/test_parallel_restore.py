@@ -168,6 +168,10 @@ class FlakyReads(LocalStorage):
         self._maybe_fail(key)
         return super().read_view(key)
 
+    def read_into(self, key: str, out: memoryview, *args: Any, **kw: Any) -> int:
+        self._maybe_fail(key)
+        return super().read_into(key, out, *args, **kw)
+
 
 class EveryBlobOnce(LocalStorage):
     """The first read of every blob fails with a transient EIO."""
@@ -176,11 +180,18 @@ class EveryBlobOnce(LocalStorage):
         super().__init__(root)
         self.failed: set[str] = set()
 
-    def read_view(self, key: str) -> contextlib.AbstractContextManager[memoryview]:
+    def _first_fails(self, key: str) -> None:
         if "/blobs/" in key and key not in self.failed:
             self.failed.add(key)
             raise RetryableStorageError(f"injected: Input/output error reading {key}")
+
+    def read_view(self, key: str) -> contextlib.AbstractContextManager[memoryview]:
+        self._first_fails(key)
         return super().read_view(key)
+
+    def read_into(self, key: str, out: memoryview, *args: Any, **kw: Any) -> int:
+        self._first_fails(key)
+        return super().read_into(key, out, *args, **kw)
 
 
 def _restart_on(cfg: AgentConfig, store: LocalStorage) -> tuple[Mixed, Checkpointer]:

@@ -82,6 +82,23 @@ def test_ranged_reads(storage: Storage) -> None:
         storage.read("r", -1)
 
 
+def test_read_into_fills_exactly_and_shows_each_block(storage: Storage) -> None:
+    data = blob(100_000, seed=3)
+    storage.write("r", data)
+    out = memoryview(bytearray(len(data)))
+    seen: list[bytes] = []
+    assert storage.read_into("r", out, lambda piece: seen.append(bytes(piece)), 4096) == len(data)
+    assert bytes(out) == data and b"".join(seen) == data
+    assert all(len(p) == 4096 for p in seen[:-1])
+    small = memoryview(bytearray(10))
+    assert storage.read_into("r", small) == len(data)  # another size: reported, not read
+    assert bytes(small) == bytes(10)
+    storage.write("empty", b"")
+    assert storage.read_into("empty", memoryview(bytearray(0))) == 0
+    with pytest.raises(NotFoundError):
+        storage.read_into("missing", out)
+
+
 def test_streaming_write_and_seekable_read(storage: Storage) -> None:
     data = blob(3 * MIB + 123)
     with storage.open_write("stream/x") as f:

@@ -152,6 +152,7 @@ def test_symlinked_blob_is_refused_for_reading_and_skipped_by_listing(
         lambda: store.exists(key),
         lambda: store.open_read(key),
         lambda: store.read_view(key).__enter__(),
+        lambda: store.read_into(key, memoryview(bytearray(11))),
     ):
         with pytest.raises(UnsafePathError, match="symbolic link") as ei:
             call()
@@ -275,6 +276,7 @@ def test_fifo_and_device_behind_a_key_fail_fast(store: LocalStorage, tmp_path: P
             lambda k=key: store.read(k, 0, 10),
             lambda k=key: store.open_read(k),
             lambda k=key: store.read_view(k).__enter__(),
+            lambda k=key: store.read_into(k, memoryview(bytearray(10))),
             lambda k=key: store.stat(k),
         ):
             with pytest.raises(UnsafePathError):
