@@ -37,6 +37,7 @@ __all__ = [
     "SilentPod",
     "overdue_unreported",
     "probe_target",
+    "restarts",
     "running_injected_pods",
     "silent_pods",
     "unreported_pods",
@@ -176,6 +177,12 @@ def _ended_once(pod: Mapping[str, Any]) -> bool:
         for cs in status.get("containerStatuses") or ()
         for state in ("state", "lastState")
     )
+
+
+def restarts(pod: Mapping[str, Any]) -> int:
+    """How often the pod's containers restarted (summed): a new process may lack the agent."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or ()
+    return sum(int(cs.get("restartCount") or 0) for cs in statuses)
 
 
 def overdue_unreported(

@@ -365,7 +365,9 @@ async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: P
     and a report of an opted-in pod that runs without the agent."""
     if type == "DELETED":
         index.remove(pod)
-        deps.reported_pods.discard(str((pod.get("metadata") or {}).get("uid") or ""))
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        deps.reported_pods.discard(uid)
+        deps.agents_serving.pop(uid, None)
         return
     index.upsert(pod)
     await report_unprotected(deps, pod)

@@ -411,6 +411,7 @@ def test_agent_missing_blind_probes_the_running_pod(world: Any, fixture: Any) ->
     world.source.unreachable = True
     pod = _running_pod(fixture, "2024-05-02T10:00:00Z")
     pod["status"]["podIP"] = "10.0.0.5"
+    pod["metadata"]["uid"] = "pod-uid-1"
     pod["spec"]["containers"][0]["ports"] = [{"name": c.METRICS_PORT_NAME, "containerPort": 9400}]
     world.api.add_pod(pod)
     probed: list[tuple[str, int]] = []
@@ -434,6 +435,15 @@ def test_agent_missing_blind_probes_the_running_pod(world: Any, fixture: Any) ->
     assert run(check_agents(world.deps, policy)) == []
     conditions = world.api.policies[("ml-team", "llm-finetune")]["status"]["conditions"]
     assert next(x for x in conditions if x["type"] == "AgentReporting")["status"] == "True"
+    assert len(probed) == 2
+    presence[0] = Presence.ABSENT  # answered once: not probed again while nothing restarted
+    assert run(check_agents(world.deps, policy)) == [] and len(probed) == 2
+    stored = world.api.pods[("ml-team", "mnist-ddp-worker-0")]
+    stored["status"]["containerStatuses"] = [
+        {"name": "pytorch", "restartCount": 1, "state": {"running": {}}}
+    ]  # a new process (no report in lastState): probed again
+    assert run(check_agents(world.deps, policy)) == ["mnist-ddp-worker-0"]
+    assert len(probed) == 3
 
 
 def test_agent_missing_blind_uses_the_pods_reports(world: Any, fixture: Any) -> None:

@@ -20,9 +20,11 @@ from ckpt_operator import constants as c
 from ckpt_operator.agentcheck import (
     AGENT_MISSING,
     Presence,
+    ProbeResult,
     SilentPod,
     overdue_unreported,
     probe_target,
+    restarts,
     running_injected_pods,
     silent_pods,
     unreported_pods,
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 CONDITION = "AgentReporting"
 #: Longest wait for one pod's agent probe (they run concurrently, on the event loop).
 PROBE_TIMEOUT_S = 2.0
+#: Probes in flight at once (a fleet's pods are probed only until their agent answers).
+PROBES_AT_ONCE = 32
+SEEN_SERVING = ProbeResult(Presence.SERVING, "its agent answered an earlier probe")
 
 
 async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
@@ -133,16 +138,26 @@ async def _blind_verdict(
     for the overdue pods without a report, a probe of their agent's metrics port."""
     reports, _ = pod_reports(pods)
     reported = {r.pod for r in reports}
-    targets = {
-        str(p["metadata"]["name"]): target
-        for p in overdue_unreported(pods, reported, now, deadline_s)
-        if (target := probe_target(p)) is not None
-    }
-    results = await asyncio.gather(
-        *(deps.probe(ip, port, PROBE_TIMEOUT_S) for ip, port in targets.values())
-    )
-    probes = dict(zip(targets, results, strict=True))
-    for pod, result in sorted(probes.items()):
-        if result.presence is Presence.UNKNOWN:
-            log.info("agent probe of pod %s: no verdict (%s)", pod, result.detail)
+    probes: dict[str, ProbeResult] = {}
+    todo: list[tuple[Mapping[str, Any], tuple[str, int]]] = []
+    for pod in overdue_unreported(pods, reported, now, deadline_s):
+        meta = pod["metadata"]
+        if deps.agents_serving.get(str(meta.get("uid"))) == restarts(pod):
+            probes[str(meta["name"])] = SEEN_SERVING  # answered before, same processes
+        elif (target := probe_target(pod)) is not None:
+            todo.append((pod, target))
+    gate = asyncio.Semaphore(PROBES_AT_ONCE)
+
+    async def probe(target: tuple[str, int]) -> ProbeResult:
+        async with gate:
+            return await deps.probe(*target, PROBE_TIMEOUT_S)
+
+    results = await asyncio.gather(*(probe(target) for _, target in todo))
+    for (pod, _), result in zip(todo, results, strict=True):
+        meta = pod["metadata"]
+        probes[str(meta["name"])] = result
+        if result.presence is Presence.SERVING:
+            deps.agents_serving[str(meta.get("uid"))] = restarts(pod)
+        elif result.presence is Presence.UNKNOWN:
+            log.info("agent probe of pod %s: no verdict (%s)", meta["name"], result.detail)
     return unreported_pods(pods, reported, now, deadline_s, probes)

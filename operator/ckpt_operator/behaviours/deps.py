@@ -73,6 +73,9 @@ class Deps:
     probe: AgentProbe = probe_agent
     """Probes a pod's agent metrics port (ip, port, timeout): the agent check's live signal
     when the storage is out of the operator's reach."""
+    agents_serving: dict[str, int] = field(default_factory=dict)
+    """Pod uid → its containers' restart count when its agent answered a probe: not probed
+    again until a container restarts (dropped when the pod is deleted)."""
     admission_api: KubeApi | None = None
     """The API client the webhook falls back to on a cache miss (its own worker threads,
     so admission never waits behind reconciliation); None: ``api``."""
