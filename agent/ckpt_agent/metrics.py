@@ -45,6 +45,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -399,8 +400,12 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:
                 del format, args
 
+        class Server(http.server.ThreadingHTTPServer):
+            # "::" (IPv6, and IPv4 too where the node allows dual-stack sockets)
+            address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
         self.health = health
-        self._httpd = http.server.ThreadingHTTPServer((addr, port), Handler)
+        self._httpd = Server((addr, port), Handler)
         self._httpd.daemon_threads = True
         self.port = int(self._httpd.server_address[1])
         threading.Thread(target=self._httpd.serve_forever, name=name, daemon=True).start()

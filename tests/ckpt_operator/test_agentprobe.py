@@ -76,3 +76,27 @@ def test_a_listener_that_never_answers_is_no_verdict() -> None:
         result = asyncio.run(probe_agent("127.0.0.1", port, 0.3))
     assert result.presence is Presence.UNKNOWN
     assert "did not answer within 0.3s" in result.detail
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_ipv6_pod_is_probed_at_its_address() -> None:
+    """``CKPT_METRICS_ADDR=::`` serves IPv6 (an IPv6 pod's address), and the probe speaks
+    to a bracketed IPv6 host."""
+    metrics = Metrics()
+    port = _free_port()
+    metrics.serve(port, "::")
+    try:
+        result = asyncio.run(probe_agent("::1", port, 5))
+    finally:
+        metrics.close()
+    assert result.presence is Presence.SERVING, result
+    assert result.detail == f"the agent serves ::1:{port}"
