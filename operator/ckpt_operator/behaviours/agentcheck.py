@@ -159,5 +159,5 @@ async def _blind_verdict(
         if result.presence is Presence.SERVING:
             deps.agents_serving[str(meta.get("uid"))] = restarts(pod)
         elif result.presence is Presence.UNKNOWN:
-            log.info("agent probe of pod %s: no verdict (%s)", meta["name"], result.detail)
+            log.debug("agent probe of pod %s: no verdict (%s)", meta["name"], result.detail)
     return unreported_pods(pods, reported, now, deadline_s, probes)
