@@ -167,35 +167,37 @@ class Sidecar:
                 log.error("committing %s failed: %s", desc.checkpoint_id, e)
         seconds = time.perf_counter() - t0
         ok = handled is not None and not error
-        reader.mark(
-            PersistedMark(
+        try:
+            self._count(desc, ok, trigger)
+            self._event(
+                "persisted" if ok else "persist_failed",
+                rank=desc.rank,
                 seq=desc.seq,
+                checkpoint=desc.checkpoint_id,
                 step=desc.step,
-                checkpoint_id=desc.checkpoint_id,
-                ok=ok,
-                error=error,
-                manifest_hash=None if committed is None else committed.manifest_hash,
+                tier=desc.tier,
                 committed=committed is not None,
-                persist_s=seconds,
-                size_bytes=0 if committed is None else committed.size_bytes,
-                time=time.time(),
+                manifest_hash=None if committed is None else committed.manifest_hash,
+                seconds=round(seconds, 6),
+                trigger=trigger,
+                error=error or None,
+                **({} if committed is None else committed.byte_counts()),
             )
-        )
-        self._count(desc, ok, trigger)
-        self._event(
-            "persisted" if ok else "persist_failed",
-            rank=desc.rank,
-            seq=desc.seq,
-            checkpoint=desc.checkpoint_id,
-            step=desc.step,
-            tier=desc.tier,
-            committed=committed is not None,
-            manifest_hash=None if committed is None else committed.manifest_hash,
-            seconds=round(seconds, 6),
-            trigger=trigger,
-            error=error or None,
-            **({} if committed is None else committed.byte_counts()),
-        )
+        finally:  # last: what the trainer's wait() returns on, once log and counts say it
+            reader.mark(
+                PersistedMark(
+                    seq=desc.seq,
+                    step=desc.step,
+                    checkpoint_id=desc.checkpoint_id,
+                    ok=ok,
+                    error=error,
+                    manifest_hash=None if committed is None else committed.manifest_hash,
+                    committed=committed is not None,
+                    persist_s=seconds,
+                    size_bytes=0 if committed is None else committed.size_bytes,
+                    time=time.time(),
+                )
+            )
         if handled is not None and committed is not None:
             self.coordinator.after_commit(handled, committed)
         return True
