@@ -111,7 +111,8 @@ class CheckpointRecord:
     size_bytes: int = 0
     """Bytes this checkpoint added to storage (new blobs + manifests)."""
     created_at: float = 0.0
-    """Unix time of the commit."""
+    """Unix time the checkpoint was taken (its snapshot; the COMMIT follows, after retries
+    as long as the storage needs)."""
     manifest_hash: str = ""
     """SHA-256 of the committed (global) manifest."""
     prev_hash: str | None = None
