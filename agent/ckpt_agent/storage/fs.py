@@ -50,7 +50,6 @@ import mmap
 import os
 import stat as stat_mod
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -62,7 +61,6 @@ from ckpt_agent.storage.base import (
     NotFoundError,
     ObjectInfo,
     ObjectWriter,
-    RetryableStorageError,
     Storage,
     StorageError,
     validate_key,
@@ -70,15 +68,14 @@ from ckpt_agent.storage.base import (
 )
 from ckpt_agent.storage.confined import (
     O_READ,
-    O_TEMP,
     ConfinedTree,
     check_regular,
     close_all,
-    conflict,
     kind_of,
     link_text,
     unsafe,
 )
+from ckpt_agent.storage.fs_writer import FileWriter
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_LOCAL
 
@@ -132,10 +129,10 @@ class LocalStorage(Storage):
 
     # -- writing ---------------------------------------------------------------------
     def open_write(self, key: str) -> ObjectWriter:
-        return _FileWriter(self, key, self._path(key), fsync=self.options.fsync)
+        return FileWriter(self, self._tree, key, self._path(key), fsync=self.options.fsync)
 
     def commit(self, key: str, data: bytes) -> None:
-        with _FileWriter(self, key, self._path(key), fsync=True) as f:
+        with FileWriter(self, self._tree, key, self._path(key), fsync=True) as f:
             f.write(data)
 
     # -- reading ---------------------------------------------------------------------
@@ -497,106 +494,6 @@ def _prune(fds: Sequence[int], parts: Sequence[str]) -> None:
             os.rmdir(parts[i], dir_fd=fds[i])
         except OSError:
             return
-
-
-class _FileWriter(ObjectWriter):
-    """Temp file beside the target; fsync, rename, fsync directories on publish."""
-
-    def __init__(self, storage: LocalStorage, key: str, path: Path, *, fsync: bool) -> None:
-        super().__init__(storage, key)
-        self._tree = storage._tree
-        self._target = path
-        self._do_fsync = fsync
-        self._parts = key.split("/")  # validated by storage._path
-        self._tmp_name = f"{TEMP_PREFIX}{self._parts[-1]}.{uuid.uuid4().hex[:16]}"
-        self._tmp = path.with_name(self._tmp_name)
-        self._fd = -1
-        self._dfd = -1
-        self._created: list[int] = []  # depths of the folders this writer created
-        try:
-            # A concurrent delete() may prune the directory between mkdir and open: retry.
-            for attempt in range(3):
-                fds, created = self._tree.chain(self._parts[:-1], create=True, fsync=fsync)
-                self._created += created
-                self._dfd = fds.pop()
-                close_all(fds)
-                try:
-                    self._fd = os.open(self._tmp_name, O_TEMP, 0o666, dir_fd=self._dfd)
-                    break
-                except FileNotFoundError:
-                    self._close_dir()
-                    if attempt == 2:
-                        raise RetryableStorageError(
-                            f"directory {path.parent} keeps disappearing (concurrent delete?)"
-                        ) from None
-                except OSError as e:
-                    raise self._tree.error(e, "creating", self._tmp) from e
-        except BaseException:
-            self.abort()
-            raise
-
-    def _write(self, data: memoryview) -> None:
-        try:
-            while data:
-                n = os.write(self._fd, data)
-                data = data[n:]
-        except OSError as e:
-            raise self._tree.error(e, f"writing {self.key!r} to", self._tmp) from e
-
-    def _publish(self) -> None:
-        tree = self._tree
-        try:
-            if self._do_fsync:
-                os.fsync(self._fd)
-        except OSError as e:
-            raise tree.error(e, f"syncing {self.key!r} to", self._tmp) from e
-        fd, self._fd = self._fd, -1
-        try:
-            os.close(fd)  # NFS reports deferred write errors (ENOSPC, EDQUOT) here
-        except OSError as e:
-            raise tree.error(e, f"closing {self.key!r} at", self._tmp) from e
-        try:
-            # a rename replaces a link at the target itself, never its target
-            os.replace(self._tmp_name, self._parts[-1], src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
-        except IsADirectoryError:
-            raise conflict(self._target) from None
-        except OSError as e:
-            raise tree.error(e, f"publishing {self.key!r} as", self._target) from e
-        if self._do_fsync:
-            tree.fsync_fd(self._dfd, self._target.parent)
-        self._close_dir()
-
-    def _close_dir(self) -> None:
-        if self._dfd >= 0:
-            dfd, self._dfd = self._dfd, -1
-            os.close(dfd)
-
-    def _discard(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if self._dfd >= 0:
-            try:
-                os.unlink(self._tmp_name, dir_fd=self._dfd)
-            except (FileNotFoundError, NotADirectoryError):
-                pass
-            except OSError:
-                log.warning("could not remove temporary file %s", self._tmp, exc_info=True)
-            self._close_dir()
-        if self._created:  # leave no empty directories behind
-            dirs = self._parts[:-1]
-            try:
-                fds, _ = self._tree.chain(dirs[: max(self._created)])
-            except StorageError:
-                return
-            try:
-                for depth in sorted(self._created, reverse=True):
-                    os.rmdir(dirs[depth], dir_fd=fds[depth])
-            except OSError:
-                pass
-            finally:
-                close_all(fds)
 
 
 def _collapse(items: Iterator[ObjectInfo], prefix: str, delimiter: str) -> Iterator[ObjectInfo]:

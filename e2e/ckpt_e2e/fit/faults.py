@@ -81,7 +81,7 @@ def _fire(marker: str | None) -> None:
 
 def _install_kill(kill: dict[str, Any]) -> None:
     from ckpt_agent.format.layout import COMMIT, VALIDATION
-    from ckpt_agent.storage import fs
+    from ckpt_agent.storage import fs, fs_writer
 
     point = str(kill["point"])
     after = int(kill.get("after_commits", 0))
@@ -92,7 +92,7 @@ def _install_kill(kill: dict[str, Any]) -> None:
         return commits["n"] >= after and not (marker and os.path.exists(marker))
 
     original_commit = fs.LocalStorage.commit
-    original_write = fs._FileWriter._write
+    original_write = fs_writer.FileWriter._write
 
     def commit(self: fs.LocalStorage, key: str, data: bytes) -> None:
         name = key.rsplit("/", 1)[-1]
@@ -108,38 +108,38 @@ def _install_kill(kill: dict[str, Any]) -> None:
         if routine and name == COMMIT:
             commits["n"] += 1
 
-    def write(self: fs._FileWriter, data: memoryview) -> None:
+    def write(self: fs_writer.FileWriter, data: memoryview) -> None:
         if point == "blob" and "/blobs/" in self.key and armed() and len(data) > 1:
             original_write(self, data[: len(data) // 2])
             _fire(marker)
         original_write(self, data)
 
     fs.LocalStorage.commit = commit  # type: ignore[method-assign]
-    fs._FileWriter._write = write  # type: ignore[method-assign]
+    fs_writer.FileWriter._write = write  # type: ignore[method-assign]
 
 
 def _install_delay(delay: dict[str, Any]) -> None:
-    from ckpt_agent.storage import fs
+    from ckpt_agent.storage import fs, fs_writer
 
     seconds = float(delay["seconds"])
     after = int(delay.get("after_commits", 0))
     marker = delay.get("marker")
     commits = {"n": 0}
     original_commit = fs.LocalStorage.commit
-    original_write = fs._FileWriter._write
+    original_write = fs_writer.FileWriter._write
 
     def commit(self: fs.LocalStorage, key: str, data: bytes) -> None:
         original_commit(self, key, data)
         if "/steps/" in key and key.endswith("/COMMIT"):
             commits["n"] += 1
 
-    def write(self: fs._FileWriter, data: memoryview) -> None:
+    def write(self: fs_writer.FileWriter, data: memoryview) -> None:
         if "/blobs/" in self.key and commits["n"] >= after and _claim(marker):
             time.sleep(seconds)
         original_write(self, data)
 
     fs.LocalStorage.commit = commit  # type: ignore[method-assign]
-    fs._FileWriter._write = write  # type: ignore[method-assign]
+    fs_writer.FileWriter._write = write  # type: ignore[method-assign]
 
 
 def _claim(marker: str | None) -> bool:
@@ -217,9 +217,11 @@ class _FaultyOs(types.ModuleType):
 
 
 def _install_errors(rules: list[dict[str, Any]]) -> None:
-    from ckpt_agent.storage import fs
+    from ckpt_agent.storage import fs, fs_writer
 
-    fs.os = _FaultyOs([_Rule(r) for r in rules])  # type: ignore[attr-defined]
+    faulty = _FaultyOs([_Rule(r) for r in rules])  # one fd table: opened here, written there
+    fs.os = faulty  # type: ignore[attr-defined]
+    fs_writer.os = faulty  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- poisoned resume
