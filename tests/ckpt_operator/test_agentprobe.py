@@ -22,17 +22,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_agents_metrics_server_is_serving() -> None:
-    metrics = Metrics()
-    port = _free_port()
-    metrics.serve(port, "127.0.0.1")
-    try:
-        result = asyncio.run(probe_agent("127.0.0.1", port, 5))
-    finally:
-        metrics.close()
-    assert result.presence is Presence.SERVING, result
-
-
 def test_a_closed_port_is_absent() -> None:
     port = _free_port()
     result = asyncio.run(probe_agent("127.0.0.1", port, 5))
@@ -87,16 +76,27 @@ def _ipv6_loopback() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
-def test_an_ipv6_pod_is_probed_at_its_address() -> None:
-    """``CKPT_METRICS_ADDR=::`` serves IPv6 (an IPv6 pod's address), and the probe speaks
-    to a bracketed IPv6 host."""
+@pytest.mark.parametrize(
+    ("bind", "ip"),
+    [
+        ("127.0.0.1", "127.0.0.1"),
+        pytest.param(
+            "::",
+            "::1",
+            marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here"),
+        ),
+    ],
+    ids=["ipv4", "ipv6"],
+)
+def test_the_agents_metrics_server_is_serving(bind: str, ip: str) -> None:
+    """The agent's own server answers the probe; ``CKPT_METRICS_ADDR=::`` serves IPv6 (an
+    IPv6 pod's address) and the probe speaks to a bracketed IPv6 host."""
     metrics = Metrics()
     port = _free_port()
-    metrics.serve(port, "::")
+    metrics.serve(port, bind)
     try:
-        result = asyncio.run(probe_agent("::1", port, 5))
+        result = asyncio.run(probe_agent(ip, port, 5))
     finally:
         metrics.close()
     assert result.presence is Presence.SERVING, result
-    assert result.detail == f"the agent serves ::1:{port}"
+    assert result.detail == f"the agent serves {ip}:{port}"

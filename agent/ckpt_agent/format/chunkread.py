@@ -34,7 +34,7 @@ import zstandard
 from ckpt_agent import tuning
 from ckpt_agent.errors import CodecError, IntegrityError, RetryableStorageError
 from ckpt_agent.format.codec import CODEC_NONE, CodecSpec, Shuffler, check_zstd_frame
-from ckpt_agent.format.layout import Hasher, blob_key, new_blake3, sha256_hex
+from ckpt_agent.format.layout import BLAKE3, Hasher, blob_key, sha256_hex
 from ckpt_agent.format.manifest import BlobEntry, TensorEntry
 from ckpt_agent.storage.base import NotFoundError, Storage
 
@@ -70,15 +70,9 @@ HashFactory = Callable[[], Hasher]
 def raw_check(blob: BlobEntry) -> tuple[HashFactory, str]:
     """How a chunk's decoded bytes are checked: (new hasher, expected hex digest). BLAKE3
     where the manifest records it and the ``blake3`` package is here, else SHA-256."""
-    if blob.raw_blake3 is not None and new_blake3() is not None:
-        return _blake3_hasher, blob.raw_blake3
+    if blob.raw_blake3 is not None and BLAKE3 is not None:
+        return BLAKE3, blob.raw_blake3
     return hashlib.sha256, blob.raw_sha256
-
-
-def _blake3_hasher() -> Hasher:
-    h = new_blake3()
-    assert h is not None
-    return h
 
 
 def copy_hashed(src: memoryview, out: memoryview, new: HashFactory = hashlib.sha256) -> str:

@@ -26,7 +26,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Final, Protocol, TypeGuard
 
@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = [
     "AUDIT_LOG",
     "AUDIT_TAIL_BYTES",
+    "BLAKE3",
     "BLOB_MAX_BYTES",
     "CHUNK_MAX_BYTES",
     "COMMIT",
@@ -62,7 +63,6 @@ __all__ = [
     "VALIDATION_MAX_BYTES",
     "Hasher",
     "audit_key",
-    "blake3_hex",
     "blob_key",
     "blobs_prefix",
     "checkpoint_prefix",
@@ -73,7 +73,6 @@ __all__ = [
     "is_rank_file",
     "is_run_id",
     "loads",
-    "new_blake3",
     "parse_checkpoint_id",
     "rank_manifest_key",
     "recover_request_key",
@@ -258,19 +257,9 @@ class Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
-def new_blake3() -> Hasher | None:
-    """A BLAKE3 hasher (one thread), or None where the ``blake3`` package is not installed
-    (the operator's image: it never restores, SHA-256 verifies there)."""
-    return None if _blake3 is None else _blake3.blake3(max_threads=1)
-
-
-def blake3_hex(data: bytes | bytearray | memoryview) -> str | None:
-    """BLAKE3-256 of ``data`` as hex (None without the ``blake3`` package)."""
-    h = new_blake3()
-    if h is None:
-        return None
-    h.update(data)
-    return h.hexdigest()
+#: BLAKE3-256 hashers (one thread each), or None where the ``blake3`` package is not
+#: installed (the operator's image: it never restores, SHA-256 verifies there).
+BLAKE3: Final[Callable[[], Hasher] | None] = None if _blake3 is None else _blake3.blake3
 
 
 def dumps(obj: Json) -> bytes:

@@ -53,12 +53,12 @@ from ckpt_agent.format.codec import (
     Shuffler,
 )
 from ckpt_agent.format.layout import (
+    BLAKE3,
     CHUNK_MAX_BYTES,
     DTYPE_ITEMSIZE,
     blob_key,
     checkpoint_prefix,
     commit_key,
-    new_blake3,
     rank_manifest_key,
     sha256_hex,
     validation_key,
@@ -205,7 +205,7 @@ class WrittenCheckpoint:
 def _raw_hashes(part: memoryview) -> tuple[str, str | None]:
     """A chunk's SHA-256 (its identity) and BLAKE3 (the restore's fast check; None without
     the package), both over each 1 MiB block while it is in the CPU cache."""
-    sha, b3 = hashlib.sha256(), new_blake3()
+    sha, b3 = hashlib.sha256(), None if BLAKE3 is None else BLAKE3()
     for start in range(0, len(part), HASH_BLOCK_BYTES):
         block = part[start : start + HASH_BLOCK_BYTES]
         sha.update(block)
