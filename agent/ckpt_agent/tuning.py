@@ -13,6 +13,13 @@ from typing import Final
 #: ``docs/format.md`` documents it as the chunk size readers may assume at most.
 CHUNK_BYTES: Final = 16 * 1024 * 1024
 
+#: Alignment of the host buffers and shared-memory tensors at least ``DIRECT_IO_MIN_BYTES``
+#: long (address and, for chunks, file offset), so that the filesystem backend can write
+#: them with ``O_DIRECT`` (the page size: what every Linux filesystem accepts).
+DIRECT_IO_ALIGN: Final = 4096
+#: Buffers shorter than this are written through the page cache (one syscall either way).
+DIRECT_IO_MIN_BYTES: Final = 1024 * 1024
+
 #: Unreferenced blobs younger than this are kept by blob GC: another writer (a rank,
 #: the sidecar, an in-flight save) may be about to reference them.
 GC_GRACE_S: Final = 3600.0

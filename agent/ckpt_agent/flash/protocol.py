@@ -74,7 +74,7 @@ import numpy as np
 from ckpt_agent.errors import CheckpointFormatError, ShmError
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE, validate_run_id
 from ckpt_agent.records import Json, Tier, checkpoint_id, rank_name
-from ckpt_agent.tuning import CHUNK_BYTES
+from ckpt_agent.tuning import CHUNK_BYTES, DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
 __all__ = [
     "ALIGN",
@@ -96,6 +96,7 @@ __all__ = [
     "fast_checksum",
     "fast_checksums",
     "hold_lock",
+    "place",
     "read_file",
     "read_header",
     "read_health",
@@ -365,6 +366,14 @@ def read_file(path: Path) -> bytes | None:
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def place(off: int, nbytes: int) -> int:
+    """Where a tensor (or file) of ``nbytes`` starts in a slot, at or after ``off``:
+    page-aligned when it is large enough for the persister to write it to storage with
+    ``O_DIRECT`` (:class:`ckpt_agent.storage.fs_writer.DirectIO`), else ``ALIGN``-aligned."""
+    step = DIRECT_IO_ALIGN if nbytes >= DIRECT_IO_MIN_BYTES else ALIGN
+    return (off + step - 1) // step * step
 
 
 def try_flock(fd: int, op: int) -> bool:

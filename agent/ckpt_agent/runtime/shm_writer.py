@@ -33,6 +33,7 @@ from ckpt_agent.flash.protocol import (
     align,
     atomic_write,
     hold_lock,
+    place,
     try_flock,
 )
 from ckpt_agent.records import Json, Tier
@@ -153,9 +154,9 @@ class ShmWriter(ShmArea):
         for name, value in sections.items():
             flatten(value, name, live)
         size = HEADER_BYTES
-        for a in live.values():
-            size = align(size + _nbytes(a.value))
-        size = align(size + files_bytes)
+        for n in [*(_nbytes(a.value) for a in live.values()), files_bytes]:
+            size = place(size, n) + n
+        size = align(size)
         for i in range(self.slots):
             s = self._slot(i)
             if try_flock(s.fd, fcntl.LOCK_EX):
@@ -197,13 +198,15 @@ class ShmWriter(ShmArea):
         off = HEADER_BYTES
         for a in live.values():
             nbytes = _nbytes(a.value)
-            layout[a.name] = ShmTensor(a.dtype, a.shape, off, nbytes)
-            off = align(off + nbytes)
+            start = place(off, nbytes)
+            layout[a.name] = ShmTensor(a.dtype, a.shape, start, nbytes)
+            off = start + nbytes
         flayout: dict[str, ShmTensor] = {}
         for fname, payload in (files or {}).items():
-            flayout[fname] = ShmTensor("uint8", (len(payload),), off, len(payload))
-            off = align(off + len(payload))
-        size = off
+            start = place(off, len(payload))
+            flayout[fname] = ShmTensor("uint8", (len(payload),), start, len(payload))
+            off = start + len(payload)
+        size = align(off)
         slot = self._acquire()
         if slot is None:
             return None

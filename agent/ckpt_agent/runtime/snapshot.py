@@ -37,6 +37,7 @@ from ckpt_agent.records import Json, Tier
 from ckpt_agent.runtime.devices import synchronize_copies
 from ckpt_agent.runtime.serialization import LiveArray, flatten, raw_bytes
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
 __all__ = [
     "APPROX_KEYS",
@@ -95,8 +96,34 @@ class Snapshot:
         return [i.source() for i in self.items]
 
 
+def _aligned(address: int, nbytes: int) -> slice:
+    skip = -address % DIRECT_IO_ALIGN
+    return slice(skip, skip + nbytes)
+
+
+def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """An empty host buffer; page-aligned when large (its chunks can then be written to
+    storage with ``O_DIRECT``, :class:`ckpt_agent.storage.fs_writer.DirectIO`)."""
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes < DIRECT_IO_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+    raw = torch.empty(nbytes + DIRECT_IO_ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    return raw[_aligned(raw.data_ptr(), nbytes)].view(dtype).view(shape)
+
+
+def host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """:func:`host_tensor` for a NumPy array."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < DIRECT_IO_MIN_BYTES:
+        return np.empty(shape, dtype=dtype)
+    raw = np.empty(nbytes + DIRECT_IO_ALIGN, dtype=np.uint8)
+    return raw[_aligned(raw.ctypes.data, nbytes)].view(dtype).reshape(shape)
+
+
 class HostArena:
-    """Reusable host buffers, one per tensor name (reallocated only when shape/dtype change)."""
+    """Reusable host buffers, one per tensor name (reallocated only when shape/dtype change).
+
+    Large buffers are page-aligned (:func:`host_tensor`)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor | np.ndarray] = {}
@@ -119,14 +146,14 @@ class HostArena:
         buf = self._buffers.get(live.name)
         if isinstance(v, np.ndarray):
             if not (isinstance(buf, np.ndarray) and buf.shape == v.shape and buf.dtype == v.dtype):
-                buf = np.empty(v.shape, dtype=v.dtype)
+                buf = host_array(v.shape, v.dtype)
                 self._buffers[live.name] = buf
                 self._filled.discard(live.name)
                 self.allocations += 1
             return buf, live.name in self._filled
         if not (isinstance(buf, torch.Tensor) and buf.shape == v.shape and buf.dtype == v.dtype):
             pin = v.device.type == "cuda"
-            buf = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin)
+            buf = host_tensor(v.shape, v.dtype, pin=pin)
             self._buffers[live.name] = buf
             self._filled.discard(live.name)
             self.allocations += 1

@@ -75,7 +75,7 @@ from ckpt_agent.storage.confined import (
     link_text,
     unsafe,
 )
-from ckpt_agent.storage.fs_writer import FileWriter
+from ckpt_agent.storage.fs_writer import DirectIO, FileWriter
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_LOCAL
 
@@ -104,6 +104,8 @@ class LocalStorage(Storage):
         self.unsafe_entries = 0
         self._tree = ConfinedTree(self.root)
         self._lock = threading.Lock()
+        #: ``O_DIRECT`` for large aligned blob writes (durable writes only).
+        self.direct_io = DirectIO(self.options.fsync and self.options.direct_io)
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions | None = None) -> LocalStorage:
@@ -129,7 +131,10 @@ class LocalStorage(Storage):
 
     # -- writing ---------------------------------------------------------------------
     def open_write(self, key: str) -> ObjectWriter:
-        return FileWriter(self, self._tree, key, self._path(key), fsync=self.options.fsync)
+        path = self._path(key)
+        return FileWriter(
+            self, self._tree, key, path, fsync=self.options.fsync, direct=self.direct_io
+        )
 
     def commit(self, key: str, data: bytes) -> None:
         with FileWriter(self, self._tree, key, self._path(key), fsync=True) as f:

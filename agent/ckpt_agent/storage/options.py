@@ -66,6 +66,7 @@ ENV_VARS: dict[str, str] = {
     "CKPT_S3_SESSION_TOKEN": "session_token",
     "CKPT_S3_CHECKSUMS": "checksums",
     "CKPT_FS_FSYNC": "fsync",
+    "CKPT_FS_DIRECT_IO": "direct_io",
 }
 
 #: The policy's S3 section: the CRD's (operator) or the agent config's (pods); same fields.
@@ -151,6 +152,11 @@ class StorageOptions:
     # --- local / shared filesystem ---------------------------------------------
     #: fsync files and directories on publish. Turn off only for throw-away tests.
     fsync: bool = True
+    #: With ``fsync``: write the page-aligned part of large, page-aligned buffers (the
+    #: agent's host buffers and shared-memory slots) with ``O_DIRECT``, from the buffer
+    #: to the disk without a copy into the page cache (that copy costs about as much CPU
+    #: as hashing the bytes). Filesystems that refuse ``O_DIRECT`` get buffered writes.
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if self.sse not in _SSE_MODES:

@@ -11,7 +11,7 @@ import ckpt_dist_workers as w
 import pytest
 import torch
 
-from ckpt_agent.flash.protocol import HEADER_BYTES, PersistedMark
+from ckpt_agent.flash.protocol import ALIGN, HEADER_BYTES, PersistedMark
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.format.listing import list_checkpoints
@@ -20,6 +20,7 @@ from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import Tier
 from ckpt_agent.runtime.shm_writer import ShmWriter
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_agent.tuning import DIRECT_IO_ALIGN
 
 RUN = w.RUN
 
@@ -177,3 +178,28 @@ def test_one_sidecar_commits_the_parts_of_every_rank_it_serves(tmp_path: Path) -
     committed, m1 = read_checkpoint(store, RUN, records[0].id, 1)
     assert [r.rank for r in committed.commit.ranks] == [0, 1]
     assert m1.state["progress"]["token"] == "t1"
+
+
+def test_large_tensors_are_page_aligned_in_the_slot_and_persisted_direct(
+    tmp_path: Path,
+) -> None:
+    """The persister writes large tensors straight from the slot with O_DIRECT."""
+    writer = ShmWriter(tmp_path / "shm", RUN, 0)
+    state = {"model": {"b": torch.arange(5.0), "w": torch.randn(512, 1024), "v": torch.randn(3)}}
+    d = writer.write(3, Tier.PULSE, state)
+    assert d is not None
+    assert d.tensors["model/w"].offset % DIRECT_IO_ALIGN == 0
+    assert d.tensors["model/b"].offset % ALIGN == 0 and d.tensors["model/v"].offset % ALIGN == 0
+    assert d.tensors["model/v"].offset < d.tensors["model/w"].offset + 512 * 1024 * 4 + ALIGN
+    sidecar = _sidecar(tmp_path)
+    try:
+        assert sidecar.run_once() == 1
+        store = sidecar.storage
+        assert isinstance(store, LocalStorage)
+        assert store.direct_io.bytes_written == 2 * 1024 * 1024  # all of model/w
+    finally:
+        sidecar.close()
+    with LocalStorage(tmp_path / "store") as s:
+        (ckpt,) = list_checkpoints(s, RUN, include_heartbeat=False)
+        assert load_check(s, RUN, ckpt.id).ok
+    writer.close()

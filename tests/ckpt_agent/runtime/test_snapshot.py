@@ -13,6 +13,7 @@ from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
 from ckpt_agent.records import Tier
 from ckpt_agent.runtime.snapshot import BackgroundWorker, HeartbeatWriter, HostArena, take_snapshot
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_agent.tuning import DIRECT_IO_ALIGN
 
 
 def _model() -> torch.nn.Sequential:
@@ -166,3 +167,25 @@ def test_heartbeat_writer_coalesces_and_never_blocks(ck_store: LocalStorage) -> 
     ring = read_heartbeat(store, "run1")
     assert ring[-1].step == 49 and len(ring) <= 3
     assert hb.coalesced > 0 and hb.written < 50
+
+
+def test_large_host_buffers_are_page_aligned_for_direct_writes() -> None:
+    """Their chunks can go to disk with O_DIRECT (no page-cache copy); small ones are not
+    padded."""
+    big = torch.randn(600, 1000)  # 2.4 MB
+    small = torch.randn(10)
+    arr = np.arange(300_000, dtype=np.float64)  # 2.4 MB NumPy state
+    snap = take_snapshot(
+        1, Tier.PULSE, {"model": {"big": big, "small": small}, "extra": {"a": arr}}, HostArena()
+    )
+    items = {i.name: i for i in snap.items}
+    big_buf, arr_buf = items["model/big"].buffer, items["extra/a"].buffer
+    assert isinstance(big_buf, torch.Tensor) and isinstance(arr_buf, np.ndarray)
+    assert big_buf.data_ptr() % DIRECT_IO_ALIGN == 0 and torch.equal(big_buf, big)
+    assert arr_buf.ctypes.data % DIRECT_IO_ALIGN == 0 and np.array_equal(arr_buf, arr)
+    assert big_buf.is_contiguous() and arr_buf.flags.c_contiguous
+    src = items["model/big"].source()
+    assert len(src.data) == big.numel() * 4 and bytes(src.data) == big.numpy().tobytes()
+    small_buf = items["model/small"].buffer
+    assert isinstance(small_buf, torch.Tensor)
+    assert small_buf.untyped_storage().nbytes() == 40  # no padding below the threshold
