@@ -91,13 +91,16 @@ if [ "$mode" = print ]; then
   exit 0
 fi
 
+# pip in the build uses the index pip here uses (PIP_INDEX_URL, pip's config, else PyPI),
+# resolved once, as this user (before sudo: root's pip may be configured differently)
+[ -n "${PIP_INDEX_URL:-}" ] || PIP_INDEX_URL="$(python3 -m pip config get global.index-url 2>/dev/null || true)"
+[ -z "$PIP_INDEX_URL" ] || export PIP_INDEX_URL
+
 # --------------------------------------------------------------- root
 # rootful buildah with chroot isolation: not root, run again with sudo, keeping the
-# environment and the index this user's pip is configured with
+# environment (the index above included)
 if [ "$(id -u)" != 0 ]; then
   command -v sudo >/dev/null || die "building images here needs root (rootful buildah with chroot isolation): run it as root"
-  [ -n "${PIP_INDEX_URL:-}" ] || PIP_INDEX_URL="$(python3 -m pip config get global.index-url 2>/dev/null || true)"
-  [ -z "$PIP_INDEX_URL" ] || export PIP_INDEX_URL
   log "not root: running it again with sudo -E (rootful buildah)"
   exec sudo -E "$self" "$@"
 fi
@@ -173,9 +176,7 @@ python3 -c "import sys; sys.exit(tuple(map(int, '$version'.split('.'))) < (3, 11
 
 # --------------------------------------------------------------- operator image
 log "building $tag (target operator, base $base_tag, Python $version)"
-# pip in the build uses the index pip here uses (PIP_INDEX_URL, pip's config, else PyPI)
-index="${PIP_INDEX_URL:-$(python3 -m pip config get global.index-url 2>/dev/null || true)}"
-args=(--build-arg "PYTHON_IMAGE=$base_tag" --build-arg "PIP_INDEX_URL=${index:-https://pypi.org/simple}")
+args=(--build-arg "PYTHON_IMAGE=$base_tag" --build-arg "PIP_INDEX_URL=${PIP_INDEX_URL:-https://pypi.org/simple}")
 buildah bud --quiet --layers=false --target operator "${args[@]}" -t "$tag" -f Dockerfile . >/dev/null
 prune "$repo" "$tag"
 log "built $tag in $(( $(date +%s) - t0 ))s: $(size_mb "$tag") MB"

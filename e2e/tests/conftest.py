@@ -80,16 +80,20 @@ def cluster(request: pytest.FixtureRequest, summary_notes: list[str]) -> Iterato
         c.mark_failed()
     if keep:
         c.release()
-        summary_notes.append(
-            f"[ckpt-e2e] cluster left running:\n  export KUBECONFIG={c.kubeconfig}\n"
-            f"  stop it with: PYTHONPATH={_E2E} python -m ckpt_e2e down {c.workdir}"
+        _note(
+            summary_notes,
+            f"cluster left running:\n  export KUBECONFIG={c.kubeconfig}\n"
+            f"  stop it with: PYTHONPATH={_E2E} python -m ckpt_e2e down {c.workdir}",
         )
     else:
         c.stop()
         if request.session.stash.get(_failed_key, False):
-            summary_notes.append(
-                f"[ckpt-e2e] a test failed; cluster workdir (logs) kept: {c.workdir}"
-            )
+            _note(summary_notes, f"a test failed; cluster workdir (logs) kept: {c.workdir}")
+
+
+def _note(notes: list[str], text: str) -> None:
+    """A line for the CI log's summary (the root conftest prints ``summary_notes``)."""
+    notes.append(f"[ckpt-e2e] {text}")
 
 
 def _slug(text: str, limit: int = 30) -> str:
@@ -112,10 +116,11 @@ def stack(
     st = Stack.up(cluster)
     container = st.operator.container
     # printed by the root conftest.py's terminal summary (also under xdist)
-    summary_notes.append(
-        f"[ckpt-e2e] operator ran from the image {container.image}"
+    _note(
+        summary_notes,
+        f"operator ran from the image {container.image}"
         if container is not None
-        else "[ckpt-e2e] operator ran as a local process (no image: see CKPT_E2E_OPERATOR)"
+        else "operator ran as a local process (no image: see CKPT_E2E_OPERATOR)",
     )
     yield st
     if _keep(request.config):  # stays up with the cluster; ``ckpt_e2e down`` stops it too
@@ -151,9 +156,7 @@ def trainer_v2(
     cluster: LocalCluster, request: pytest.FixtureRequest, summary_notes: list[str]
 ) -> Iterator[TrainerV2]:
     tv = TrainerV2(cluster).start()
-    summary_notes.append(
-        f"[ckpt-e2e] JobSet + Trainer v2 controllers started in {tv.timings['total']:.1f}s"
-    )
+    _note(summary_notes, f"JobSet + Trainer v2 controllers started in {tv.timings['total']:.1f}s")
     yield tv
     if not _keep(request.config):
         tv.stop()

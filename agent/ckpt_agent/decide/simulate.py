@@ -553,24 +553,23 @@ def compare(trace: Trace, curves: Curves, costs: Costs | None = None) -> Compari
     yd = _steps(math.sqrt(2 * c.delta * mtbf), c.step_time)
     calm = _steps(math.sqrt(2 * c.delta * mtbf / unwarned), c.step_time)
     full = TiersSpec().full.every_steps  # the scheduler's full tier (the default policy)
-    results = (
-        adaptive,
-        refined,
-        _fixed_at_io(trace, c, adaptive.io, "fixed@IO", full),
-        replay_fixed(trace, yd, c, "young_daly", full),
-        replay(trace, OraclePolicy("oracle", calm, c.alarm_steps), curves, c),
-        replay(
-            trace,
-            SchedulerPolicy("seed", lambda: SeedScheduler(seed_spec, start_time=0.0)),
-            curves,
-            c,
-        ),
+    fixed_io = _fixed_at_io(trace, c, adaptive.io, "fixed@IO", full)
+    young_daly = replay_fixed(trace, yd, c, "young_daly", full)
+    oracle = replay(trace, OraclePolicy("oracle", calm, c.alarm_steps), curves, c)
+    seed = replay(
+        trace,
+        SchedulerPolicy("seed", lambda: SeedScheduler(seed_spec, start_time=0.0)),
+        curves,
+        c,
     )
-    same_io = {r.policy: r for r in results[2:4]}
-    same_io["adaptive"] = results[2]
-    same_io[REFINED] = _fixed_at_io(trace, c, refined.io, "fixed", full)
-    for r in results[4:]:  # the oracle has no full tier; the seed's scheduler has
-        same_io[r.policy] = _fixed_at_io(
-            trace, c, r.io, "fixed", None if r.policy == "oracle" else full
-        )
+    results = (adaptive, refined, fixed_io, young_daly, oracle, seed)
+    # Each policy's fixed-interval twin at the same IO (the oracle has no full tier).
+    same_io = {
+        fixed_io.policy: fixed_io,
+        young_daly.policy: young_daly,
+        "adaptive": fixed_io,
+        REFINED: _fixed_at_io(trace, c, refined.io, "fixed", full),
+        oracle.policy: _fixed_at_io(trace, c, oracle.io, "fixed", None),
+        seed.policy: _fixed_at_io(trace, c, seed.io, "fixed", full),
+    }
     return Comparison(trace, results, same_io)

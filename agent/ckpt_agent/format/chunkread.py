@@ -216,11 +216,18 @@ def _read_raw(
     if size != blob.size:
         return f"has {size} bytes, manifest says {blob.size} (truncated or overwritten)", ""
     got = h.hexdigest()
-    stored = name.hexdigest() if name is not None else got if new is hashlib.sha256 else None
-    if check_stored or got != expected:
-        stored = stored or sha256_hex(part)
-        if stored != blob.digest:
-            return f"hashes to {stored[:16]}… (corrupted bytes)", got
+    if not check_stored and got == expected:
+        return "", got
+    # The stored bytes' SHA-256 (the blob's name): hashed alongside, the check itself, or
+    # hashed now (a mismatch of the recorded BLAKE3: say whether the bytes are corrupted).
+    if name is not None:
+        stored = name.hexdigest()
+    elif new is hashlib.sha256:
+        stored = got
+    else:
+        stored = sha256_hex(part)
+    if stored != blob.digest:
+        return f"hashes to {stored[:16]}… (corrupted bytes)", got
     return "", got
 
 
