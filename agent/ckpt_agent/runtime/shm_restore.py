@@ -45,6 +45,7 @@ from ckpt_agent.runtime.coordination import RankGroup
 from ckpt_agent.runtime.restorer import Candidate, Restorer
 from ckpt_agent.runtime.resume_point import ResumePoint
 from ckpt_agent.runtime.serialization import LoadedState, torch_dtype
+from ckpt_agent.storage.memory import populate
 
 __all__ = ["InPlaceRestore", "ShmCopy", "copy_snapshot", "shm_offers"]
 
@@ -138,6 +139,7 @@ def _copy_regions(snap: ShmSnapshot) -> list[torch.Tensor]:
         buf = torch.empty(hi - lo, dtype=torch.uint8)
         if hi > lo:
             src = np.frombuffer(snap.view, dtype=np.uint8, count=hi - lo, offset=lo)
+            populate(buf.numpy().data)  # fault the fresh pages in at once, then copy
             np.copyto(buf.numpy(), src)
             del src
         out.append(buf)

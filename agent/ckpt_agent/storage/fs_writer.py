@@ -18,7 +18,6 @@ the bytes). The tail shorter than a page, unaligned buffers and filesystems that
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
@@ -34,49 +33,14 @@ from ckpt_agent.storage.base import (
     StorageError,
 )
 from ckpt_agent.storage.confined import O_TEMP, ConfinedTree, close_all, conflict
+from ckpt_agent.storage.memory import buffer_address
 from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
-__all__ = ["DirectIO", "FileWriter", "buffer_address"]
+__all__ = ["DirectIO", "FileWriter"]
 
 log = logging.getLogger(__name__)
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-
-
-class _PyBuffer(ctypes.Structure):
-    """CPython's ``Py_buffer`` (stable ABI)."""
-
-    _fields_ = [
-        ("buf", ctypes.c_void_p),
-        ("obj", ctypes.c_void_p),
-        ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t),
-        ("readonly", ctypes.c_int),
-        ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p),
-        ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p),
-        ("internal", ctypes.c_void_p),
-    ]
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-_get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
-_release_buffer.restype = None
-
-
-def buffer_address(data: memoryview) -> int:
-    """The address of a C-contiguous buffer's first byte (read-only buffers too)."""
-    view = _PyBuffer()
-    _get_buffer(data, ctypes.byref(view), 0)  # PyBUF_SIMPLE; raises BufferError if not
-    try:
-        return int(view.buf or 0)
-    finally:
-        _release_buffer(ctypes.byref(view))
 
 
 class DirectIO:

@@ -19,7 +19,7 @@ import pytest
 from ckpt_agent.storage import PermanentStorageError
 from ckpt_agent.storage import fs_writer as fs_writer_mod
 from ckpt_agent.storage.fs import LocalStorage
-from ckpt_agent.storage.fs_writer import buffer_address
+from ckpt_agent.storage.memory import buffer_address
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
@@ -161,11 +161,3 @@ def test_enospc_on_a_direct_write_publishes_nothing(tiny_tmpfs: Path) -> None:  
         store.write("steps/2/blob", aligned(2 * MIB))
     assert all_files(tiny_tmpfs) == ["ckpt/steps/1/blob"]
     assert store.read("steps/1/blob") == b"x" * 1000
-
-
-def test_buffer_address_matches_numpy() -> None:
-    arr = np.arange(1000, dtype=np.int64)
-    assert buffer_address(memoryview(arr)) == arr.ctypes.data
-    assert buffer_address(memoryview(arr)[8:]) == arr.ctypes.data + 8 * 8
-    ro = b"read only"
-    assert buffer_address(memoryview(ro)) != 0
