@@ -29,6 +29,7 @@ every rank goes to storage.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -39,6 +40,7 @@ from ckpt_agent.errors import CandidateRejectedError, CheckpointFormatError
 from ckpt_agent.flash.protocol import Descriptor, RecordedHashes
 from ckpt_agent.flash.reader import ShmReader, ShmSnapshot, verify_views
 from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, TensorEntry, lineage_from_json
+from ckpt_agent.format.parallel_read import restore_workers
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json
 from ckpt_agent.runtime.context import Engine
 from ckpt_agent.runtime.coordination import RankGroup
@@ -46,6 +48,7 @@ from ckpt_agent.runtime.restorer import Candidate, Restorer
 from ckpt_agent.runtime.resume_point import ResumePoint
 from ckpt_agent.runtime.serialization import LoadedState, torch_dtype
 from ckpt_agent.storage.memory import populate
+from ckpt_agent.tuning import CHUNK_BYTES
 
 __all__ = ["InPlaceRestore", "ShmCopy", "copy_snapshot", "shm_offers"]
 
@@ -134,16 +137,37 @@ def copy_snapshot(reader: ShmReader, desc: Descriptor) -> tuple[ShmCopy | None, 
 
 
 def _copy_regions(snap: ShmSnapshot) -> list[torch.Tensor]:
-    out = []
+    """Each section's bytes copied out of the slot into fresh memory, in chunk-sized pieces
+    on the restore's threads (:func:`restore_workers`: copies and page faults release the
+    GIL), each piece's pages faulted in at once first (:func:`populate`)."""
+    out: list[torch.Tensor] = []
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []
     for lo, hi, _ in regions(snap.desc):
         buf = torch.empty(hi - lo, dtype=torch.uint8)
-        if hi > lo:
-            src = np.frombuffer(snap.view, dtype=np.uint8, count=hi - lo, offset=lo)
-            populate(buf.numpy().data)  # fault the fresh pages in at once, then copy
-            np.copyto(buf.numpy(), src)
-            del src
         out.append(buf)
+        dst = buf.numpy()
+        for start in range(0, hi - lo, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, hi - lo - start)
+            src = np.frombuffer(snap.view, dtype=np.uint8, count=n, offset=lo + start)
+            pieces.append((dst[start : start + n], src))
+    try:
+        workers = min(restore_workers(), len(pieces))
+        if workers <= 1:
+            for piece in pieces:
+                _copy_piece(piece)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-shm-copy") as pool:
+                for _ in pool.map(_copy_piece, pieces):
+                    pass
+    finally:
+        pieces.clear()  # no view of the slot may outlive the reader's mapping
     return out
+
+
+def _copy_piece(piece: tuple[np.ndarray, np.ndarray]) -> None:
+    dst, src = piece
+    populate(dst.data)
+    np.copyto(dst, src)
 
 
 def _manifest(engine: Engine, desc: Descriptor) -> RankManifest:
