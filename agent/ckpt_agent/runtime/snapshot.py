@@ -105,9 +105,11 @@ def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Te
     """An empty host buffer; page-aligned when large (its chunks can then be written to
     storage with ``O_DIRECT``, :class:`ckpt_agent.storage.fs_writer.DirectIO`)."""
     nbytes = shape.numel() * dtype.itemsize
-    if nbytes < DIRECT_IO_MIN_BYTES:
+    if nbytes < DIRECT_IO_MIN_BYTES or pin:
+        # Pinned memory is page-aligned already (and CUDA's host allocator rounds sizes up
+        # to a power of two: padding a 1 GiB buffer by a page would pin 2 GiB).
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
-    raw = torch.empty(nbytes + DIRECT_IO_ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    raw = torch.empty(nbytes + DIRECT_IO_ALIGN, dtype=torch.uint8, device="cpu")
     return raw[_aligned(raw.data_ptr(), nbytes)].view(dtype).view(shape)
 
 

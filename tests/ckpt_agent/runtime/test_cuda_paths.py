@@ -61,6 +61,26 @@ def test_host_buffers_are_pinned_exactly_for_gpu_tensors(monkeypatch: pytest.Mon
     assert asked == [True, False]
 
 
+def test_large_pinned_buffers_are_not_padded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned memory is page-aligned as allocated; padding it for O_DIRECT alignment would
+    make CUDA's host allocator (sizes rounded up to a power of two) pin twice the state."""
+    sizes: list[tuple[int, bool]] = []
+    real_empty = torch.empty
+
+    def empty(*shape: Any, **kw: Any) -> torch.Tensor:
+        pin = bool(kw.pop("pin_memory", False))
+        t = real_empty(*shape, **kw)
+        sizes.append((t.numel() * t.element_size(), pin))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    n = 1 << 20  # 4 MiB of float32: over the O_DIRECT threshold
+    arena = snapshot.HostArena()
+    arena._buffer(LiveArray("model/w", on_gpu(0, n)))
+    arena._buffer(LiveArray("model/v", torch.zeros(n)))
+    assert sizes == [(4 * n, True), (4 * n + 4096, False)]  # the CPU one padded to align
+
+
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, states: list[torch.Tensor]) -> list[Any]:
     """torch.cuda as a process with ``len(states)`` devices holding these generator states."""
     cuda = torch.cuda
