@@ -76,6 +76,7 @@ from ckpt_agent.storage.confined import (
     unsafe,
 )
 from ckpt_agent.storage.fs_writer import DirectIO, FileWriter
+from ckpt_agent.storage.memory import populate
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_LOCAL
 
@@ -210,6 +211,7 @@ class LocalStorage(Storage):
             got = 0
             while got < size:  # block by block: each hashed while in the cache
                 piece = out[got : min(got + block, size)]
+                populate(piece)  # fresh staging memory: faulted in by one call
                 n = os.preadv(fd, [piece], got)  # short reads happen on network filesystems
                 if n <= 0:
                     return got  # it shrank meanwhile: a size mismatch for the caller
