@@ -10,7 +10,7 @@ Input should be greater than or equal to 1``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -18,7 +18,7 @@ from ckpt_agent.format.layout import is_run_id, parse_checkpoint_id
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_operator import constants as c
 
-__all__ = ["annotation_errors", "field_errors", "parse_policy_spec"]
+__all__ = ["CHECKED_ANNOTATIONS", "annotation_errors", "field_errors", "parse_policy_spec"]
 
 
 def _path(loc: tuple[int | str, ...], root: str) -> str:
@@ -122,6 +122,12 @@ _CHECKS = {
     c.ANN_RECOVER_BY: _text_error,
     c.ANN_RECOVER_REASON: _text_error,
 }
+
+#: The annotations :func:`annotation_errors` checks: it objects to nothing unless one of
+#: them is present and new (absent or different in ``previous``). The chart's job
+#: validation webhooks call the operator only then (their ``matchConditions`` list these
+#: keys; tests/ckpt_operator/test_chart.py checks they agree).
+CHECKED_ANNOTATIONS: Final = tuple(_CHECKS)
 
 
 def annotation_errors(

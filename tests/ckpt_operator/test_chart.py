@@ -23,6 +23,7 @@ from cryptography import x509
 
 from ckpt_operator import constants as c
 from ckpt_operator.config import IdentityGrant, LocalPathGrant, TenancyConfig, parse_config
+from ckpt_operator.validation import CHECKED_ANNOTATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ckpt-operator"
@@ -250,8 +251,11 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
     assert lhook["clientConfig"]["service"]["path"] == f"/{c.WEBHOOK_LABEL_JOB_ID}"
     assert lhook["rules"][0]["resources"] == ["pytorchjobs"]
     assert lhook["rules"][0]["operations"] == ["CREATE"]
-    (cond,) = lhook["matchConditions"]
+    cond, unlabelled = lhook["matchConditions"]
     assert f"'{c.ANN_POLICY}' in object.metadata.annotations" in cond["expression"]
+    # nor jobs whose pod templates are all labelled already: the operator's restarts
+    assert unlabelled["name"] == "a-template-unlabelled"
+    assert f"labels['{c.LABEL_INJECT}'] != 'true'" in unlabelled["expression"]
     assert lhook["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
     # TrainJobs: the operator's runtime patch labels their trainer pods (issue #15)
     assert thook["name"] == "label.trainjobs.ckpt.dev"
@@ -260,7 +264,7 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
     assert thook["rules"][0]["apiGroups"] == [c.TRAINJOB_GROUP]
     assert thook["rules"][0]["resources"] == ["trainjobs"]
     assert thook["rules"][0]["operations"] == ["CREATE"]
-    assert thook["matchConditions"] == lhook["matchConditions"]
+    assert thook["matchConditions"] == [cond]
     assert thook["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
     (expr,) = hook["namespaceSelector"]["matchExpressions"]
     assert expr["operator"] == "NotIn" and "kube-system" in expr["values"]
@@ -309,6 +313,28 @@ def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> 
     assert f"ckpt-ckpt-operator-webhook.{NS}.svc" in sans.get_values_for_type(x509.DNSName)
     annotations = only(default, "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert "checksum/webhook-cert" in annotations
+
+
+def test_job_validation_is_called_only_when_a_checked_annotation_changes(
+    default: Rendered,
+) -> None:
+    """Issue #19: the operator's own PATCHes and the training-operator's updates of a job
+    skip the validation webhook; every write ``annotation_errors`` could refuse calls it
+    (the condition, in Python: test_status_validation.py)."""
+    _, jhook, tvhook = only(default, "ValidatingWebhookConfiguration")["webhooks"]
+    (cond,) = jhook["matchConditions"]
+    assert tvhook["matchConditions"] == jhook["matchConditions"]
+    expr = " ".join(cond["expression"].split())
+    listed = re.fullmatch(
+        r"has\(object\.metadata\.annotations\) && \[(.*?)\]\.exists\(k, (.*)\)", expr
+    )
+    assert listed is not None, expr
+    assert [k.strip().strip("'") for k in listed[1].split(",")] == list(CHECKED_ANNOTATIONS)
+    assert listed[2] == (
+        "k in object.metadata.annotations && (request.operation == 'CREATE' || "
+        "!has(oldObject.metadata.annotations) || !(k in oldObject.metadata.annotations) || "
+        "oldObject.metadata.annotations[k] != object.metadata.annotations[k])"
+    )
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpt_operator import constants as c
 from ckpt_operator.status import get_condition, policy_ready_status, set_condition
-from ckpt_operator.validation import parse_policy_spec
+from ckpt_operator.validation import CHECKED_ANNOTATIONS, annotation_errors, parse_policy_spec
 
 T0 = 1714640000.0
 
@@ -63,3 +64,35 @@ def test_cross_field_rules_name_the_section(fixture: Any) -> None:
     spec["tiers"]["pulse"]["minInterval"] = 800
     _, errors = parse_policy_spec(spec)
     assert errors == ["spec.tiers: tiers.pulse.minInterval must be <= pulse.maxInterval"]
+
+
+def _called(annotations: dict[str, str], old: dict[str, str] | None) -> bool:
+    """The chart's job validation ``matchConditions`` in Python (``old`` None: a CREATE):
+    a checked annotation present and absent or different before."""
+    return any(
+        k in annotations and (old is None or old.get(k) != annotations[k])
+        for k in CHECKED_ANNOTATIONS
+    )
+
+
+def test_annotation_errors_refuse_only_writes_the_webhook_conditions_call() -> None:
+    """Every combination of absent/valid/invalid values of checked and unchecked keys, on
+    CREATE and UPDATE: what the chart's condition skips, annotation_errors never refuses
+    (issue #19; the rendered condition: test_chart.py)."""
+    values: dict[str, tuple[str | None, ...]] = {
+        c.ANN_RUN_ID: (None, "run-1", "../x"),
+        c.ANN_RECOVER_STEP: (None, "10", "x"),
+        c.ANN_RECOVER_BY: (None, "alice", ""),
+        c.ANN_POLICY: (None, "p"),
+        "ckpt.dev/intent": (None, "{}"),
+    }
+    combos: list[dict[str, str]] = [{}]
+    for key, choices in values.items():
+        combos = [{**a, key: v} if v is not None else a for a in combos for v in choices]
+    refused = 0
+    for new in combos:
+        for old in [None, *combos]:
+            if annotation_errors(new, old):
+                refused += 1
+                assert _called(new, old), (new, old)
+    assert refused > 0
