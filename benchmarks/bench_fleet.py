@@ -86,6 +86,27 @@ def request_counts(cluster: LocalCluster) -> Counter[tuple[str, str]]:
     return totals
 
 
+def event_counts(cluster: LocalCluster, namespace: str) -> Counter[str]:
+    """The namespace's Events by ``<reporting component>/<reason>`` (their ``count``)."""
+    items = cluster.request("GET", f"/api/v1/namespaces/{namespace}/events").get("items") or []
+    counts: Counter[str] = Counter()
+    for e in items:
+        who = e.get("reportingComponent") or (e.get("source") or {}).get("component") or "?"
+        counts[f"{who}/{e.get('reason')}"] += int(e.get("count") or 1)
+    return counts
+
+
+def webhook_calls(cluster: LocalCluster) -> Counter[str]:
+    """The API server's admission webhook calls so far, by webhook name."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    calls: Counter[str] = Counter()
+    for labels, value in samples(
+        text, "apiserver_admission_webhook_admission_duration_seconds_count"
+    ):
+        calls[labels.get("name", "")] += int(value)
+    return calls
+
+
 def webhook_p99(cluster: LocalCluster, webhook: str) -> tuple[float, int]:
     """p99 (upper bucket bound, seconds) and count of the API server's admission calls."""
     text = cluster.kubectl("get", "--raw", "/metrics").stdout
@@ -283,6 +304,8 @@ def run(
             pods[name] = str(cluster.wait_for(functools.partial(job_pod, sc, name), 120))
         log(f"{n} jobs running (one pod each, injected)")
         before = request_counts(cluster)
+        hooks_before = webhook_calls(cluster)
+        events_before = event_counts(cluster, ns)
         signal_operator(pid, signal.SIGUSR2, profiling)  # stacks-1: start and submission
         cpu0 = tree.cpu()
 
@@ -304,6 +327,8 @@ def run(
             cluster.wait_for(functools.partial(job_pod, sc, f"{job}-r1"), 120, f"{job}-r1 pod")
         tree.sample()
         delta = request_counts(cluster) - before
+        hooks = webhook_calls(cluster) - hooks_before
+        events = event_counts(cluster, ns) - events_before
         p99, calls = webhook_p99(cluster, "inject.pods.ckpt.dev")
         ours = delta.pop(("operator", ""), 0)
         cpu = tree.cpu() - cpu0
@@ -326,7 +351,15 @@ def run(
             ("burst drain rate", f"{drain:.1f} restarts/s ({len(burst)} failed at once)"),
             ("pod admission latency p99 (API server)", f"<= {p99:g} s over {calls} calls"),
             ("API requests per restart, the operator's", f"{ours / n:.1f}"),
+            (
+                "admission calls per restart (API server)",
+                ", ".join(f"{name} {k / n:.1f}" for name, k in sorted(hooks.items())) or "none",
+            ),
             ("writes per restart (all clients)", writes),
+            (
+                "Events per restart, by reporter/reason",
+                ", ".join(f"{k} {v / n:.1f}" for k, v in events.most_common(12)),
+            ),
             ("API requests per restart, every client", f"{total / n:.1f}"),
             ("operator CPU", f"{cpu:.1f} s for {n} restarts ({cpu / n * 1000:.0f} ms each)"),
             ("operator peak RSS", f"{tree.peak_rss / 2**20:.0f} MiB"),

@@ -34,7 +34,6 @@ probe                       liveness details (loops, tracked policies, active re
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -46,7 +45,7 @@ import kopf
 from ckpt_operator import constants as c
 from ckpt_operator.behaviours.admission import (
     inject_pod,
-    label_job,
+    label_job_ops,
     report_unprotected,
     trainjob_label_targets,
     validate_job,
@@ -201,13 +200,19 @@ async def on_policy_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **
         rt.deps.policies.upsert(_raw(body))
 
 
-def on_validate_policy(spec: kopf.Spec, **_: Any) -> None:
+def on_validate_policy(spec: kopf.Spec, patch: kopf.Patch | None = None, **_: Any) -> None:
+    if patch is not None:  # a validation: no patch to build (see _answer_with)
+        _answer_with(patch, [])
     errors = validate_policy(dict(spec))
     if errors:
         raise kopf.AdmissionError("invalid CheckpointPolicy: " + "; ".join(errors), code=422)
 
 
-def on_validate_job(body: kopf.Body, old: kopf.Body | None = None, **_: Any) -> None:
+def on_validate_job(
+    body: kopf.Body, old: kopf.Body | None = None, patch: kopf.Patch | None = None, **_: Any
+) -> None:
+    if patch is not None:  # a validation: no patch to build (see _answer_with)
+        _answer_with(patch, [])
     errors = validate_job(_raw(body), _raw(old) if old is not None else None)
     if errors:
         kind = str(body.get("kind") or c.PYTORCHJOB_KIND)
@@ -254,28 +259,25 @@ async def on_mutate_pod(
         _rt(memo).trainjob_recovery.schedule(namespace, outcome.job)
         raise kopf.AdmissionError(f"ckpt-operator: {outcome.refusal}", code=503)
     warnings.extend(outcome.warnings)
-    if outcome.ops:
-        _answer_with(patch, outcome.ops)
+    _answer_with(patch, outcome.ops)
 
 
 def _answer_with(patch: kopf.Patch, ops: list[JSONPatchOp]) -> None:
     """Answer the admission request with ``ops`` themselves (RFC 6902 against the request's
     object, which is what they were built from). kopf would apply them to a deep copy of
     the pod and diff the two to find them again: the webhook's largest cost at fleet scale
-    (issue #19). ``patch.fns`` still carries them, should kopf build the answer otherwise."""
-    patch.fns.append(functools.partial(_apply, ops))
+    (issue #19); it deep-copies the object even when there is nothing to patch, so the
+    validating and job-labelling webhooks answer this way too. ``patch.fns`` still carries
+    the ops, should kopf build the answer otherwise."""
+    if ops:
+        patch.fns.append(functools.partial(_apply, ops))
     answer = [cast(dict[str, Any], dict(op)) for op in ops]
     setattr(patch, "as_json_patch", lambda body=None: answer)  # noqa: B010
 
 
-def _label_templates(body: Any) -> None:
-    label_job(cast(dict[str, Any], body))
-
-
 def on_label_job(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     """``label-job``: opted-in jobs' pod templates get ``ckpt.dev/inject`` (see handlers doc)."""
-    if label_job(copy.deepcopy(_raw(body))):
-        patch.fns.append(_label_templates)
+    _answer_with(patch, label_job_ops(_raw(body)))
 
 
 def _runtime_patch(targets: list[str], body: Any) -> None:

@@ -19,14 +19,23 @@ import asyncio
 import base64
 import functools
 import json
-from collections.abc import Mapping
+import math
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 from ckpt_operator.jobkind import JobKind
 from ckpt_operator.pytorchjob import PYTORCHJOB
 
-__all__ = ["ApiError", "ConflictError", "KubeApi", "KubernetesApi", "NotFoundError"]
+__all__ = [
+    "ApiError",
+    "ConflictError",
+    "KubeApi",
+    "KubernetesApi",
+    "NotFoundError",
+    "ThrottledRefresh",
+]
 
 Obj = dict[str, Any]
 
@@ -130,6 +139,47 @@ def _error(exc: Exception) -> ApiError:
     return ApiError(status, reason)
 
 
+#: Seconds between two runs of the client's credential refresh (see ThrottledRefresh).
+CREDENTIAL_REFRESH_S: Final = 5.0
+
+
+class ThrottledRefresh:
+    """The client's ``refresh_api_key_hook``, run at most once every ``every_s`` seconds.
+
+    The official client runs the hook before every request, and the kubeconfig and
+    in-cluster loaders' hook re-applies their whole configuration each time: the host,
+    whose setter reads every proxy variable of the environment (tens of µs per call, more
+    with a pod's many service variables; ~4 calls per restart, issue #19). The token only
+    changes when the in-cluster loader re-reads its file (once a minute) or a kubeconfig
+    credential is within 5 minutes of its expiry, so a few seconds late changes nothing.
+    The loaders' hook re-installs itself when it runs: this one takes the fresh hook and
+    stays in front of it.
+    """
+
+    def __init__(
+        self,
+        hook: Callable[[Any], None],
+        *,
+        every_s: float = CREDENTIAL_REFRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._hook = hook
+        self._every_s = every_s
+        self._clock = clock
+        self._due = -math.inf
+
+    def __call__(self, configuration: Any) -> None:
+        now = self._clock()
+        if now < self._due:
+            return
+        self._due = now + self._every_s
+        self._hook(configuration)
+        fresh = configuration.refresh_api_key_hook
+        if fresh is not None and fresh is not self:
+            self._hook = fresh
+        configuration.refresh_api_key_hook = self
+
+
 class KubernetesApi:
     """:class:`KubeApi` over the official client (blocking calls in threads).
 
@@ -170,6 +220,8 @@ class KubernetesApi:
             config.load_kube_config()  # type: ignore[no-untyped-call]
         settings = client.Configuration.get_default_copy()
         settings.connection_pool_maxsize = max(settings.connection_pool_maxsize or 0, connections)
+        if settings.refresh_api_key_hook is not None:
+            settings.refresh_api_key_hook = ThrottledRefresh(settings.refresh_api_key_hook)
         return cls(client.ApiClient(settings), executor=executor, timeout_s=timeout_s)
 
     def with_executor(self, executor: Executor, *, timeout_s: float | None = None) -> KubernetesApi:

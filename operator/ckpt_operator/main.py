@@ -27,7 +27,7 @@ from ckpt_operator.metrics import Metrics
 from ckpt_operator.sources import StorageSourceFactory
 from ckpt_operator.webhook import InstrumentedWebhookServer
 
-__all__ = ["build_settings", "executors", "main", "webhook_server"]
+__all__ = ["build_settings", "configure_logging", "executors", "main", "webhook_server"]
 
 log = logging.getLogger("ckpt_operator")
 
@@ -97,12 +97,27 @@ def _use_default_executor(pool: ThreadPoolExecutor) -> Any:
     return on_startup
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_config(argv)
+def configure_logging(cfg: OperatorConfig) -> None:
+    """kopf's log format and level; without ``--verbose`` kopf's own per-object lines
+    below WARNING are dropped.
+
+    kopf logs ``Handler '...' succeeded.`` at INFO for every watch event of every job and
+    pod and every admission request: ~30 lines per restart in a burst (issue #19; with
+    their formatting and writing a few % of the operator's CPU), none of them news (the
+    operator's own log lines and Events say what it did). kopf's warnings and errors
+    (failed handlers, retries) stay, and so do they all with ``--verbose``.
+    """
     kopf.configure(
         verbose=cfg.verbose,
         log_format=kopf.LogFormat.JSON if cfg.log_format == "json" else kopf.LogFormat.PLAIN,
     )
+    objects = logging.getLogger("kopf.objects")
+    objects.setLevel(logging.NOTSET if cfg.verbose else logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    configure_logging(cfg)
     reconcile_pool, webhook_pool = executors(cfg)
     api = KubernetesApi.from_environment(
         executor=reconcile_pool,

@@ -1,12 +1,14 @@
 """The operator's per-event costs and memory at fleet scale (issue #19): kopf's diff base
-only where change-detection handlers read it, one kept connection per calling thread,
-lean cached bodies."""
+only where change-detection handlers read it, one kept connection per calling thread and
+a credential refresh every few seconds (not per call), lean cached bodies, webhook
+answers built without copying the object."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import json
+import logging
 import platform
 from pathlib import Path
 from typing import Any, cast
@@ -18,7 +20,7 @@ from kubernetes.config import kube_config
 
 from ckpt_operator import constants as c
 from ckpt_operator import loops
-from ckpt_operator.behaviours.admission import inject_pod
+from ckpt_operator.behaviours.admission import inject_pod, label_job, label_job_ops
 from ckpt_operator.caches import ObjectCache, PodIndex, lean
 from ckpt_operator.config import parse_config
 from ckpt_operator.handlers import (
@@ -31,12 +33,13 @@ from ckpt_operator.handlers import (
     on_training_pod_event,
     register,
 )
+from ckpt_operator.jobs import REPLICA_SPECS
 from ckpt_operator.jsonpatch import apply_patch
-from ckpt_operator.kube import KubernetesApi, NotFoundError
+from ckpt_operator.kube import KubernetesApi, NotFoundError, ThrottledRefresh
 from ckpt_operator.loops import MemoryReturn
-from ckpt_operator.main import build_settings
+from ckpt_operator.main import build_settings, configure_logging
 from ckpt_operator.metrics import Metrics
-from tests.ckpt_operator.test_webhook_server import Post, decode_patch, serve
+from tests.ckpt_operator.test_webhook_server import Post, decode_patch, job_review, serve
 
 KINDS = {
     "pods": "Pod",
@@ -107,11 +110,7 @@ def test_the_operator_uses_it() -> None:
 # --------------------------------------------------------------------------- API client
 
 
-def test_the_client_keeps_a_connection_per_calling_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Below the threads that call at once, each extra call opened (TLS) and dropped a
-    connection; the pool covers both executors."""
+def _kubeconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
@@ -128,11 +127,80 @@ def test_the_client_keeps_a_connection_per_calling_thread(
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setattr(client.Configuration, "_default", None)  # restored afterwards
+
+
+def test_the_client_keeps_a_connection_per_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the threads that call at once, each extra call opened (TLS) and dropped a
+    connection; the pool covers both executors."""
+    _kubeconfig(tmp_path, monkeypatch)
     api = KubernetesApi.from_environment(connections=500)
     assert api._client.configuration.connection_pool_maxsize == 500
     assert api._client.rest_client.pool_manager.connection_pool_kw["maxsize"] == 500
     few = KubernetesApi.from_environment(connections=1)  # never below the client's default
     assert few._client.configuration.connection_pool_maxsize >= 1
+
+
+class _Configuration:
+    """What a loader's refresh hook touches: it sets the token and re-installs itself."""
+
+    def __init__(self) -> None:
+        self.refresh_api_key_hook: Any = None
+        self.runs = 0
+
+    def loader_hook(self, configuration: Any) -> None:
+        self.runs += 1
+        configuration.token = f"t{self.runs}"
+        configuration.refresh_api_key_hook = self.loader_hook  # a fresh closure, as theirs
+
+
+def test_the_credential_refresh_runs_once_per_interval_not_per_call() -> None:
+    now = [100.0]
+    cfg = _Configuration()
+    cfg.refresh_api_key_hook = ThrottledRefresh(cfg.loader_hook, every_s=5.0, clock=lambda: now[0])
+    for _ in range(50):
+        cfg.refresh_api_key_hook(cfg)
+    assert cfg.runs == 1 and isinstance(cfg.refresh_api_key_hook, ThrottledRefresh)
+    now[0] += 4.9
+    cfg.refresh_api_key_hook(cfg)
+    assert cfg.runs == 1
+    now[0] += 0.1
+    cfg.refresh_api_key_hook(cfg)
+    cfg.refresh_api_key_hook(cfg)
+    assert cfg.runs == 2 and cfg.token == "t2"  # type: ignore[attr-defined]
+    assert isinstance(cfg.refresh_api_key_hook, ThrottledRefresh)  # still in front
+
+
+def test_the_clients_credentials_are_refreshed_through_the_throttle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _kubeconfig(tmp_path, monkeypatch)
+    settings = KubernetesApi.from_environment()._client.configuration
+    for _ in range(3):  # the kubeconfig loader's hook re-installs itself when it runs
+        assert isinstance(settings.refresh_api_key_hook, ThrottledRefresh)
+        assert settings.auth_settings()["BearerToken"]["value"] == "Bearer t"
+
+
+@pytest.fixture
+def restored_logging() -> Any:
+    root, objects = logging.getLogger(), logging.getLogger("kopf.objects")
+    saved = (root.level, list(root.handlers), objects.level)
+    yield
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    objects.setLevel(saved[2])
+
+
+@pytest.mark.usefixtures("restored_logging")
+def test_kopfs_per_event_info_lines_are_dropped_unless_verbose() -> None:
+    """kopf's "Handler '...' succeeded." at INFO for every watch event and admission."""
+    objects = logging.getLogger("kopf.objects")
+    configure_logging(parse_config(["--webhook=false"], {}))
+    assert not objects.isEnabledFor(logging.INFO) and objects.isEnabledFor(logging.WARNING)
+    assert logging.getLogger("ckpt_operator.events").isEnabledFor(logging.INFO)  # ours stay
+    configure_logging(parse_config(["--webhook=false", "--verbose"], {}))
+    assert objects.isEnabledFor(logging.DEBUG)
 
 
 # --------------------------------------------------------------------------- caches
@@ -180,6 +248,75 @@ def test_the_pod_webhook_answers_with_the_injection_ops_as_built(
         ops = decode_patch(answer["response"])
         assert ops == json.loads(json.dumps(expected.ops))
         assert apply_patch(pod, ops) == apply_patch(pod, expected.ops)
+
+    serve(world, tmp_path, body)
+
+
+def _job_shapes(fixture: Any) -> list[dict[str, Any]]:
+    """An opted-in job whose replicas' templates have every shape label_job meets."""
+    job: dict[str, Any] = fixture("pytorchjob_running.json")
+    spec = job["spec"][REPLICA_SPECS]["Master"]
+    labels = {"app": "x", c.LABEL_INJECT: "false"}
+    job["spec"][REPLICA_SPECS] = {
+        "Master": spec,
+        "NoTemplate": {"replicas": 1},
+        "NullTemplate": {"template": None},
+        "NoMetadata": {"template": {"spec": {}}},
+        "NullMetadata": {"template": {"metadata": None}},
+        "NoLabels": {"template": {"metadata": {"name": "w"}}},
+        "NullLabels": {"template": {"metadata": {"labels": None}}},
+        "WrongLabel": {"template": {"metadata": {"labels": labels}}},
+        "Labelled": {"template": {"metadata": {"labels": {c.LABEL_INJECT: "true"}}}},
+        "a/b~c": {"template": {"metadata": {"labels": {}}}},
+        "NotAMap": "x",
+    }
+    plain = copy.deepcopy(job)
+    del plain["metadata"]["annotations"][c.ANN_POLICY]
+    no_specs = copy.deepcopy(job)
+    del no_specs["spec"][REPLICA_SPECS]
+    return [job, plain, no_specs, fixture("pytorchjob_running.json")]
+
+
+def test_label_job_ops_do_what_label_job_does(fixture: Any) -> None:
+    for job in _job_shapes(fixture):
+        ops = label_job_ops(job)
+        labelled = copy.deepcopy(job)
+        assert label_job(labelled) == bool(ops)
+        assert apply_patch(job, ops) == labelled
+        assert label_job_ops(labelled) == []
+    assert len(label_job_ops(_job_shapes(fixture)[0])) == 7
+
+
+def test_the_job_webhooks_answer_without_copying_the_job(
+    world: Any, fixture: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf deep-copied the job on every call (and diffed the copies for the label)."""
+    copies: list[Any] = []
+    deepcopy = copy.deepcopy
+
+    def counted(obj: Any, memo: Any = None) -> Any:
+        if isinstance(obj, dict) and obj.get("kind") == c.PYTORCHJOB_KIND:
+            copies.append(obj)
+        return deepcopy(obj, memo)
+
+    job = _job_shapes(fixture)[0]
+    bad = copy.deepcopy(job)
+    bad["metadata"]["annotations"][c.ANN_RESUME_STEP] = "latest"
+    review = job_review(job)
+
+    async def body(post: Post, url: str) -> None:
+        monkeypatch.setattr(copy, "deepcopy", counted)
+        _, labelled = await post(c.WEBHOOK_LABEL_JOB_ID, review)
+        _, valid = await post(c.WEBHOOK_VALIDATE_JOB_ID, review)
+        review["request"]["object"] = bad
+        _, invalid = await post(c.WEBHOOK_VALIDATE_JOB_ID, review)
+        monkeypatch.undo()
+        assert copies == []
+        assert labelled["response"]["allowed"] is True
+        assert decode_patch(labelled["response"]) == json.loads(json.dumps(label_job_ops(job)))
+        assert valid["response"]["allowed"] is True and "patch" not in valid["response"]
+        assert invalid["response"]["allowed"] is False
+        assert c.ANN_RESUME_STEP in invalid["response"]["status"]["message"]
 
     serve(world, tmp_path, body)
 

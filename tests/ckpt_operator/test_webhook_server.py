@@ -120,6 +120,24 @@ def serve(world: Any, tmp_path: Path, body: Callable[[Post, str], Awaitable[None
     asyncio.run(_serve(world, tmp_path, body))
 
 
+def job_review(job: dict[str, Any]) -> dict[str, Any]:
+    """The AdmissionReview of creating ``job`` (a PyTorchJob) in ml-team."""
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "b7c9",
+            "kind": {"group": "kubeflow.org", "version": "v1", "kind": "PyTorchJob"},
+            "resource": {"group": "kubeflow.org", "version": "v1", "resource": "pytorchjobs"},
+            "namespace": "ml-team",
+            "operation": "CREATE",
+            "userInfo": {"username": "alice"},
+            "object": job,
+            "dryRun": False,
+        },
+    }
+
+
 def decode_patch(response: dict[str, Any]) -> list[Any]:
     assert response["patchType"] == "JSONPatch"
     return list(json.loads(base64.b64decode(response["patch"])))
@@ -264,20 +282,7 @@ def test_a_job_admission_labels_an_opted_in_jobs_pod_templates(
     world: Any, fixture: Any, tmp_path: Path
 ) -> None:
     job: dict[str, Any] = fixture("pytorchjob_running.json")
-    review: dict[str, Any] = {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "b7c9",
-            "kind": {"group": "kubeflow.org", "version": "v1", "kind": "PyTorchJob"},
-            "resource": {"group": "kubeflow.org", "version": "v1", "resource": "pytorchjobs"},
-            "namespace": "ml-team",
-            "operation": "CREATE",
-            "userInfo": {"username": "alice"},
-            "object": job,
-            "dryRun": False,
-        },
-    }
+    review = job_review(job)
     plain = copy.deepcopy(review)
     del plain["request"]["object"]["metadata"]["annotations"][c.ANN_POLICY]
 
