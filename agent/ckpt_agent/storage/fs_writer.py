@@ -22,6 +22,7 @@ import errno
 import fcntl
 import logging
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -52,6 +53,11 @@ class DirectIO:
         self.enabled = enabled and _O_DIRECT != 0
         #: Bytes written with ``O_DIRECT`` (what tests and benchmarks look at).
         self.bytes_written = 0
+        self._lock = threading.Lock()  # blobs are written on several threads at once
+
+    def count(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_written += nbytes
 
     def refused(self, where: Path, e: OSError) -> None:
         if self.enabled:
@@ -147,7 +153,7 @@ class FileWriter(ObjectWriter):
                     break
         finally:
             fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
-        direct.bytes_written += n - len(head)
+        direct.count(n - len(head))
         return data[n - len(head) :]
 
     def _publish(self) -> None:
