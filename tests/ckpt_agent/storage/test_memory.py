@@ -22,11 +22,11 @@ def test_buffer_address_matches_numpy_for_writable_and_read_only_buffers() -> No
     assert buffer_address(ro.data) == ro.ctypes.data
 
 
-def _resident_kib() -> int:
+def _resident_kib(field: str = "RssAnon") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise AssertionError("no RssAnon")
+    raise AssertionError(f"no {field}")
 
 
 def test_populate_faults_fresh_memory_in_and_keeps_its_bytes() -> None:
@@ -43,13 +43,22 @@ def test_populate_faults_fresh_memory_in_and_keeps_its_bytes() -> None:
     assert bytes(view[MIB : MIB + 5]) == b"hello"
 
 
-def test_populate_is_harmless_on_small_or_read_only_buffers() -> None:
-    populate(memoryview(bytearray(10)))
-    populate(memoryview(bytes(8 * MIB)))  # read-only: the kernel refuses, nothing raised
-    with mmap.mmap(-1, 4 * MIB) as mm:  # shared anonymous memory works too
+def test_populate_keeps_small_read_only_and_shared_buffers_intact() -> None:
+    small = bytearray(b"0123456789")
+    populate(memoryview(small))  # under a page: nothing to do
+    assert small == b"0123456789"
+    ro = bytes(range(256)) * (8 * MIB // 256)
+    populate(memoryview(ro))  # a bytes object's heap pages: populated, never written
+    assert ro == bytes(range(256)) * (8 * MIB // 256)
+    if memory.populate.madvise is None:
+        return
+    with mmap.mmap(-1, 4 * MIB) as mm:  # shared anonymous memory (shmem) is faulted in too
         view = memoryview(mm)
         try:
+            before = _resident_kib("RssShmem")
             populate(view)
+            assert _resident_kib("RssShmem") - before >= 3 * 1024
+            assert bytes(view[:16]) == bytes(16)
         finally:
             view.release()
 
