@@ -20,19 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_agent.errors import ShmError
+from ckpt_agent.flash.checksums import (
+    FAST_SCHEME,
+    HASH_CHUNK_BYTES,
+    RecordedHashes,
+    chunk_hashes,
+    fast_checksums,
+)
 from ckpt_agent.flash.protocol import (
     DEFAULT_SLOTS,
-    FAST_SCHEME,
     FORMAT_HASHES,
-    HASH_CHUNK_BYTES,
     VERSION,
     Descriptor,
     PersistedMark,
-    RecordedHashes,
     ShmArea,
     atomic_write,
-    chunk_hashes,
-    fast_checksums,
     hold_lock,
     read_header,
     try_flock,

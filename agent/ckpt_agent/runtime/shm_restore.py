@@ -37,7 +37,8 @@ import torch
 
 from ckpt_agent.decide.inplace import InplaceChoice, ShmOffer, all_usable, choose_inplace
 from ckpt_agent.errors import CandidateRejectedError, CheckpointFormatError
-from ckpt_agent.flash.protocol import Descriptor, RecordedHashes
+from ckpt_agent.flash.checksums import RecordedHashes
+from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader, ShmSnapshot, verify_views
 from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, TensorEntry, lineage_from_json
 from ckpt_agent.format.parallel_read import restore_workers

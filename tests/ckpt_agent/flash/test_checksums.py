@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_agent.flash.protocol import (
+from ckpt_agent.flash.checksums import (
     FAST_SCHEME,
     RecordedHashes,
     chunk_hashes,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.errors import CheckpointFormatError
-from ckpt_agent.flash.protocol import HASH_CHUNK_BYTES, Descriptor, chunk_hashes, fast_checksums
+from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES, chunk_hashes, fast_checksums
+from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.format.layout import sha256_hex
 from ckpt_agent.format.listing import list_checkpoints
