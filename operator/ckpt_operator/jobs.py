@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from ckpt_operator import constants as c
+from ckpt_operator.jsonpatch import JSONPatchOp, add, apply_patch_in_place, pointer
 
 __all__ = [
     "JobFacts",
@@ -25,6 +26,7 @@ __all__ = [
     "owner_job_name",
     "parse_time",
     "run_id_of",
+    "template_label_ops",
     "unlabelled_replicas",
 ]
 
@@ -272,20 +274,34 @@ def inject_label_patch(job: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"spec": {REPLICA_SPECS: {rtype: label for rtype in missing}}}
 
 
-def label_templates_in_place(job: dict[str, Any]) -> bool:
-    """Add the inject label to every pod template of ``job`` (in place); True when changed."""
-    changed = False
-    for rspec in _replica_specs(job).values():
+def template_label_ops(job: Mapping[str, Any]) -> list[JSONPatchOp]:
+    """RFC 6902 ops (against ``job``) adding the inject label to every pod template that
+    lacks it (empty: all carry it); built without copying the job, so that the
+    ``label-job`` webhook can answer with them (issue #19)."""
+    label = {c.LABEL_INJECT: "true"}
+    ops: list[JSONPatchOp] = []
+    for rtype, rspec in _replica_specs(job).items():
         if not isinstance(rspec, dict):
             continue
-        template = rspec.setdefault("template", {})
-        meta = template.setdefault("metadata", {}) if isinstance(template, dict) else None
-        if not isinstance(meta, dict):
+        at = ("spec", REPLICA_SPECS, str(rtype), "template")
+        template = rspec.get("template")
+        if "template" not in rspec:
+            ops.append(add(pointer(*at), {"metadata": {"labels": label}}))
+        elif not isinstance(template, dict):
             continue
-        labels = meta.get("labels")
-        if not isinstance(labels, dict):
-            labels = meta["labels"] = {}
-        if labels.get(c.LABEL_INJECT) != "true":
-            labels[c.LABEL_INJECT] = "true"
-            changed = True
-    return changed
+        elif "metadata" not in template:
+            ops.append(add(pointer(*at, "metadata"), {"labels": label}))
+        elif not isinstance(template["metadata"], dict):
+            continue
+        elif not isinstance(labels := template["metadata"].get("labels"), dict):
+            ops.append(add(pointer(*at, "metadata", "labels"), label))
+        elif labels.get(c.LABEL_INJECT) != "true":
+            ops.append(add(pointer(*at, "metadata", "labels", c.LABEL_INJECT), "true"))
+    return ops
+
+
+def label_templates_in_place(job: dict[str, Any]) -> bool:
+    """Add the inject label to every pod template of ``job`` (in place); True when changed."""
+    ops = template_label_ops(job)
+    apply_patch_in_place(job, ops)
+    return bool(ops)

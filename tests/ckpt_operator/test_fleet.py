@@ -14,7 +14,7 @@ import kopf
 import pytest
 
 from ckpt_operator import constants as c
-from ckpt_operator.behaviours.admission import inject_pod, label_job, report_unprotected
+from ckpt_operator.behaviours.admission import inject_pod, label_job_ops, report_unprotected
 from ckpt_operator.behaviours.recovery import observe_job, recover_job
 from ckpt_operator.caches import ObjectCache, PodIndex
 from ckpt_operator.config import parse_config
@@ -32,6 +32,7 @@ from ckpt_operator.jobs import (
     parse_time,
     unlabelled_replicas,
 )
+from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.kube import KubernetesApi
 from ckpt_operator.loops import RecoveryScheduler
 from ckpt_operator.main import build_settings, executors
@@ -198,8 +199,9 @@ def test_only_opted_in_jobs_are_labelled(fixture: Any) -> None:
     job = fixture("pytorchjob_running.json")
     other = copy.deepcopy(job)
     del other["metadata"]["annotations"][c.ANN_POLICY]
-    assert label_job(job) and unlabelled_replicas(job) == []
-    assert not label_job(other) and unlabelled_replicas(other) != []
+    job = apply_patch(job, label_job_ops(job))
+    assert unlabelled_replicas(job) == []
+    assert label_job_ops(other) == [] and unlabelled_replicas(other) != []
 
 
 def test_the_watcher_labels_an_unlabelled_opted_in_job_once(world: Any, fixture: Any) -> None:

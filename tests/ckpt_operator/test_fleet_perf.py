@@ -20,7 +20,7 @@ from kubernetes.config import kube_config
 
 from ckpt_operator import constants as c
 from ckpt_operator import loops
-from ckpt_operator.behaviours.admission import inject_pod, label_job, label_job_ops
+from ckpt_operator.behaviours.admission import inject_pod, label_job_ops
 from ckpt_operator.caches import ObjectCache, PodIndex, lean
 from ckpt_operator.config import parse_config
 from ckpt_operator.handlers import (
@@ -33,7 +33,7 @@ from ckpt_operator.handlers import (
     on_training_pod_event,
     register,
 )
-from ckpt_operator.jobs import REPLICA_SPECS
+from ckpt_operator.jobs import REPLICA_SPECS, label_templates_in_place
 from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.kube import KubernetesApi, NotFoundError, ThrottledRefresh
 from ckpt_operator.loops import MemoryReturn
@@ -253,7 +253,7 @@ def test_the_pod_webhook_answers_with_the_injection_ops_as_built(
 
 
 def _job_shapes(fixture: Any) -> list[dict[str, Any]]:
-    """An opted-in job whose replicas' templates have every shape label_job meets."""
+    """An opted-in job whose replicas' templates have every shape the labelling meets."""
     job: dict[str, Any] = fixture("pytorchjob_running.json")
     spec = job["spec"][REPLICA_SPECS]["Master"]
     labels = {"app": "x", c.LABEL_INJECT: "false"}
@@ -277,14 +277,38 @@ def _job_shapes(fixture: Any) -> list[dict[str, Any]]:
     return [job, plain, no_specs, fixture("pytorchjob_running.json")]
 
 
-def test_label_job_ops_do_what_label_job_does(fixture: Any) -> None:
-    for job in _job_shapes(fixture):
-        ops = label_job_ops(job)
-        labelled = copy.deepcopy(job)
-        assert label_job(labelled) == bool(ops)
-        assert apply_patch(job, ops) == labelled
-        assert label_job_ops(labelled) == []
-    assert len(label_job_ops(_job_shapes(fixture)[0])) == 7
+def _template_labels(job: dict[str, Any]) -> dict[str, Any]:
+    """Replica type → its template's labels, where the template and its metadata are maps."""
+    out = {}
+    for rtype, rspec in job["spec"].get(REPLICA_SPECS, {}).items():
+        template = rspec.get("template") if isinstance(rspec, dict) else None
+        meta = template.get("metadata") if isinstance(template, dict) else None
+        if isinstance(meta, dict):
+            out[rtype] = meta.get("labels")
+    return out
+
+
+def test_label_job_ops_label_every_template_and_keep_the_rest(fixture: Any) -> None:
+    job, plain, no_specs, other = _job_shapes(fixture)
+    ops = label_job_ops(job)
+    assert len(ops) == 7  # one per template without the label, none for the others
+    done = apply_patch(job, ops)
+    labels = _template_labels(done)
+    untouchable = {"NullTemplate", "NullMetadata", "NotAMap"}  # not maps: left as they are
+    assert set(labels) == set(job["spec"][REPLICA_SPECS]) - untouchable
+    assert all(v[c.LABEL_INJECT] == "true" for v in labels.values())
+    assert labels["WrongLabel"]["app"] == "x"  # other labels kept
+    assert done["spec"][REPLICA_SPECS]["NoMetadata"]["template"]["spec"] == {}
+    assert done["spec"][REPLICA_SPECS]["NullTemplate"] == {"template": None}
+    assert label_job_ops(done) == []
+    # the in-place labelling (restarts) does the same
+    in_place = copy.deepcopy(job)
+    assert label_templates_in_place(in_place) and in_place == done
+    assert label_job_ops(plain) == [] and label_job_ops(no_specs) == []  # not opted in / none
+    once = apply_patch(other, label_job_ops(other))
+    assert label_job_ops(once) == [] and all(
+        v[c.LABEL_INJECT] == "true" for v in _template_labels(once).values()
+    )
 
 
 def test_the_job_webhooks_answer_without_copying_the_job(

@@ -15,8 +15,8 @@ from ckpt_operator.injection import (
     is_unprotected,
 )
 from ckpt_operator.jobkinds import TRAINJOB, owner_of
-from ckpt_operator.jobs import REPLICA_SPECS, job_facts, label_templates_in_place
-from ckpt_operator.jsonpatch import JSONPatchOp, add, pointer
+from ckpt_operator.jobs import job_facts, template_label_ops
+from ckpt_operator.jsonpatch import JSONPatchOp
 from ckpt_operator.runfacts import agent_run_env
 from ckpt_operator.trainjob import (
     has_inject_patch,
@@ -29,7 +29,6 @@ from ckpt_operator.validation import annotation_errors, parse_policy_spec
 __all__ = [
     "InjectionOutcome",
     "inject_pod",
-    "label_job",
     "label_job_ops",
     "report_unprotected",
     "trainjob_label_targets",
@@ -58,39 +57,11 @@ def validate_job(job: Mapping[str, Any], old: Mapping[str, Any] | None = None) -
     return annotation_errors(annotations(job) or {}, annotations(old))
 
 
-def label_job(job: dict[str, Any]) -> bool:
-    """The ``label-job`` webhook: an opted-in job's pod templates get ``ckpt.dev/inject``
-    (in place), so the pod webhook sees exactly its pods; True when changed."""
-    return job_facts(job).opted_in and label_templates_in_place(job)
-
-
 def label_job_ops(job: Mapping[str, Any]) -> list[JSONPatchOp]:
-    """What :func:`label_job` does to ``job``, as RFC 6902 ops against it (empty: nothing):
-    the ``label-job`` webhook's answer, built without copying the job and diffing the
-    copies (kopf's way, most of the webhook's cost; issue #19)."""
-    if not job_facts(job).opted_in:
-        return []
-    label = {c.LABEL_INJECT: "true"}
-    ops: list[JSONPatchOp] = []
-    specs = (job.get("spec") or {}).get(REPLICA_SPECS) or {}
-    for rtype, rspec in specs.items() if isinstance(specs, Mapping) else ():
-        if not isinstance(rspec, dict):
-            continue
-        at = ("spec", REPLICA_SPECS, str(rtype), "template")
-        template = rspec.get("template")
-        if "template" not in rspec:
-            ops.append(add(pointer(*at), {"metadata": {"labels": label}}))
-        elif not isinstance(template, dict):
-            continue
-        elif "metadata" not in template:
-            ops.append(add(pointer(*at, "metadata"), {"labels": label}))
-        elif not isinstance(template["metadata"], dict):
-            continue
-        elif not isinstance(labels := template["metadata"].get("labels"), dict):
-            ops.append(add(pointer(*at, "metadata", "labels"), label))
-        elif labels.get(c.LABEL_INJECT) != "true":
-            ops.append(add(pointer(*at, "metadata", "labels", c.LABEL_INJECT), "true"))
-    return ops
+    """The ``label-job`` webhook's answer: an opted-in job's pod templates get
+    ``ckpt.dev/inject`` (:func:`ckpt_operator.jobs.template_label_ops`), so the pod webhook
+    sees exactly its pods; empty: not opted in, or labelled already."""
+    return template_label_ops(job) if job_facts(job).opted_in else []
 
 
 async def trainjob_label_targets(deps: Deps, trainjob: Mapping[str, Any]) -> list[str]:
