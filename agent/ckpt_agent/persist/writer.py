@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ckpt_agent.format.chunkread import BLOCK_BYTES
 from ckpt_agent.format.codec import (
     CODEC_NONE,
     PY_SHUFFLER,
@@ -97,8 +98,6 @@ PARALLEL_WRITES = 4
 #: Chunks submitted ahead of the oldest unfinished one, per thread (they hold no memory:
 #: views of the snapshot).
 SUBMIT_AHEAD = 2
-#: A chunk is hashed (SHA-256 and BLAKE3) in blocks of this size, each while in the cache.
-HASH_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -204,10 +203,11 @@ class WrittenCheckpoint:
 
 def _raw_hashes(part: memoryview) -> tuple[str, str | None]:
     """A chunk's SHA-256 (its identity) and BLAKE3 (the restore's fast check; None without
-    the package), both over each 1 MiB block while it is in the CPU cache."""
+    the package), both over each block (:data:`BLOCK_BYTES`, the reader's too) while it
+    is in the CPU cache."""
     sha, b3 = hashlib.sha256(), None if BLAKE3 is None else BLAKE3()
-    for start in range(0, len(part), HASH_BLOCK_BYTES):
-        block = part[start : start + HASH_BLOCK_BYTES]
+    for start in range(0, len(part), BLOCK_BYTES):
+        block = part[start : start + BLOCK_BYTES]
         sha.update(block)
         if b3 is not None:
             b3.update(block)

@@ -152,14 +152,8 @@ def _copy_regions(snap: ShmSnapshot) -> list[torch.Tensor]:
             src = np.frombuffer(snap.view, dtype=np.uint8, count=n, offset=lo + start)
             pieces.append((dst[start : start + n], src))
     try:
-        workers = min(restore_workers(), len(pieces))
-        if workers <= 1:
-            for piece in pieces:
-                _copy_piece(piece)
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-shm-copy") as pool:
-                for _ in pool.map(_copy_piece, pieces):
-                    pass
+        with ThreadPoolExecutor(restore_workers(), thread_name_prefix="ckpt-shm-copy") as pool:
+            list(pool.map(_copy_piece, pieces))
     finally:
         pieces.clear()  # no view of the slot may outlive the reader's mapping
     return out

@@ -96,9 +96,11 @@ class Snapshot:
         return [i.source() for i in self.items]
 
 
-def _aligned(address: int, nbytes: int) -> slice:
-    skip = -address % DIRECT_IO_ALIGN
-    return slice(skip, skip + nbytes)
+def _page_aligned_bytes(nbytes: int) -> np.ndarray:
+    """``nbytes`` uninitialised bytes starting on a page boundary (``DIRECT_IO_ALIGN``)."""
+    raw = np.empty(nbytes + DIRECT_IO_ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % DIRECT_IO_ALIGN
+    return raw[skip : skip + nbytes]
 
 
 def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
@@ -109,8 +111,7 @@ def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Te
         # Pinned memory is page-aligned already (and CUDA's host allocator rounds sizes up
         # to a power of two: padding a 1 GiB buffer by a page would pin 2 GiB).
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
-    raw = torch.empty(nbytes + DIRECT_IO_ALIGN, dtype=torch.uint8, device="cpu")
-    return raw[_aligned(raw.data_ptr(), nbytes)].view(dtype).view(shape)
+    return torch.from_numpy(_page_aligned_bytes(nbytes)).view(dtype).view(shape)
 
 
 def host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -118,8 +119,7 @@ def host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < DIRECT_IO_MIN_BYTES:
         return np.empty(shape, dtype=dtype)
-    raw = np.empty(nbytes + DIRECT_IO_ALIGN, dtype=np.uint8)
-    return raw[_aligned(raw.ctypes.data, nbytes)].view(dtype).reshape(shape)
+    return _page_aligned_bytes(nbytes).view(dtype).reshape(shape)
 
 
 class HostArena:
