@@ -250,7 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--liveness", help="health endpoint URL (default http://0.0.0.0:8080/healthz)")
     a("--metrics-port", type=int, help="Prometheus port, 0 disables (default 9090)")
     a("--log-format", choices=["json", "plain"], help="log format (default json)")
-    a("--verbose", "-v", action="store_true", default=None, help="debug logging")
+    a(
+        "--verbose",
+        "-v",
+        action="store_true",
+        default=None,
+        help="debug logging, plus kopf's per-object INFO lines ('Handler ... succeeded'), "
+        "hidden otherwise",
+    )
     a(
         "--read-storage-secrets",
         type=_bool,
