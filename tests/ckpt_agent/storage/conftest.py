@@ -1,4 +1,5 @@
-"""Fixtures for the storage tests: both backends, a real MinIO, a real Toxiproxy.
+"""Fixtures for the storage tests: both backends, a real MinIO, a real Toxiproxy, a real
+1 MiB tmpfs (``tiny_tmpfs``, root only) and the mount helpers the filesystem tests share.
 
 The ``storage`` fixture runs each conformance test against the filesystem
 backend and against MinIO (``pytest.mark.s3``). MinIO and Toxiproxy are built
@@ -11,6 +12,9 @@ data dirs, and stopped at the end. A build or start failure errors the S3 tests
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -157,3 +161,34 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]
         store = request.getfixturevalue("make_s3")()
     yield store
     store.close()
+
+
+# --------------------------------------------------------------------------- mounts
+
+IS_ROOT = os.geteuid() == 0
+
+
+def all_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def mounted(args: list[str], target: Path) -> Iterator[Path]:
+    target.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount here ({proc.stderr.strip()}): needs root or CAP_SYS_ADMIN")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem."""
+    if not IS_ROOT:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    with mounted(["-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], mnt):
+        yield mnt

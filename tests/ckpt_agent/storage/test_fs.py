@@ -3,14 +3,12 @@ permission, a file size limit) and filesystem specifics (durability, stale entri
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,34 +17,9 @@ from ckpt_agent.storage import PermanentStorageError, open_storage
 from ckpt_agent.storage.base import TEMP_PREFIX
 from ckpt_agent.storage.fs import LocalStorage
 
+from .conftest import IS_ROOT, all_files
+
 MIB = 1024 * 1024
-IS_ROOT = os.geteuid() == 0
-
-
-def all_files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
-@contextlib.contextmanager
-def mounted(args: list[str], target: Path) -> Iterator[Path]:
-    target.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount here ({proc.stderr.strip()}): needs root or CAP_SYS_ADMIN")
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB filesystem."""
-    if not IS_ROOT:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    with mounted(["-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], mnt):
-        yield mnt
 
 
 def test_enospc_is_permanent_and_publishes_nothing(tiny_tmpfs: Path) -> None:

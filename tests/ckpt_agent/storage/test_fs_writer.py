@@ -23,7 +23,7 @@ from ckpt_agent.storage.memory import buffer_address
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
-from .test_fs import all_files, tiny_tmpfs  # noqa: F401 - fixture
+from .conftest import all_files
 
 MIB = 1024 * 1024
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
@@ -154,7 +154,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes_from_then_on(
     assert store.direct_io.bytes_written == 0
 
 
-def test_enospc_on_a_direct_write_publishes_nothing(tiny_tmpfs: Path) -> None:  # noqa: F811
+def test_enospc_on_a_direct_write_publishes_nothing(tiny_tmpfs: Path) -> None:
     store = LocalStorage(tiny_tmpfs / "ckpt")
     store.write("steps/1/blob", b"x" * 1000)
     with pytest.raises(PermanentStorageError, match="no space left on device"):
