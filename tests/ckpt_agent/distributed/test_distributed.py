@@ -32,7 +32,7 @@ def _persister_logs(out: Path) -> str:
     for path in sorted((out / "work").glob("sidecar*")):
         if path.suffix in (".log", ".jsonl"):
             lines = path.read_text(errors="replace").splitlines()[-25:]
-            parts.append(f"== {path.name}\n" + "\n".join(line[:240] for line in lines))
+            parts.append(f"== {path.name}\n" + "\n".join(line[:400] for line in lines))
     return "\n".join(parts) or "(no persister logs)"
 
 
@@ -210,7 +210,9 @@ def test_flash_ddp_rank_sigkilled_after_snapshot_is_committed_by_the_persisters(
         if newest is not None and newest.step == died and newest.status != CheckpointStatus.PENDING:
             break
         time.sleep(0.1)
-    assert newest is not None and newest.step == died, (newest, died, _persister_logs(out))
+    if newest is None or newest.step != died:
+        print(_persister_logs(out))  # whole, under "Captured stdout" (-q truncates the message)
+    assert newest is not None and newest.step == died, (newest, died)
     assert newest.world_size == 2 and newest.status == CheckpointStatus.VALID
     for rank in range(2):  # the persisters exit once their trainer is gone
         pid = int((out / "work" / f"sidecar.rank{rank}.pid").read_text())
