@@ -30,12 +30,14 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import psutil
 from _common import write_marked
@@ -141,12 +143,12 @@ class ProcessTree:
         self.cpu0 = self._cpu()
         self.peak_rss = 0
 
-    def _procs(self) -> list[psutil.Process]:
+    def procs(self) -> list[psutil.Process]:
         return [self.root, *self.root.children(recursive=True)]
 
     def _cpu(self) -> float:
         total = 0.0
-        for p in self._procs():
+        for p in self.procs():
             try:
                 t = p.cpu_times()
                 total += t.user + t.system
@@ -156,7 +158,7 @@ class ProcessTree:
 
     def rss(self) -> int:
         total = 0
-        for p in self._procs():
+        for p in self.procs():
             try:
                 total += p.memory_info().rss
             except psutil.Error:
@@ -170,6 +172,40 @@ class ProcessTree:
         return self._cpu() - self.cpu0
 
 
+def cpu_by_process(operator: ProcessTree) -> Counter[str]:
+    """CPU seconds of every process on the machine, by name (the operator's process tree
+    as ``ckpt-operator``), plus ``machine``: the busy time of every CPU (``/proc/stat``)."""
+    out: Counter[str] = Counter()
+    ours = {p.pid for p in operator.procs()}
+    for p in psutil.process_iter(["name", "cpu_times"]):
+        t = p.info["cpu_times"]
+        if t is None:
+            continue
+        if p.pid in ours:
+            name = "ckpt-operator"
+        elif p.pid == os.getpid():
+            name = "this benchmark"
+        else:
+            name = p.info["name"] or "?"
+        out[name] += t.user + t.system
+    busy = psutil.cpu_times()
+    out["machine"] = sum(busy) - busy.idle - getattr(busy, "iowait", 0.0)
+    return out
+
+
+def cpu_shares(before: Counter[str], after: Counter[str], n: int) -> str:
+    """Milliseconds of CPU per restart, the machine's and its largest consumers'."""
+    delta = Counter({k: after[k] - before.get(k, 0.0) for k in after})
+    machine = delta.pop("machine")
+    top = [(k, v) for k, v in delta.most_common(6) if v > 0]
+    parts = ", ".join(f"{k} {v / n * 1000:.0f}" for k, v in top)
+    bound = psutil.cpu_count() / (machine / n) if machine > 0 else math.nan
+    return (
+        f"machine {machine / n * 1000:.0f} ms ({parts}); {psutil.cpu_count()} CPUs at this "
+        f"cost drain at most {bound:.0f} restarts/s"
+    )
+
+
 def job_pod(sc: Scenario, job: str) -> str | None:
     path = f"/api/v1/namespaces/{sc.namespace}/pods?labelSelector={JOB_LABEL}%3D{job}"
     for pod in sc.cluster.request("GET", path).get("items") or []:
@@ -177,23 +213,58 @@ def job_pod(sc: Scenario, job: str) -> str | None:
     return None
 
 
+class RestartWatch:
+    """When each restart job (``<job>-r1``) was created, as a watch of the namespace's
+    PyTorchJobs reports it: no polling LIST of every job (at 0.2 s, with hundreds of
+    jobs, a load on the API server the operator would share)."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.created: dict[str, float] = {}
+        self.stopped = threading.Event()
+        self._sc = sc
+        self._thread = threading.Thread(target=self._run, daemon=True, name="restart-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        path = f"/apis/kubeflow.org/v1/namespaces/{self._sc.namespace}/pytorchjobs"
+        while not self.stopped.is_set():  # a stream the server ends is opened again
+            try:
+                listed = self._sc.cluster.request("GET", path)
+                for job in listed.get("items") or []:
+                    self._seen(job)
+                version = (listed.get("metadata") or {}).get("resourceVersion")
+                for event in self._sc.cluster.watch(f"{path}?resourceVersion={version}"):
+                    if event.get("type") == "ADDED":
+                        self._seen(event.get("object") or {})
+            except (OSError, ApiError, ValueError):  # the cluster going away at the end
+                self.stopped.wait(1.0)
+
+    def _seen(self, job: dict[str, Any]) -> None:
+        name = str((job.get("metadata") or {}).get("name", ""))
+        if name.endswith("-r1"):
+            self.created.setdefault(name.removesuffix("-r1"), time.monotonic())
+
+
 def wait_restarts(
-    sc: Scenario, failed_at: dict[str, float], expected: int, tree: ProcessTree, timeout: float
+    watch: RestartWatch,
+    failed_at: dict[str, float],
+    expected: int,
+    tree: ProcessTree,
+    timeout: float,
+    log_dir: Path,
 ) -> dict[str, float]:
-    """Seconds from each job's failure to its restart's existence (polled every 0.2 s, while
-    ``failed_at`` fills up, until ``expected`` restarts were seen)."""
+    """Seconds from each job's failure to its restart's creation (as the watch saw it),
+    while ``failed_at`` fills up, until ``expected`` restarts were seen."""
     latency: dict[str, float] = {}
     deadline = time.monotonic() + timeout
     while len(latency) < expected and time.monotonic() < deadline:
         if not tree.root.is_running() or tree.root.status() == psutil.STATUS_ZOMBIE:
-            raise SystemExit(f"the operator exited; see {sc.cluster.log_dir}/ckpt-operator.log")
-        now = time.monotonic()
-        names = {j["metadata"]["name"] for j in list_jobs(sc.cluster, sc.namespace)}
+            raise SystemExit(f"the operator exited; see {log_dir}/ckpt-operator.log")
         for job, t0 in list(failed_at.items()):
-            if job not in latency and f"{job}-r1" in names:
-                latency[job] = now - t0
+            if job not in latency and job in watch.created:
+                latency[job] = max(0.0, watch.created[job] - t0)
         tree.sample()
-        time.sleep(0.2)
+        time.sleep(0.05)
     if len(latency) < expected:
         missing = sorted(set(failed_at) - set(latency))[:5]
         raise SystemExit(
@@ -254,21 +325,31 @@ def delete_all(sc: Scenario, names: Sequence[str], timeout: float) -> None:
     sc.cluster.wait_for(gone, timeout, f"{len(names)} jobs and their pods deleted")
 
 
-def profile_operator(out: Path, *, tracemalloc: bool = False, cprofile: bool = False) -> None:
+def profile_operator(
+    out: Path, *, tracemalloc: bool = False, cprofile: bool = False, frames: int = 1
+) -> None:
     """Make the operator started from now on profile itself into ``out`` (``fleetprof``)."""
     os.environ["FLEETPROF_MODE"] = "cprofile" if cprofile else "sample"
     os.environ["CKPT_E2E_OPERATOR"] = "process"  # this virtualenv's code, profiled
     os.environ["FLEETPROF_DIR"] = str(out)
     os.environ["FLEETPROF_TRACEMALLOC"] = "1" if tracemalloc else "0"
+    os.environ["FLEETPROF_FRAMES"] = str(frames)
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(PROFILER) + (os.pathsep + path if path else "")
 
 
 def signal_operator(pid: int, sig: signal.Signals, profiling: bool) -> None:
-    """``SIGUSR1``: heap dump; ``SIGUSR2``: CPU samples since the last one (when profiling)."""
-    if profiling:
-        os.kill(pid, sig)
-        time.sleep(2.0)
+    """``SIGUSR1``: heap dump; ``SIGUSR2``: CPU samples since the last one (when profiling).
+    Returns once the dump is written (a heap dump of a large heap takes a while)."""
+    if not profiling:
+        return
+    out = Path(os.environ["FLEETPROF_DIR"])
+    before = len(list(out.glob("heap-*.txt")))
+    os.kill(pid, sig)
+    deadline = time.monotonic() + (120 if sig == signal.SIGUSR1 else 0)
+    while len(list(out.glob("heap-*.txt"))) == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2.0)
 
 
 def run(
@@ -310,16 +391,20 @@ def run(
         cpu0 = tree.cpu()
 
         trickle, burst = names[:trickle_n], names[trickle_n:]
+        watch = RestartWatch(sc)
+        logs = cluster.log_dir
         with ThreadPoolExecutor(1) as poller:
             failed: dict[str, float] = {}
-            waiting = poller.submit(wait_restarts, sc, failed, len(trickle), tree, timeout)
+            waiting = poller.submit(wait_restarts, watch, failed, len(trickle), tree, timeout, logs)
             for job in trickle:
                 failed.update(fail(sc, [job], pods))
                 time.sleep(gap)
             lat_trickle = waiting.result()
         log("trickle done")
+        burst_cpu0 = cpu_by_process(tree)
         failed = fail(sc, burst, pods)
-        lat_burst = wait_restarts(sc, failed, len(burst), tree, timeout)
+        lat_burst = wait_restarts(watch, failed, len(burst), tree, timeout, logs)
+        burst_cpu = cpu_shares(burst_cpu0, cpu_by_process(tree), len(burst))
         drain = len(burst) / max(lat_burst.values()) if lat_burst else math.nan
         log("burst done")
         # the restarts' pods are admitted too; let them all be created
@@ -339,6 +424,7 @@ def run(
         delete_all(sc, names, timeout)
         after = settled_rss(tree, 20.0)
         signal_operator(pid, signal.SIGUSR1, profiling)  # heap-3: after the deletion
+        watch.stopped.set()
         log("jobs deleted")
         total = sum(delta.values())
         writes = ", ".join(
@@ -349,6 +435,7 @@ def run(
             summary("restart latency, trickle", lat_trickle),
             summary("restart latency, burst", lat_burst),
             ("burst drain rate", f"{drain:.1f} restarts/s ({len(burst)} failed at once)"),
+            ("CPU per restart during the burst, by process", burst_cpu),
             ("pod admission latency p99 (API server)", f"<= {p99:g} s over {calls} calls"),
             ("API requests per restart, the operator's", f"{ours / n:.1f}"),
             (
@@ -384,12 +471,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", type=Path, help="profile the operator into this folder")
     p.add_argument("--tracemalloc", action="store_true", help="with --profile: trace allocations")
     p.add_argument(
+        "--frames",
+        type=int,
+        default=1,
+        help="with --tracemalloc: frames per allocation site (later heap dumps list the "
+        "sites of what lives beyond the first dump)",
+    )
+    p.add_argument(
         "--cprofile", action="store_true", help="with --profile: cProfile (CPU time) every thread"
     )
     args = p.parse_args(argv)
     if args.profile is not None:
         profile_operator(
-            args.profile.resolve(), tracemalloc=args.tracemalloc, cprofile=args.cprofile
+            args.profile.resolve(),
+            tracemalloc=args.tracemalloc,
+            cprofile=args.cprofile,
+            frames=args.frames,
         )
     trickle = args.jobs // 2 if args.trickle is None else args.trickle
     burst = args.jobs - trickle if args.burst is None else args.burst

@@ -8,8 +8,10 @@ Active only in a ``ckpt-operator`` process with ``FLEETPROF_DIR`` set:
   socket); ``SIGUSR2`` (and the exit) writes those since the previous dump as collapsed
   stacks (``stacks-<n>.txt``, flame-graph input);
 * ``SIGUSR1`` writes ``heap-<n>.txt``: after ``gc.collect()``, the live objects by type,
-  the sizes of the operator's caches, and (with ``FLEETPROF_TRACEMALLOC=1``) the top
-  allocation sites; then ``malloc_trim(0)`` and the RSS before/after it.
+  the sizes of the operator's caches, and (with ``FLEETPROF_TRACEMALLOC=1``, tracing from
+  the first dump on with ``FLEETPROF_FRAMES`` frames) the top allocation sites of what
+  was allocated since the first dump and still lives; then ``malloc_trim(0)`` and the
+  RSS before/after it.
 """
 
 from __future__ import annotations
@@ -185,10 +187,36 @@ def _mallocstats(out: Path) -> list[str]:
     ]
 
 
+#: ids of the objects the first heap dump found (later dumps list the others alive)
+_BASELINE: set[int] = set()
+
+
+def _survivors(objects: list[object]) -> list[str]:
+    """The objects alive now that the first dump did not see: by type, and for the
+    commonest types who holds them (the referrers' types, one level up)."""
+    new = {id(o): o for o in objects if id(o) not in _BASELINE}
+    by_type = collections.Counter(type(o).__qualname__ for o in new.values())
+    lines = [f"new {n} {t}" for t, n in by_type.most_common(25)]
+    top = {t for t, _ in by_type.most_common(8)}
+    holders: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for r in objects:  # one pass over everything: who refers to a new object of a top type
+        for o in gc.get_referents(r):
+            kind = type(o).__qualname__
+            if kind in top and id(o) in new:
+                name = type(r).__qualname__
+                if isinstance(r, dict):
+                    name += "{" + ",".join(sorted(map(str, list(r)[:4])))[:100] + "}"
+                holders[kind][name] += 1
+    for kind in sorted(top, key=lambda k: -by_type[k]):
+        lines += [f"held {kind} <- {n} {h}" for h, n in holders[kind].most_common(6)]
+    return lines
+
+
 def _heap(out: Path, counter: list[int]) -> None:
     counter[0] += 1
     gc.collect()
-    types = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+    objects = gc.get_objects()
+    types = collections.Counter(type(o).__qualname__ for o in objects)
     lines = [f"rss {_rss() / 2**20:.1f} MiB", f"gc objects {sum(types.values())}"]
     lines += [f"cache {k} {v}" for k, v in _cache_sizes().items()]
     if tracemalloc.is_tracing():
@@ -196,6 +224,20 @@ def _heap(out: Path, counter: list[int]) -> None:
         stats = snap.statistics("lineno")
         lines.append(f"traced {sum(s.size for s in stats) / 2**20:.1f} MiB")
         lines += [f"alloc {s.size / 2**10:.0f} KiB x{s.count} {s.traceback}" for s in stats[:40]]
+        # traced since the first dump: what lives now of what was allocated after it
+        by_site = sorted(snap.statistics("traceback"), key=lambda s: s.count, reverse=True)
+        for s in by_site[:40]:
+            where = " <- ".join(str(f) for f in reversed(s.traceback))
+            lines.append(f"since-first {s.count} blocks {s.size / 2**10:.0f} KiB {where}")
+    elif os.environ.get("FLEETPROF_TRACEMALLOC") == "1":
+        # from the first dump (the baseline) on: startup untraced (slow), and every block
+        # traced later is one allocated after the baseline
+        tracemalloc.start(int(os.environ.get("FLEETPROF_FRAMES", "1")))
+    if _BASELINE:
+        lines += _survivors(objects)
+    else:
+        _BASELINE.update(id(o) for o in objects)
+    del objects
     lines += [f"type {n} {t}" for t, n in types.most_common(60)]
     lines += _mallocstats(out)
     try:
@@ -212,8 +254,6 @@ def _install() -> None:
         return
     out = Path(where)
     out.mkdir(parents=True, exist_ok=True)
-    if os.environ.get("FLEETPROF_TRACEMALLOC") == "1":
-        tracemalloc.start(1)
     hz = float(os.environ.get("FLEETPROF_HZ", "200"))
     if os.environ.get("FLEETPROF_MODE") == "cprofile":
         prof = _Deterministic(out)

@@ -16,7 +16,7 @@ import ssl
 import subprocess
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +249,19 @@ class KubeClient:
             raise ApiError(method, path, e.code, e.read().decode(errors="replace")) from None
         out: dict[str, Any] = json.loads(raw) if raw else {}
         return out
+
+    def watch(self, path: str, *, timeout: float = 3600.0) -> Iterator[dict[str, Any]]:
+        """The watch events of a list ``path`` (``{"type": ..., "object": ...}``), from
+        now on, until the server ends the stream or ``timeout`` seconds pass."""
+        sep = "&" if "?" in path else "?"
+        req = urllib.request.Request(
+            f"{self.server}{path}{sep}watch=1&timeoutSeconds={int(timeout)}",
+            headers={"Accept": "application/json"},
+        )
+        with self._api_opener.open(req, timeout=timeout + 30) as r:
+            for line in r:
+                if line.strip():
+                    yield json.loads(line)
 
     def api_client(self) -> Any:
         """A ``kubernetes.client.ApiClient`` for this cluster (admin), closed by close()."""

@@ -423,9 +423,13 @@ class KubernetesApi:
     def post_event(self, body: Obj) -> None:
         """Create a core/v1 Event (blocking; see :class:`ckpt_operator.events.KopfEvents`)."""
         namespace = str((body.get("metadata") or {}).get("namespace") or "default")
-        self._core.create_namespaced_event(
-            namespace, cast(Any, body), _request_timeout=self._timeout_s
+        # the created Event is not decoded (the client's models cost more than the post);
+        # a refusal still raises, an answer is read to free its connection
+        answer: Any = self._core.create_namespaced_event(
+            namespace, cast(Any, body), _request_timeout=self._timeout_s, _preload_content=False
         )
+        answer.drain_conn()
+        answer.release_conn()
 
     async def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         try:

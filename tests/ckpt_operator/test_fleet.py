@@ -35,7 +35,7 @@ from ckpt_operator.jobs import (
 from ckpt_operator.jsonpatch import apply_patch
 from ckpt_operator.kube import KubernetesApi
 from ckpt_operator.loops import RecoveryScheduler
-from ckpt_operator.main import build_settings, executors
+from ckpt_operator.main import build_settings, executors, start_threads
 from ckpt_operator.metrics import Metrics
 from tests.ckpt_operator.test_reports import message, reported
 from tests.ckpt_operator.test_reports import pod as report_pod
@@ -305,6 +305,23 @@ def test_the_webhook_pool_is_separate_and_sized_by_flags() -> None:
     assert cfg.workers == 7 and cfg.webhook.budget_s == 1.5
     with pytest.raises(SystemExit):
         parse_config(["--webhook=false", "--workers=0"], environ={})
+
+
+def test_the_pools_threads_are_all_started_before_any_work() -> None:
+    cfg = parse_config(["--webhook=false", "--workers=5", "--webhook-workers=3"], environ={})
+    reconcile, webhook = executors(cfg)
+    try:
+        assert len(reconcile._threads) == 0  # a pool starts its threads on demand
+        start_threads(reconcile, cfg.workers)
+        start_threads(webhook, cfg.webhook.workers)
+        assert len(reconcile._threads) == 5 and len(webhook._threads) == 3
+        assert all(t.is_alive() for t in reconcile._threads | webhook._threads)
+        # the work after it finds them all started and idle: no new thread
+        list(reconcile.map(lambda i: i, range(20)))
+        assert len(reconcile._threads) == 5
+    finally:
+        reconcile.shutdown()
+        webhook.shutdown()
 
 
 def test_a_busy_reconciliation_pool_does_not_delay_admission(world: Any, fixture: Any) -> None:
