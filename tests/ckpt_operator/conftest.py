@@ -234,7 +234,7 @@ class FakeApi:
     async def list_pods(
         self, *, node_name: str | None, label_selector: str, namespace: str | None = None
     ) -> list[dict[str, Any]]:
-        self.calls.append(("list_pods", (node_name, label_selector)))
+        self.calls.append(("list_pods", (node_name, label_selector, namespace)))
         key, _, value = label_selector.partition("=")
         out = []
         for (ns, _name), pod in self.pods.items():

@@ -317,6 +317,8 @@ def test_agent_missing_is_flagged_once(world: Any, fixture: Any) -> None:
     world.api.add_pod(_running_pod(fixture, "2024-05-02T10:00:00Z"))
     world.clock.now = (parse_time("2024-05-02T10:00:00Z") or 0.0) + 600
     assert run(check_agents(world.deps, policy)) == ["mnist-ddp-worker-0"]
+    # a pass lists the policy's namespace only (its cost follows its pods, not the cluster's)
+    assert [ns for _, _, ns in world.api.called("list_pods")] == ["ml-team"]
     assert run(check_agents(world.deps, world.api.policies[("ml-team", "llm-finetune")]))
     warnings = [e for e in world.events.events if e.reason == "AgentMissing"]
     assert len(warnings) == 1 and AGENT_MISSING in warnings[0].message

@@ -282,6 +282,7 @@ def test_retention_of_unreachable_storage_reports_what_the_pods_said(
     world.api.add_pod(pod(fixture, "mnist-ddp-worker-0", "mnist-ddp", message(reported(rec))))
     status = run(reconcile_retention(world.deps, fixture("checkpointpolicy.json")))
     assert world.source.deleted == [] and world.source.listed == []
+    assert [ns for _, _, ns in world.api.called("list_pods")] == ["ml-team"]  # not the cluster
     assert status["lastValid"][RUN]["checkpointId"] == "pulse_step_000000001200"
     newest = status["lastVerifiedCheckpoint"]
     assert newest == {**status["lastValid"][RUN], "runId": RUN}

@@ -57,7 +57,9 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
     spec, _ = parse_policy_spec(policy.get("spec"))
     if spec is None or spec.agent.report_deadline_seconds <= 0:
         return []
-    listed = await deps.api.list_pods(node_name=None, label_selector=f"{c.LABEL_INJECTED}=true")
+    listed = await deps.api.list_pods(
+        node_name=None, label_selector=f"{c.LABEL_INJECTED}=true", namespace=namespace
+    )  # the policy's namespace only: a pass costs its pods, not the cluster's
     pods = running_injected_pods(listed, namespace, name)
     if not pods:
         return []

@@ -66,11 +66,9 @@ async def _reported_status(
     from what the pods reported (:mod:`ckpt_operator.reports`); retention runs in the pods."""
     meta = policy.get("metadata") or {}
     namespace = str(meta.get("namespace"))
-    pods = [
-        p
-        for p in await deps.api.list_pods(node_name=None, label_selector=f"{c.LABEL_INJECTED}=true")
-        if (p.get("metadata") or {}).get("namespace") == namespace
-    ]
+    pods = await deps.api.list_pods(
+        node_name=None, label_selector=f"{c.LABEL_INJECTED}=true", namespace=namespace
+    )
     reports, _ = pod_reports(pods)  # unreadable messages are logged when a job is recovered
     carried: dict[str, list[str | None]] = {}
     for job in jobs:
