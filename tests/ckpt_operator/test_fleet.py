@@ -163,9 +163,7 @@ def test_recovery_lists_the_namespace_when_the_index_is_not_final(
     stranger["metadata"]["namespace"] = "elsewhere"
     world.api.add_pod(stranger)
     run(recover_job(world.deps, job))
-    assert world.api.called("list_pods") == [
-        (None, f"{c.LABEL_TO_JOB_NAME}=mnist-ddp", "ml-team")
-    ]
+    assert world.api.called("list_pods") == [(None, f"{c.LABEL_TO_JOB_NAME}=mnist-ddp", "ml-team")]
     assert ("ml-team", "mnist-ddp-r1") in world.api.jobs
 
 
