@@ -36,6 +36,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +353,80 @@ def signal_operator(pid: int, sig: signal.Signals, profiling: bool) -> None:
     time.sleep(2.0)
 
 
+@dataclass
+class Cycle:
+    """One round of the run: N jobs submitted, failed (trickle, then burst), restarted
+    and deleted, and what was measured along the way."""
+
+    lat_trickle: dict[str, float]
+    lat_burst: dict[str, float]
+    burst_cpu: str
+    delta: Counter[tuple[str, str]]
+    hooks: Counter[str]
+    events: Counter[str]
+    cpu: float
+    rss_after: int
+
+
+def cycle(
+    sc: Scenario,
+    tree: ProcessTree,
+    names: Sequence[str],
+    trickle_n: int,
+    gap: float,
+    timeout: float,
+    log: Callable[[str], None],
+    profiling: bool,
+) -> Cycle:
+    cluster, pid = sc.cluster, tree.root.pid
+    with ThreadPoolExecutor(8) as submitter:
+        list(submitter.map(lambda name: sc.submit(name, Training(steps=5)), names))
+    pods: dict[str, str] = {}
+    for name in names:
+        pods[name] = str(cluster.wait_for(functools.partial(job_pod, sc, name), 120))
+    log(f"{len(names)} jobs running (one pod each, injected)")
+    before = request_counts(cluster)
+    hooks_before = webhook_calls(cluster)
+    events_before = event_counts(cluster, sc.namespace)
+    signal_operator(pid, signal.SIGUSR2, profiling)  # stacks: start and submission
+    cpu0 = tree.cpu()
+
+    trickle, burst = names[:trickle_n], names[trickle_n:]
+    watch = RestartWatch(sc)
+    logs = cluster.log_dir
+    with ThreadPoolExecutor(1) as poller:
+        failed: dict[str, float] = {}
+        waiting = poller.submit(wait_restarts, watch, failed, len(trickle), tree, timeout, logs)
+        for job in trickle:
+            failed.update(fail(sc, [job], pods))
+            time.sleep(gap)
+        lat_trickle = waiting.result()
+    log("trickle done")
+    burst_cpu0 = cpu_by_process(tree)
+    failed = fail(sc, burst, pods)
+    lat_burst = wait_restarts(watch, failed, len(burst), tree, timeout, logs)
+    burst_cpu = cpu_shares(burst_cpu0, cpu_by_process(tree), len(burst))
+    log("burst done")
+    # the restarts' pods are admitted too; let them all be created
+    for job in names:
+        cluster.wait_for(functools.partial(job_pod, sc, f"{job}-r1"), 120, f"{job}-r1 pod")
+    tree.sample()
+    delta = request_counts(cluster) - before
+    hooks = webhook_calls(cluster) - hooks_before
+    events = event_counts(cluster, sc.namespace) - events_before
+    cpu = tree.cpu() - cpu0
+    log(f"{summary('trickle', lat_trickle)}; {summary('burst', lat_burst)}")
+    log(f"operator CPU {cpu:.1f} s, peak RSS {tree.peak_rss / 2**20:.0f} MiB")
+    signal_operator(pid, signal.SIGUSR2, profiling)  # stacks: the failures
+    signal_operator(pid, signal.SIGUSR1, profiling)  # heap: every job and restart live
+    delete_all(sc, names, timeout)
+    watch.stopped.set()
+    after = settled_rss(tree, 20.0)
+    signal_operator(pid, signal.SIGUSR1, profiling)  # heap: after the deletion
+    log(f"jobs deleted; operator RSS {after / 2**20:.0f} MiB")
+    return Cycle(lat_trickle, lat_burst, burst_cpu, delta, hooks, events, cpu, after)
+
+
 def run(
     trickle_n: int,
     burst_n: int,
@@ -359,6 +434,7 @@ def run(
     timeout: float,
     log: Callable[[str], None],
     profiling: bool = False,
+    cycles: int = 1,
 ) -> list[tuple[str, str]]:
     n = trickle_n + burst_n
     cluster = LocalCluster(startup_timeout=300)
@@ -375,86 +451,61 @@ def run(
         sc.runner(decide=lambda pod: "ignore")
         tree = ProcessTree(stack.operator.pid)
         baseline = settled_rss(tree)
-        pid = stack.operator.pid
-        signal_operator(pid, signal.SIGUSR1, profiling)  # heap-1: baseline
-        names = [f"job-{i:03d}" for i in range(n)]
-        with ThreadPoolExecutor(8) as submitter:
-            list(submitter.map(lambda name: sc.submit(name, Training(steps=5)), names))
-        pods: dict[str, str] = {}
-        for name in names:
-            pods[name] = str(cluster.wait_for(functools.partial(job_pod, sc, name), 120))
-        log(f"{n} jobs running (one pod each, injected)")
-        before = request_counts(cluster)
-        hooks_before = webhook_calls(cluster)
-        events_before = event_counts(cluster, ns)
-        signal_operator(pid, signal.SIGUSR2, profiling)  # stacks-1: start and submission
-        cpu0 = tree.cpu()
-
-        trickle, burst = names[:trickle_n], names[trickle_n:]
-        watch = RestartWatch(sc)
-        logs = cluster.log_dir
-        with ThreadPoolExecutor(1) as poller:
-            failed: dict[str, float] = {}
-            waiting = poller.submit(wait_restarts, watch, failed, len(trickle), tree, timeout, logs)
-            for job in trickle:
-                failed.update(fail(sc, [job], pods))
-                time.sleep(gap)
-            lat_trickle = waiting.result()
-        log("trickle done")
-        burst_cpu0 = cpu_by_process(tree)
-        failed = fail(sc, burst, pods)
-        lat_burst = wait_restarts(watch, failed, len(burst), tree, timeout, logs)
-        burst_cpu = cpu_shares(burst_cpu0, cpu_by_process(tree), len(burst))
-        drain = len(burst) / max(lat_burst.values()) if lat_burst else math.nan
-        log("burst done")
-        # the restarts' pods are admitted too; let them all be created
-        for job in names:
-            cluster.wait_for(functools.partial(job_pod, sc, f"{job}-r1"), 120, f"{job}-r1 pod")
-        tree.sample()
-        delta = request_counts(cluster) - before
-        hooks = webhook_calls(cluster) - hooks_before
-        events = event_counts(cluster, ns) - events_before
+        signal_operator(stack.operator.pid, signal.SIGUSR1, profiling)  # heap-1: baseline
+        rounds: list[Cycle] = []
+        for k in range(cycles):
+            prefix = "job" if k == 0 else f"job{k}"
+            names = [f"{prefix}-{i:03d}" for i in range(n)]
+            rounds.append(cycle(sc, tree, names, trickle_n, gap, timeout, log, profiling))
+        last = rounds[-1]
         p99, calls = webhook_p99(cluster, "inject.pods.ckpt.dev")
+        delta = last.delta
         ours = delta.pop(("operator", ""), 0)
-        cpu = tree.cpu() - cpu0
-        log(f"{summary('trickle', lat_trickle)}; {summary('burst', lat_burst)}; {drain=:.1f}/s")
-        log(f"operator CPU {cpu:.1f} s, peak RSS {tree.peak_rss / 2**20:.0f} MiB")
-        signal_operator(pid, signal.SIGUSR2, profiling)  # stacks-2: the failures
-        signal_operator(pid, signal.SIGUSR1, profiling)  # heap-2: every job and restart live
-        delete_all(sc, names, timeout)
-        after = settled_rss(tree, 20.0)
-        signal_operator(pid, signal.SIGUSR1, profiling)  # heap-3: after the deletion
-        watch.stopped.set()
-        log("jobs deleted")
         total = sum(delta.values())
         writes = ", ".join(
             f"{verb} {res} {delta[(verb, res)] / n:.1f}"
             for verb, res in (("PATCH", "pytorchjobs"), ("POST", "pytorchjobs"), ("POST", "events"))
         )
+        burst = last.lat_burst
+        drain = len(burst) / max(burst.values()) if burst else math.nan
+        rss = [baseline, *(r.rss_after for r in rounds)]
+        rss_row = (
+            " → ".join(f"{x / 2**20:.0f}" for x in rss)
+            + " MiB ("
+            + ", ".join(f"{(x - baseline) / baseline * 100:+.0f} %" for x in rss[1:])
+        )
+        if len(rss) > 2:  # every round after the first, against the first's
+            rss_row += (
+                "; "
+                + ", ".join(f"{(x - rss[1]) / rss[1] * 100:+.0f} %" for x in rss[2:])
+                + " over the first round's"
+            )
+        rss_row += ")"
+        which = f" (round {cycles} of {cycles})" if cycles > 1 else ""
         return [
-            summary("restart latency, trickle", lat_trickle),
-            summary("restart latency, burst", lat_burst),
+            summary(f"restart latency, trickle{which}", last.lat_trickle),
+            summary(f"restart latency, burst{which}", burst),
             ("burst drain rate", f"{drain:.1f} restarts/s ({len(burst)} failed at once)"),
-            ("CPU per restart during the burst, by process", burst_cpu),
+            ("CPU per restart during the burst, by process", last.burst_cpu),
             ("pod admission latency p99 (API server)", f"<= {p99:g} s over {calls} calls"),
             ("API requests per restart, the operator's", f"{ours / n:.1f}"),
             (
                 "admission calls per restart (API server)",
-                ", ".join(f"{name} {k / n:.1f}" for name, k in sorted(hooks.items())) or "none",
+                ", ".join(f"{name} {k / n:.1f}" for name, k in sorted(last.hooks.items()))
+                or "none",
             ),
             ("writes per restart (all clients)", writes),
             (
                 "Events per restart, by reporter/reason",
-                ", ".join(f"{k} {v / n:.1f}" for k, v in events.most_common(12)),
+                ", ".join(f"{k} {v / n:.1f}" for k, v in last.events.most_common(12)),
             ),
             ("API requests per restart, every client", f"{total / n:.1f}"),
-            ("operator CPU", f"{cpu:.1f} s for {n} restarts ({cpu / n * 1000:.0f} ms each)"),
-            ("operator peak RSS", f"{tree.peak_rss / 2**20:.0f} MiB"),
             (
-                "operator RSS: baseline → after the jobs are deleted",
-                f"{baseline / 2**20:.0f} MiB → {after / 2**20:.0f} MiB "
-                f"({(after - baseline) / baseline * 100:+.0f} %)",
+                "operator CPU",
+                f"{last.cpu:.1f} s for {n} restarts ({last.cpu / n * 1000:.0f} ms each)",
             ),
+            ("operator peak RSS", f"{tree.peak_rss / 2**20:.0f} MiB"),
+            ("operator RSS: baseline → after each round's jobs are deleted", rss_row),
         ]
     finally:
         cluster.stop()
@@ -465,6 +516,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=40, help="jobs (half trickle, half burst)")
     p.add_argument("--trickle", type=int, help="jobs failed one at a time (default: half)")
     p.add_argument("--burst", type=int, help="jobs failed at once (default: the rest)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the whole run (submit, fail, restart, delete) this many times in one "
+        "operator; the tables are the last round's, the RSS row has every round's",
+    )
     p.add_argument("--gap", type=float, default=0.25, help="seconds between trickle failures")
     p.add_argument("--timeout", type=float, default=300.0, help="longest wait for restarts")
     p.add_argument("--write-doc", action="store_true", help=f"write the table into {DOC}")
@@ -499,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.timeout,
         lambda s: print(s, flush=True),
         profiling=args.profile is not None,
+        cycles=args.rounds,
     )
     lines = [
         f"`benchmarks/bench_fleet.py --trickle {trickle} --burst {burst}` "

@@ -168,6 +168,46 @@ def _cache_sizes() -> dict[str, int]:
     return out
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            *("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks"),
+            *("fsmblks", "uordblks", "fordblks", "keepcost"),
+        )
+    ]
+
+
+def _glibc() -> list[str]:
+    """glibc malloc's totals (``mallinfo2``): bytes in use, free inside its heaps, mmapped;
+    and the RSS by kind of mapping (``/proc/self/smaps``: heap, anonymous, stacks, files)."""
+    lines = []
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+        fn.restype = _MallInfo2
+        m = fn()
+        lines.append(
+            f"glibc in use {m.uordblks / 2**20:.1f} MiB, free in heaps {m.fordblks / 2**20:.1f} "
+            f"MiB, heaps {m.arena / 2**20:.1f} MiB, mmapped {m.hblkhd / 2**20:.1f} MiB"
+        )
+    except (OSError, AttributeError):
+        pass
+    kinds: collections.Counter[str] = collections.Counter()
+    kind = "?"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                path = head[5] if len(head) > 5 else ""
+                kind = path if path.startswith("[") else ("file" if path else "anonymous")
+            elif head[0] == "Rss:":
+                kinds[kind] += int(head[1]) * 1024
+    lines.append(
+        "rss by mapping: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in kinds.most_common())
+    )
+    return lines
+
+
 def _mallocstats(out: Path) -> list[str]:
     """pymalloc's arena summary (``sys._debugmallocstats`` writes it to fd 2)."""
     path = out / ".mallocstats"
@@ -240,6 +280,7 @@ def _heap(out: Path, counter: list[int]) -> None:
     del objects
     lines += [f"type {n} {t}" for t, n in types.most_common(60)]
     lines += _mallocstats(out)
+    lines += _glibc()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         lines.insert(1, f"rss after malloc_trim {_rss() / 2**20:.1f} MiB")
