@@ -319,10 +319,23 @@ def parse_config(
             return str(value)
         return _env(env, flag)
 
+    def words(name: str, flag: str) -> tuple[str, ...]:
+        """A repeatable flag's values, else its variable's (separated by commas or spaces)."""
+        given = getattr(ns, name)
+        if given:
+            return tuple(given)
+        return tuple((_env(env, flag) or "").replace(",", " ").split())
+
+    def switch(name: str, flag: str, default: bool) -> bool:
+        """A ``--x``/``--x=false`` flag, else its variable, else ``default``."""
+        given = getattr(ns, name)
+        if given is not None:
+            return bool(given)
+        text = _env(env, flag)
+        return _bool(text) if text else default
+
     d = OperatorConfig()
-    namespaces = tuple(ns.namespace or ()) or tuple(
-        n for n in (_env(env, "namespaces") or "").replace(",", " ").split() if n
-    )
+    namespaces = words("namespace", "namespaces")
     liveness = pick("liveness", "liveness") or d.liveness
     metrics_port = int(pick("metrics_port", "metrics-port") or d.metrics_port)
     log_format = pick("log_format", "log-format") or d.log_format
@@ -330,17 +343,11 @@ def parse_config(
         raise SystemExit(f"ckpt-operator: bad log format {log_format!r} (json or plain)")
     peering = ns.peering or _bool(_env(env, "peering") or "false")
     verbose = bool(ns.verbose) or _bool(_env(env, "verbose") or "false")
-    secrets = (
-        ns.read_storage_secrets
-        if ns.read_storage_secrets is not None
-        else _bool(_env(env, "read-storage-secrets") or "true")
-    )
+    secrets = switch("read_storage_secrets", "read-storage-secrets", True)
     cert_dir = pick("webhook_cert_dir", "webhook-cert-dir")
-    sans = tuple(ns.webhook_extra_san or ()) or tuple(
-        s for s in (_env(env, "webhook-extra-sans") or "").replace(",", " ").split() if s
-    )
+    sans = words("webhook_extra_san", "webhook-extra-sans")
     webhook = WebhookConfig(
-        enabled=ns.webhook if ns.webhook is not None else _bool(_env(env, "webhook") or "true"),
+        enabled=switch("webhook", "webhook", True),
         listen=pick("webhook_listen", "webhook-listen") or WebhookConfig.listen,
         port=int(pick("webhook_port", "webhook-port") or WebhookConfig.port),
         cert_dir=Path(cert_dir) if cert_dir else None,
@@ -358,9 +365,7 @@ def parse_config(
         sidecar_command=tuple(command.split()) if command else InjectionConfig.sidecar_command,
     )
     retention = RetentionConfig(
-        enabled=ns.retention
-        if ns.retention is not None
-        else _bool(_env(env, "retention") or "true"),
+        enabled=switch("retention", "retention", True),
         tick_s=float(pick("retention_tick", "retention-tick") or RetentionConfig.tick_s),
         gc_grace_s=float(pick("gc_grace", "gc-grace") or RetentionConfig.gc_grace_s),
     )
@@ -381,9 +386,7 @@ def parse_config(
             "--api-timeout and --webhook-budget > 0"
         )
     tenancy = parse_tenancy(pick("tenancy", "tenancy") or "")
-    pool_labels = tuple(ns.node_pool_label or ()) or tuple(
-        k for k in (_env(env, "node-pool-labels") or "").replace(",", " ").split() if k
-    )
+    pool_labels = words("node_pool_label", "node-pool-labels")
     recovery = RecoveryConfig(node_pool_labels=pool_labels or RecoveryConfig.node_pool_labels)
     if webhook.enabled and webhook.cert_dir is None and not webhook.generate_certs:
         raise SystemExit(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import ssl
@@ -62,6 +63,34 @@ def test_config_from_flags_and_env(tmp_path: Path) -> None:
         [], {"CKPT_OPERATOR_WEBHOOK": "false", "CKPT_OPERATOR_NAMESPACES": "x,y"}
     )
     assert not env_only.webhook.enabled and env_only.namespaces == ("x", "y")
+
+
+def test_switches_and_lists_take_the_flag_then_the_variable_then_the_default() -> None:
+    env = {
+        "CKPT_OPERATOR_WEBHOOK": "false",
+        "CKPT_OPERATOR_RETENTION": "off",
+        "CKPT_OPERATOR_READ_STORAGE_SECRETS": "no",
+        "CKPT_OPERATOR_WEBHOOK_EXTRA_SANS": "a.example, b.example c.example",
+        "CKPT_OPERATOR_NODE_POOL_LABELS": "pool/x",
+    }
+    from_env = parse_config([], env)
+    assert not from_env.webhook.enabled and not from_env.retention.enabled
+    assert not from_env.read_storage_secrets
+    assert from_env.webhook.extra_sans == ("a.example", "b.example", "c.example")
+    assert from_env.recovery.node_pool_labels == ("pool/x",)
+    flags = [
+        *("--webhook=false", "--retention=true", "--read-storage-secrets=true"),
+        *("--webhook-extra-san", "d.example", "--node-pool-label", "pool/y"),
+    ]
+    from_flags = parse_config(flags, env)
+    assert from_flags.retention.enabled and from_flags.read_storage_secrets
+    assert from_flags.webhook.extra_sans == ("d.example",)
+    assert from_flags.recovery.node_pool_labels == ("pool/y",)
+    defaults = parse_config(["--webhook=false"], {"CKPT_OPERATOR_RETENTION": ""})
+    assert defaults.retention.enabled and defaults.read_storage_secrets  # empty: the default
+    assert defaults.webhook.extra_sans == () and defaults.recovery.node_pool_labels
+    with pytest.raises(argparse.ArgumentTypeError, match="not a boolean"):
+        parse_config(["--webhook=false"], {"CKPT_OPERATOR_RETENTION": "maybe"})
 
 
 def test_webhook_without_certificate_is_a_clear_error() -> None:
