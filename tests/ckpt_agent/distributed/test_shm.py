@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import struct
 from pathlib import Path
+from typing import Any
 
 import ckpt_dist_harness as h
 import ckpt_dist_workers as w
@@ -25,7 +26,7 @@ from ckpt_agent.tuning import DIRECT_IO_ALIGN
 RUN = w.RUN
 
 
-def _sidecar(tmp_path: Path) -> Sidecar:
+def _sidecar(tmp_path: Path, **options: Any) -> Sidecar:
     cfg = AgentConfig.model_validate(
         {
             "runId": RUN,
@@ -35,7 +36,7 @@ def _sidecar(tmp_path: Path) -> Sidecar:
             "validation": {"loadInSubprocess": False},
         }
     )
-    return Sidecar(cfg, SidecarOptions(probe_every_s=1000, metrics_port=0))
+    return Sidecar(cfg, SidecarOptions(probe_every_s=1000, metrics_port=0, **options))
 
 
 def _state(v: float) -> dict[str, object]:
@@ -162,8 +163,7 @@ def test_one_sidecar_commits_the_parts_of_every_rank_it_serves(tmp_path: Path) -
     timer = threading.Timer(
         0.5, lambda: w1.write(5, Tier.PULSE, sections(1, "t1"), meta={"token": "t1"})
     )
-    sidecar = _sidecar(tmp_path)
-    sidecar.options.commit_timeout_s = 30
+    sidecar = _sidecar(tmp_path, commit_timeout_s=30.0)
     timer.start()
     try:
         assert sidecar.run_once() >= 1
@@ -178,6 +178,52 @@ def test_one_sidecar_commits_the_parts_of_every_rank_it_serves(tmp_path: Path) -
     committed, m1 = read_checkpoint(store, RUN, records[0].id, 1)
     assert [r.rank for r in committed.commit.ranks] == [0, 1]
     assert m1.state["progress"]["token"] == "t1"
+
+
+def test_rank_0_moves_on_when_the_other_ranks_skipped_its_snapshot(tmp_path: Path) -> None:
+    """One sidecar per rank, each persisting the newest snapshot of its area: rank 0's
+    takes snapshot 5 and waits for rank 1's part of it, while rank 1's first look finds
+    10 already and never writes 5. Rank 0's wait ends as soon as rank 1's part of 10 is
+    in storage (not after the commit timeout, with 10 unpersisted meanwhile): it commits
+    10. A rare flake of the DDP kill test (no checkpoint at all within 60 s) was this."""
+    import threading
+    import time
+
+    w0 = ShmWriter(tmp_path / "shm", RUN, 0, world_size=2)
+    w1 = ShmWriter(tmp_path / "shm", RUN, 1, world_size=2)
+
+    def sections(rank: int, step: int) -> dict[str, object]:
+        token = f"t{step}"
+        return {"progress": {"step": step, "rank": rank, "token": token}, **_state(step + rank)}
+
+    def write(w: ShmWriter, rank: int, step: int) -> None:
+        assert w.write(step, Tier.PULSE, sections(rank, step), meta={"token": f"t{step}"})
+
+    zero, one = (_sidecar(tmp_path, ranks=(r,), commit_timeout_s=15.0) for r in (0, 1))
+    write(w0, 0, 5)
+    waiting = threading.Thread(target=zero.run_once)  # writes its part of 5, waits for rank 1
+    t0 = time.monotonic()
+    waiting.start()
+    try:
+        time.sleep(0.5)
+        write(w1, 1, 5)
+        write(w1, 1, 10)
+        write(w0, 0, 10)
+        assert one.run_once() == 1  # rank 1's newest only: 10 (5 is never written)
+        waiting.join(10)
+        assert not waiting.is_alive(), "rank 0 still waits for a part that never comes"
+        assert time.monotonic() - t0 < 10
+        assert zero.run_once() == 1  # 10, committed with rank 1's part
+    finally:
+        waiting.join()
+        for x in (zero, one):
+            x.close()
+        w0.close()
+        w1.close()
+    store = LocalStorage(tmp_path / "store")
+    records = list_checkpoints(store, RUN, include_heartbeat=False)
+    valid = [(r.step, r.world_size) for r in records if r.status.value == "valid"]
+    assert valid == [(10, 2)]
 
 
 def test_large_tensors_are_page_aligned_in_the_slot_and_persisted_direct(

@@ -5,6 +5,13 @@ storage with the same save token, verifies each one against its hash, publishes
 ``COMMIT`` and hands the checkpoint to the
 :class:`~ckpt_agent.persist.finalize.FinalizePipeline` (validate, verdict,
 catalog, retention, blob GC).
+
+Every sidecar persists only the newest complete snapshot of its area, so two sidecars
+can pick different ones: rank 0's may take snapshot N while rank 1's, looking a moment
+later, already sees N+1 and never writes N. The wait for N then ends as soon as every
+missing rank has written its part of a newer snapshot that rank 0's area holds too
+(:class:`Superseded`): rank 0 moves on to that one instead of waiting out the commit
+timeout with the newer snapshots unpersisted.
 """
 
 from __future__ import annotations
@@ -26,7 +33,11 @@ from ckpt_agent.persist.writer import WrittenCheckpoint, WrittenRank
 from ckpt_agent.records import CheckpointStatus, rank_name
 from ckpt_agent.storage.base import NotFoundError
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "Superseded"]
+
+
+class Superseded(Exception):  # noqa: N818 (an outcome, not a failure)
+    """The other ranks moved past this checkpoint: its parts will never all exist."""
 
 
 class Coordinator:
@@ -53,12 +64,16 @@ class Coordinator:
         *,
         persist_others: Callable[[], bool],
         abort: Callable[[], bool],
+        newer: Callable[[], str | None] = lambda: None,
     ) -> WrittenCheckpoint:
         """Wait for the other ranks' parts (persisting ours meanwhile), verify, commit.
 
         ``persist_others()`` persists the other ranks' pending snapshots this sidecar
-        serves (True if it did any); ``abort()`` gives up early (stopping, not draining).
-        Raises :class:`TimeoutError` when parts are missing after ``commit_timeout_s``.
+        serves (True if it did any); ``abort()`` gives up early (stopping, not draining);
+        ``newer()`` names the newest complete snapshot of rank 0's area when it is newer
+        than this one (else None). Raises :class:`Superseded` when every missing rank has
+        written its part of that newer one instead, :class:`TimeoutError` when parts are
+        still missing after ``commit_timeout_s``.
         """
         desc = own.desc
         meta = self.part_writer.meta(desc)
@@ -79,6 +94,12 @@ class Coordinator:
             # its pod): keep persisting them while waiting, or this would wait for itself.
             if persist_others():
                 continue
+            missing = sorted(set(range(desc.world_size)) - set(parts))
+            ahead = newer()
+            if ahead is not None and all(self.read_part(ahead, r, "") for r in missing):
+                raise Superseded(
+                    f"{ckpt_id}: rank(s) {missing} persisted {ahead} instead: committing that"
+                )
             if time.monotonic() >= deadline or abort():
                 missing = sorted(set(range(desc.world_size)) - set(parts))
                 raise TimeoutError(

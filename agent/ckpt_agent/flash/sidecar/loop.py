@@ -12,6 +12,7 @@ live next to this module: :mod:`.discovery` (areas, liveness), :mod:`.persisting
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_agent.flash.protocol import Descriptor, PersistedMark, atomic_write
-from ckpt_agent.flash.sidecar.commit import Coordinator
+from ckpt_agent.flash.sidecar.commit import Coordinator, Superseded
 from ckpt_agent.flash.sidecar.discovery import Areas, AreaState
 from ckpt_agent.flash.sidecar.drain import Drain
 from ckpt_agent.flash.sidecar.health import HealthMonitor
@@ -160,8 +161,19 @@ class Sidecar:
         if handled is not None and desc.rank == 0:
             try:
                 committed = self.coordinator.commit(
-                    handled, persist_others=self._persist_others, abort=self.drain.stopping
+                    handled,
+                    persist_others=self._persist_others,
+                    abort=self.drain.stopping,
+                    newer=functools.partial(self._newer_own, st, desc),
                 )
+            except Superseded as e:
+                # as if this sidecar had skipped it like the other ranks did: no mark (the
+                # newer snapshot's settles it for the trainer), the newer one persists next
+                log.info("%s", e)
+                self._event(
+                    "superseded", rank=0, seq=desc.seq, checkpoint=desc.checkpoint_id, why=str(e)
+                )
+                return True
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 log.error("committing %s failed: %s", desc.checkpoint_id, e)
@@ -214,6 +226,11 @@ class Sidecar:
             self.failed += 1
             self.metrics.snapshots.labels(outcome="failed").inc()
             self.metrics.persist_errors.inc()
+
+    def _newer_own(self, st: AreaState, desc: Descriptor) -> str | None:
+        """The checkpoint id of ``st``'s newest complete snapshot when newer than ``desc``."""
+        latest = st.reader.latest()
+        return latest.checkpoint_id if latest is not None and latest.seq > desc.seq else None
 
     def _persist_others(self) -> bool:
         """Persist pending snapshots of the areas other than rank 0's; True if any was."""
