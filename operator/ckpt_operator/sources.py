@@ -292,11 +292,18 @@ class ReportedCheckpointSource:
         pass
 
 
+#: Seconds a policy's credentials Secret, once read, serves later storage opens: a burst
+#: of restarts in one namespace reads it once, not once per restart (issue #19); a
+#: rotated key is used within this long (a Secret not found is never remembered).
+SECRET_TTL_S = 10.0
+
+
 class StorageSourceFactory:
     """The production :data:`SourceFactory`: opens (and caches) each policy's storage.
 
     S3 credentials come from the policy's ``credentialsSecret`` (read through
-    ``get_secret`` when ``read_secrets``), else from the operator's own
+    ``get_secret`` when ``read_secrets``, at most every :data:`SECRET_TTL_S`), else from
+    the operator's own
     environment (``CKPT_S3_*``, the AWS chain: IRSA, instance profile) — the
     latter only where ``tenancy`` grants it. Nothing is opened for a policy that
     :func:`ckpt_operator.tenancy.storage_refusal` refuses
@@ -312,8 +319,11 @@ class StorageSourceFactory:
         gc_grace_s: float = GC_GRACE_S,
         tenancy: TenancyConfig | None = None,
         timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._get_secret = get_secret
+        self._clock = clock
+        self._secrets: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
         self._read_secrets = read_secrets
         self._gc_grace_s = gc_grace_s
         self._tenancy = tenancy if tenancy is not None else TenancyConfig()
@@ -327,7 +337,7 @@ class StorageSourceFactory:
         s3 = spec.storage.s3 if spec.storage.type == StorageType.S3 else None
         if s3 is not None and s3.credentials_secret is not None and self._read_secrets:
             ref = s3.credentials_secret
-            data = await self._get_secret(namespace, ref.name)
+            data = await self._secret(namespace, ref.name)
             if data is None:
                 raise StorageError(
                     f"credentials Secret {namespace}/{ref.name} named by policy {policy} not found"
@@ -368,7 +378,20 @@ class StorageSourceFactory:
         self._cache[(namespace, policy)] = (fingerprint, source)
         return source
 
+    async def _secret(self, namespace: str, name: str) -> dict[str, str] | None:
+        now = self._clock()
+        read = self._secrets.get((namespace, name))
+        if read is not None and now - read[0] < SECRET_TTL_S:
+            return read[1]
+        data = await self._get_secret(namespace, name)
+        if data is None:
+            self._secrets.pop((namespace, name), None)
+        else:
+            self._secrets[(namespace, name)] = (now, data)
+        return data
+
     def close(self) -> None:
+        self._secrets.clear()
         for _, source in self._cache.values():
             source.close()
         self._cache.clear()

@@ -20,6 +20,7 @@ from ckpt_agent.storage import StorageError
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_operator.config import LocalPathGrant, TenancyConfig
 from ckpt_operator.sources import (
+    SECRET_TTL_S,
     StorageCheckpointSource,
     StorageSourceFactory,
     VerificationFailedError,
@@ -193,6 +194,38 @@ def test_factory_reads_the_credentials_secret(fixture: Any) -> None:
 
     with pytest.raises(StorageError, match="lacks"):
         asyncio.run(StorageSourceFactory(partial)("ml-team", "llm-finetune", spec))
+
+
+def test_a_burst_reads_the_credentials_secret_once_per_ttl(fixture: Any) -> None:
+    spec = CheckpointPolicySpec.model_validate(fixture("checkpointpolicy.json")["spec"])
+    reads: list[str] = []
+    keys = {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK"}
+
+    async def secret(ns: str, name: str) -> dict[str, str] | None:
+        reads.append(name)
+        return dict(keys) if len(reads) != 3 else None  # the third read: deleted meanwhile
+
+    now = [1000.0]
+    tenancy = TenancyConfig(allowed_s3_endpoints=("http://minio.storage.svc:9000",))
+    factory = StorageSourceFactory(secret, clock=lambda: now[0], tenancy=tenancy)
+
+    async def opens(n: int) -> None:
+        for _ in range(n):
+            await factory("ml-team", "llm-finetune", spec)
+
+    try:
+        asyncio.run(opens(50))  # a burst of restarts: one read
+        assert len(reads) == 1
+        now[0] += SECRET_TTL_S  # stale: read again (a rotated key is used from now on)
+        asyncio.run(opens(5))
+        assert len(reads) == 2
+        now[0] += SECRET_TTL_S
+        with pytest.raises(StorageError, match="not found"):
+            asyncio.run(opens(1))
+        asyncio.run(opens(1))  # a missing Secret is not remembered: read at once again
+        assert len(reads) == 4
+    finally:
+        factory.close()
 
 
 def test_factory_caches_local_sources(tmp_path: Path) -> None:
