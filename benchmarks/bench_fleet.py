@@ -46,11 +46,17 @@ from _common import write_marked
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "e2e"))
 
+from ckpt_agent.format.layout import validation_key  # noqa: E402
+from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord  # noqa: E402
+from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource  # noqa: E402
+from ckpt_agent.records import CheckpointStatus, Tier  # noqa: E402
+from ckpt_agent.storage import Storage, StorageOptions, open_storage  # noqa: E402
+from ckpt_e2e import s3servers  # noqa: E402
 from ckpt_e2e.cluster import LocalCluster  # noqa: E402
 from ckpt_e2e.errors import ApiError  # noqa: E402
 from ckpt_e2e.scenario import Scenario  # noqa: E402
 from ckpt_e2e.stack import Stack  # noqa: E402
-from ckpt_e2e.training import Training, list_jobs  # noqa: E402
+from ckpt_e2e.training import Training, annotations_of, list_jobs, s3_storage  # noqa: E402
 
 DOC = ROOT / "docs" / "performance.md"
 #: ``--profile``: this folder's ``sitecustomize`` profiles the operator (see its docstring)
@@ -353,6 +359,77 @@ def signal_operator(pid: int, sig: signal.Signals, profiling: bool) -> None:
     time.sleep(2.0)
 
 
+#: the checkpoints written for every run in ``--storage s3`` (tier, step): the restart
+#: must resume from the newest, the pulse
+CHECKPOINTS = ((Tier.FULL, 100), (Tier.PULSE, 200))
+RESUME_FROM = "ckpt.dev/resume-from"
+
+
+@dataclass
+class S3Checkpoints:
+    """``--storage s3``: a real MinIO holds the policy's storage, and every job's run gets
+    real checkpoints (a full one and a newer pulse, each a few KiB, SHA-256 and validation
+    records as the agent writes them) before it fails, so the operator's restart lists the
+    run on S3, reads its records and verifies the one it resumes from."""
+
+    server: s3servers.MinioServer
+    bucket: str
+    storage: Storage
+
+    @classmethod
+    def start(cls, sc: Scenario, workdir: Path) -> S3Checkpoints:
+        server = s3servers.start_minio(s3servers.build_tool("minio"), workdir)
+        bucket = f"bench-fleet-{uuid.uuid4().hex[:8]}"
+        server.client().create_bucket(Bucket=bucket)
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "s3-creds"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": server.access_key,
+                "AWS_SECRET_ACCESS_KEY": server.secret_key,
+            },
+        }
+        sc.cluster.apply(secret, namespace=sc.namespace)
+        options = StorageOptions(
+            endpoint_url=server.endpoint,
+            region="us-east-1",
+            path_style=True,
+            access_key_id=server.access_key,
+            secret_access_key=server.secret_key,
+        )
+        return cls(server, bucket, open_storage(f"s3://{bucket}/fleet", options))
+
+    def policy_storage(self) -> dict[str, Any]:
+        return s3_storage(self.bucket, self.server.endpoint, "s3-creds", prefix="fleet")
+
+    def write(self, run_id: str) -> str:
+        """The run's checkpoints; returns the id a restart must resume from."""
+        writer = CheckpointWriter(
+            self.storage, run_id, codec=CodecPolicy(codec="none"), inline_max_bytes=0
+        )
+        prev: str | None = None
+        newest = ""
+        for tier, step in CHECKPOINTS:
+            meta = CheckpointMeta(
+                run_id=run_id, step=step, tier=tier, created_at=time.time(), prev_hash=prev
+            )
+            weights = os.urandom(16 * 1024)
+            tensors = [TensorSource("weights", "uint8", (len(weights),), memoryview(weights))]
+            rank = writer.write_rank(meta, 0, {"step": step}, tensors)
+            done = writer.commit(meta, [rank])
+            record = ValidationRecord(
+                meta.checkpoint_id, done.manifest_hash, CheckpointStatus.VALID
+            )
+            self.storage.commit(validation_key(run_id, meta.checkpoint_id), record.to_bytes())
+            prev, newest = done.manifest_hash, meta.checkpoint_id
+        return newest
+
+    def stop(self) -> None:
+        self.storage.close()
+        self.server.stop()
+
+
 @dataclass
 class Cycle:
     """One round of the run: N jobs submitted, failed (trickle, then burst), restarted
@@ -366,6 +443,8 @@ class Cycle:
     events: Counter[str]
     cpu: float
     rss_after: int
+    resumed: str = ""
+    """``--storage s3``: how many restarts resume from the run's newest checkpoint."""
 
 
 def cycle(
@@ -377,6 +456,7 @@ def cycle(
     timeout: float,
     log: Callable[[str], None],
     profiling: bool,
+    s3: S3Checkpoints | None = None,
 ) -> Cycle:
     cluster, pid = sc.cluster, tree.root.pid
     with ThreadPoolExecutor(8) as submitter:
@@ -385,6 +465,13 @@ def cycle(
     for name in names:
         pods[name] = str(cluster.wait_for(functools.partial(job_pod, sc, name), 120))
     log(f"{len(names)} jobs running (one pod each, injected)")
+    newest: dict[str, str] = {}
+    if s3 is not None:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(8) as writers:
+            ids = list(writers.map(lambda name: s3.write(sc.run_id(name)), names))
+        newest = dict(zip(names, ids, strict=True))
+        log(f"{len(names)} runs given checkpoints on S3 in {time.monotonic() - t0:.0f} s")
     before = request_counts(cluster)
     hooks_before = webhook_calls(cluster)
     events_before = event_counts(cluster, sc.namespace)
@@ -415,6 +502,14 @@ def cycle(
     hooks = webhook_calls(cluster) - hooks_before
     events = event_counts(cluster, sc.namespace) - events_before
     cpu = tree.cpu() - cpu0
+    resumed = ""
+    if s3 is not None:
+        jobs = {str(j["metadata"]["name"]): j for j in list_jobs(cluster, sc.namespace)}
+        right = sum(
+            annotations_of(jobs.get(f"{job}-r1")).get(RESUME_FROM) == newest[job] for job in names
+        )
+        resumed = f"{right} of {len(names)}"
+        log(f"restarts resuming from their run's newest checkpoint: {resumed}")
     log(f"{summary('trickle', lat_trickle)}; {summary('burst', lat_burst)}")
     log(f"operator CPU {cpu:.1f} s, peak RSS {tree.peak_rss / 2**20:.0f} MiB")
     signal_operator(pid, signal.SIGUSR2, profiling)  # stacks: the failures
@@ -424,7 +519,7 @@ def cycle(
     after = settled_rss(tree, 20.0)
     signal_operator(pid, signal.SIGUSR1, profiling)  # heap: after the deletion
     log(f"jobs deleted; operator RSS {after / 2**20:.0f} MiB")
-    return Cycle(lat_trickle, lat_burst, burst_cpu, delta, hooks, events, cpu, after)
+    return Cycle(lat_trickle, lat_burst, burst_cpu, delta, hooks, events, cpu, after, resumed)
 
 
 def run(
@@ -435,18 +530,25 @@ def run(
     log: Callable[[str], None],
     profiling: bool = False,
     cycles: int = 1,
+    storage: str = "local",
 ) -> list[tuple[str, str]]:
     n = trickle_n + burst_n
     cluster = LocalCluster(startup_timeout=300)
     cluster.start()
+    s3: S3Checkpoints | None = None
     try:
         stack = Stack.up(cluster)
         ns = cluster.create_namespace(f"bench-fleet-{uuid.uuid4().hex[:5]}")
         sc = Scenario(cluster, ns, stack.operator)
         # retention (a pass over every run of the policy) only before the failures: the
         # measured CPU is the restarts' (at the e2e's 10 s a pass per 10 s of the run)
+        if storage == "s3":
+            s3 = S3Checkpoints.start(sc, cluster.log_dir / "minio")
         sc.apply_policy(
-            "e2e", recovery={"backoffSeconds": 0}, retention={"reconcileIntervalSeconds": 3600}
+            "e2e",
+            s3.policy_storage() if s3 is not None else None,
+            recovery={"backoffSeconds": 0},
+            retention={"reconcileIntervalSeconds": 3600},
         )
         sc.runner(decide=lambda pod: "ignore")
         tree = ProcessTree(stack.operator.pid)
@@ -456,7 +558,7 @@ def run(
         for k in range(cycles):
             prefix = "job" if k == 0 else f"job{k}"
             names = [f"{prefix}-{i:03d}" for i in range(n)]
-            rounds.append(cycle(sc, tree, names, trickle_n, gap, timeout, log, profiling))
+            rounds.append(cycle(sc, tree, names, trickle_n, gap, timeout, log, profiling, s3))
         last = rounds[-1]
         p99, calls = webhook_p99(cluster, "inject.pods.ckpt.dev")
         delta = last.delta
@@ -506,8 +608,15 @@ def run(
             ),
             ("operator peak RSS", f"{tree.peak_rss / 2**20:.0f} MiB"),
             ("operator RSS: baseline → after each round's jobs are deleted", rss_row),
+            *(
+                [("restarts resuming from their run's newest checkpoint (S3)", last.resumed)]
+                if s3 is not None
+                else []
+            ),
         ]
     finally:
+        if s3 is not None:
+            s3.stop()
         cluster.stop()
 
 
@@ -522,6 +631,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="repeat the whole run (submit, fail, restart, delete) this many times in one "
         "operator; the tables are the last round's, the RSS row has every round's",
+    )
+    p.add_argument(
+        "--storage",
+        choices=("local", "s3"),
+        default="local",
+        help="the policy's storage: local (a folder; runs without checkpoints, every "
+        "restart fresh) or s3 (a real MinIO; every run gets checkpoints before it fails, "
+        "so restarts list, read and verify them on S3)",
     )
     p.add_argument("--gap", type=float, default=0.25, help="seconds between trickle failures")
     p.add_argument("--timeout", type=float, default=300.0, help="longest wait for restarts")
@@ -558,9 +675,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda s: print(s, flush=True),
         profiling=args.profile is not None,
         cycles=args.rounds,
+        storage=args.storage,
     )
     lines = [
-        f"`benchmarks/bench_fleet.py --trickle {trickle} --burst {burst}` "
+        f"`benchmarks/bench_fleet.py --trickle {trickle} --burst {burst}"
+        f"{' --storage s3' if args.storage == 's3' else ''}"
+        f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}` "
         f"({psutil.cpu_count()} CPUs, "
         "local control plane, operator and control plane on the same machine):",
         "",
