@@ -101,7 +101,6 @@ class Coordinator:
                     f"{ckpt_id}: rank(s) {missing} persisted {ahead} instead: committing that"
                 )
             if time.monotonic() >= deadline or abort():
-                missing = sorted(set(range(desc.world_size)) - set(parts))
                 raise TimeoutError(
                     f"{ckpt_id}: the parts of rank(s) {missing} did not appear in storage "
                     f"within {self.commit_timeout_s:g} s: not committed"
