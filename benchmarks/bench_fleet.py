@@ -50,7 +50,7 @@ from ckpt_agent.format.layout import validation_key  # noqa: E402
 from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord  # noqa: E402
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource  # noqa: E402
 from ckpt_agent.records import CheckpointStatus, Tier  # noqa: E402
-from ckpt_agent.storage import Storage, StorageOptions, open_storage  # noqa: E402
+from ckpt_agent.storage import Storage, open_storage  # noqa: E402
 from ckpt_e2e import s3servers  # noqa: E402
 from ckpt_e2e.cluster import LocalCluster  # noqa: E402
 from ckpt_e2e.errors import ApiError  # noqa: E402
@@ -391,14 +391,8 @@ class S3Checkpoints:
             },
         }
         sc.cluster.apply(secret, namespace=sc.namespace)
-        options = StorageOptions(
-            endpoint_url=server.endpoint,
-            region="us-east-1",
-            path_style=True,
-            access_key_id=server.access_key,
-            secret_access_key=server.secret_key,
-        )
-        return cls(server, bucket, open_storage(f"s3://{bucket}/fleet", options))
+        storage = open_storage(f"s3://{bucket}/fleet", server.storage_options())
+        return cls(server, bucket, storage)
 
     def policy_storage(self) -> dict[str, Any]:
         return s3_storage(self.bucket, self.server.endpoint, "s3-creds", prefix="fleet")

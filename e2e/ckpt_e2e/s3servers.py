@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_agent.storage import StorageOptions
+
 from .api import free_port
 from .tools import ToolError, tool_dir
 
@@ -149,6 +151,18 @@ class MinioServer:
                 read_timeout=30,
             ),
         )
+
+    def storage_options(self, **overrides: Any) -> StorageOptions:
+        """Our backend's options for this server: its endpoint (path style, us-east-1)
+        and root keys; ``overrides`` replace any of them (e.g. a proxy's endpoint)."""
+        base: dict[str, Any] = {
+            "endpoint_url": self.endpoint,
+            "region": "us-east-1",
+            "path_style": True,
+            "access_key_id": self.access_key,
+            "secret_access_key": self.secret_key,
+        }
+        return StorageOptions(**(base | overrides))
 
     def stop(self) -> None:
         _stop(self.proc)

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from ckpt_agent.format.verify import verify_hashes
-from ckpt_agent.storage import StorageOptions
 from ckpt_e2e.scenario import Scenario
 from ckpt_e2e.training import StorageView, Training, condition, events, s3_storage
 
@@ -119,13 +118,7 @@ def test_storage_holds_exactly_what_the_retention_classes_keep(
     )
     view = scenario.view(
         f"s3://{bucket}/team-a",
-        options=StorageOptions(
-            endpoint_url=minio.endpoint,
-            region="us-east-1",
-            path_style=True,
-            access_key_id=minio.access_key,
-            secret_access_key=minio.secret_key,
-        ),
+        options=minio.storage_options(),
     )
     runner = scenario.runner()
     scenario.submit("long", TRAINING)

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -107,9 +107,7 @@ def s3_options(endpoint: str, minio: Any, **overrides: Any) -> StorageOptions:
     """Options for our backend against the test MinIO: 5 MiB parts, quick backoff."""
     base: dict[str, Any] = {
         "endpoint_url": endpoint,
-        "region": "us-east-1",
-        "access_key_id": minio.access_key,
-        "secret_access_key": minio.secret_key,
+        "path_style": None,  # as a user leaves it: on for a custom endpoint
         "part_size_bytes": 5 * 1024 * 1024,
         "max_concurrency": 3,
         "max_attempts": 3,
@@ -119,7 +117,7 @@ def s3_options(endpoint: str, minio: Any, **overrides: Any) -> StorageOptions:
         "read_timeout_s": 20,
     }
     base.update(overrides)
-    return StorageOptions(**base)
+    return cast(StorageOptions, minio.storage_options(**base))
 
 
 @pytest.fixture
