@@ -3,18 +3,21 @@
 What runs: ``ckpt_e2e``'s LocalCluster (kube-apiserver, etcd, kwok nodes, the Kubeflow
 training-operator) with the chart installed and the operator running as its Deployment
 would (``ckpt_e2e.stack``). N opted-in PyTorchJobs are submitted; nothing trains (their
-pods are failed through their status, as a container exit would be reported), so what is
-measured is the operator alone:
+pods are failed through their status, as a container exit would be reported; with
+``--storage s3`` each run gets real checkpoints on a MinIO first), so what is measured
+is the operator and the control plane around it:
 
 * **trickle**: N/2 jobs failed one at a time (``--gap`` seconds apart);
 * **burst**: the other N/2 failed at once;
 
-and for each: restart latency (failure reported → restart job exists) p50/p95/p99/max,
-then for the whole run: the pod webhook's admission latency p99 (the API server's own
+and for each: restart latency (failure reported → the restart job's creation, seen
+through a watch) p50/p95/p99/max, then for the whole run: every process's CPU per
+restart during the burst (what bounds the drain), the pod webhook's admission latency
+p99 (the API server's own
 ``apiserver_admission_webhook_admission_duration_seconds``, network included), API
 requests per restart (the operator's: the API server's priority-and-fairness dispatch
 count of its ServiceAccount's flow schema; every client's: ``apiserver_request_total``),
-the operator's CPU seconds and peak RSS.
+the operator's CPU seconds, peak RSS and RSS after each round's deletion (``--rounds``).
 
 Run (a few minutes at the default N)::
 
