@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import datetime
 import io
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from botocore.awsrequest import AWSResponse
 from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
@@ -54,31 +56,86 @@ def test_small_write_is_one_put_and_reads_back(stubbed: tuple[S3Storage, Stubber
     assert s.calls["PutObject"] == 1 and s.calls["GetObject"] == 1
 
 
-def test_large_write_is_a_multipart_upload(stubbed: tuple[S3Storage, Stubber]) -> None:
-    s, stub = stubbed
+class _AnyOrderS3:
+    """Answers a client's S3 calls by operation, in whatever order they come.
+
+    botocore's ``Stubber`` answers from one queue in order, and the writer uploads parts
+    concurrently (under load part 2 may arrive before part 1), so a test of a multipart
+    upload checks the set of parts it got, not their order. botocore still validates every
+    call's parameters against the S3 model before they reach this hook; nothing is sent.
+    """
+
+    def __init__(self, client: Any, answers: dict[str, Callable[[dict[str, Any]], Any]]) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self._answers = answers
+        self._lock = threading.Lock()
+        client.meta.events.register("before-parameter-build.s3", self._record)
+        client.meta.events.register("before-call.s3", self._answer)
+
+    def _record(self, params: dict[str, Any], model: Any, context: Any, **_: Any) -> None:
+        context["test_params"] = seen = dict(params)
+        if isinstance(seen.get("Body"), io.BytesIO):  # botocore made the bytes a file
+            seen["Body"] = seen["Body"].getvalue()
+        with self._lock:
+            self.calls.append((model.name, seen))
+
+    def _answer(self, model: Any, context: Any, **_: Any) -> tuple[AWSResponse, Any]:
+        answer = self._answers.get(model.name)
+        if answer is None:  # never let an unexpected call reach the network
+            raise AssertionError(f"unexpected S3 call {model.name}")
+        return AWSResponse(None, 200, {}, None), answer(context["test_params"])
+
+    def of(self, operation: str) -> list[dict[str, Any]]:
+        return [params for name, params in self.calls if name == operation]
+
+
+def test_large_write_is_a_multipart_upload() -> None:
+    s = S3Storage("b", "pre", StorageOptions(region="us-east-1", part_size_bytes=PART))
     where = {"Bucket": "b", "Key": "pre/big"}
-    stub.add_response(
-        "create_multipart_upload", {"UploadId": "U"}, {**where, "ChecksumAlgorithm": "CRC32"}
+    second_done = threading.Event()
+
+    def upload_part(p: dict[str, Any]) -> dict[str, str]:
+        # the order a loaded machine gave: part 2 answered before part 1
+        if p["PartNumber"] == 1:
+            second_done.wait(timeout=10)
+        else:
+            second_done.set()
+        return {"ETag": f'"p{p["PartNumber"]}"'}
+
+    s3 = _AnyOrderS3(
+        s.client,
+        {
+            "CreateMultipartUpload": lambda _p: {"UploadId": "U"},
+            "UploadPart": upload_part,
+            "CompleteMultipartUpload": lambda _p: {"ETag": '"e-2"'},
+        },
     )
-    for n in (1, 2):
-        stub.add_response(
-            "upload_part",
-            {"ETag": f'"p{n}"'},
-            {**where, "UploadId": "U", "PartNumber": n, "Body": ANY},
-        )
-    stub.add_response(
-        "complete_multipart_upload",
-        {"ETag": '"e-2"'},
+    try:
+        with s.open_write("big") as f:
+            f.write(b"x" * (PART + 1024))
+    finally:
+        s.close()
+    names = [name for name, _ in s3.calls]
+    assert names[0] == "CreateMultipartUpload" and names[-1] == "CompleteMultipartUpload"
+    assert sorted(names[1:-1]) == ["UploadPart", "UploadPart"]
+    assert s3.of("CreateMultipartUpload") == [{**where, "ChecksumAlgorithm": "CRC32"}]
+    # every part once, whatever order the pool sent them in: part 1 full, part 2 the rest
+    parts = {p["PartNumber"]: p for p in s3.of("UploadPart")}
+    assert {n: len(p["Body"]) for n, p in parts.items()} == {1: PART, 2: 1024}
+    assert all(
+        {k: v for k, v in p.items() if k != "Body"} == {**where, "UploadId": "U", "PartNumber": n}
+        for n, p in parts.items()
+    )
+    # Complete lists the parts in ascending order with each part's own ETag
+    assert s3.of("CompleteMultipartUpload") == [
         {
             **where,
             "UploadId": "U",
             "MultipartUpload": {
                 "Parts": [{"PartNumber": 1, "ETag": '"p1"'}, {"PartNumber": 2, "ETag": '"p2"'}]
             },
-        },
-    )
-    with s.open_write("big") as f:
-        f.write(b"x" * (PART + 1024))
+        }
+    ]
     assert s.calls["UploadPart"] == 2
 
 
