@@ -172,9 +172,16 @@ class FinalizePipeline:
         self.report = report
         self.gc_cache = ManifestCache()
         self.last_valid_step = -1
-        """Newest valid weights checkpoint's step (callers may seed it on resume)."""
+        """Newest valid weights checkpoint's step (:meth:`seed_last_valid_step` on resume;
+        then written by the thread that runs :meth:`finalize` only)."""
         self.valid = 0
         self.corrupted = 0
+
+    def seed_last_valid_step(self, step: int) -> None:
+        """The newest valid weights step a resume found in storage (-1: none), before the
+        first :meth:`finalize`: the one hand-over from the restore side; from then on only
+        the finalizing thread counts."""
+        self.last_valid_step = step
 
     # ------------------------------------------------------------------ the call
 

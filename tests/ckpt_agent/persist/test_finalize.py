@@ -251,3 +251,21 @@ def test_a_verdict_is_reported_when_retention_fails_and_a_corrupted_one_too(
         assert report.checkpoints[0].verdict_at >= report.checkpoints[0].created_at
     finally:
         parts.close()
+
+
+def test_a_seeded_last_valid_step_is_not_lowered_by_an_older_verdict(
+    tmp_path: Path, ck_store: LocalStorage, ck_config: Callable[..., AgentConfig]
+) -> None:
+    """A resume seeds the newest valid step storage held; a checkpoint validated later at a
+    lower step (the run resumed from an older one) leaves it, a newer one raises it."""
+    cfg = ck_config()
+    parts, metrics, _ = _build(cfg, tmp_path, ck_store)
+    try:
+        parts.finalizer.seed_last_valid_step(20)
+        for step, expected in ((10, 20), (25, 25)):
+            cid, digest = _write(parts, cfg.run_id, step)
+            parts.finalizer.finalize(FinalizeJob(cid, Tier.PULSE, step, digest, expected=EXPECTED))
+            assert parts.finalizer.last_valid_step == expected
+        assert metrics.value("ckpt_last_valid_step") == 25
+    finally:
+        parts.close()
