@@ -1,6 +1,6 @@
 """Throw-away PKI for a local control plane, generated with ``cryptography`` at start.
 
-The certificates are built by the operator's :mod:`ckpt_operator.certs` (one home
+The certificates are built by the operator's :mod:`ckpt_operator.adapters.certs` (one home
 for certificate building); this module only names them and writes the PEM files.
 Everything is ECDSA P-256 (fast to generate) except the service-account signing key,
 which is RSA 2048 (RS256 is what every token consumer expects). Nothing here is
@@ -15,7 +15,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from ckpt_operator.certs import KeyPair, generate_ca, issue_cert, pem_private_key
+from ckpt_operator.adapters.certs import KeyPair, generate_ca, issue_cert, pem_private_key
 
 _VALIDITY_DAYS = 7
 

@@ -312,7 +312,7 @@ class OperatorProcess:
         args = self._local_args(self.deployment_args())
         args = _replace_flag(args, "--webhook-cert-dir", str(cert_dir))
         exe = Path(sys.executable).with_name("ckpt-operator")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt_operator.main"]
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt_operator.app.main"]
         env = clean_env({"KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": self.install.namespace})
         return [*cmd, *args, *self.extra_args], env
 

@@ -25,7 +25,7 @@ import pytest
 
 from ckpt_e2e.scenario import Scenario
 from ckpt_e2e.training import Training, events
-from ckpt_operator.constants import WORK_DIR
+from ckpt_operator.model.constants import WORK_DIR
 
 pytestmark = pytest.mark.e2e
 

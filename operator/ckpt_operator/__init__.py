@@ -1,17 +1,22 @@
 """ckpt_operator: the Kubernetes operator (kopf) of ckpt-operator.
 
-Layers (higher import lower, never the reverse; enforced by import-linter's
-"Operator layers" contracts in ``pyproject.toml``):
+One folder per layer; a layer imports only the layers below it, never the reverse
+(import-linter's "Operator layers" contracts in ``pyproject.toml``):
 
-* ``main`` (CLI, kopf settings) → ``handlers`` (kopf glue) →
-* ``behaviours`` (async orchestration, one module per behaviour: ``admission``,
-  ``policies``, ``recovery``, ``disruption``, ``retention``, over ``deps``),
-  ``loops`` (background schedulers) and ``webhook`` (the HTTPS server) →
-* adapters: ``kube`` (the only module calling the Kubernetes API), ``sources``
-  (the only storage I/O), ``events``, ``metrics``, ``certs`` →
-* pure builders and planners, no I/O: ``injection``, ``restart``,
-  ``disruption``, ``retention_reconcile``, ``status``, ``validation`` →
-  ``jobs``, ``jsonpatch`` → ``constants``, ``config``.
+* ``app`` — wiring: ``main`` (CLI, kopf settings) → ``handlers`` (kopf callbacks) →
+  ``loops`` (background schedulers), ``webhook_server`` (the HTTPS server);
+* ``behaviours`` — what the operator does, async, one module per behaviour (``admission``,
+  ``policies``, ``recovery``, ``attempts``, ``disruption``, ``retention``, ``agentcheck``),
+  over ``deps``;
+* ``adapters`` — the I/O, one module per outside thing: ``kube`` (the only module calling the
+  Kubernetes API), ``caches``, ``sources`` (the only storage I/O), ``events``, ``metrics``,
+  ``certs``, ``agentprobe``; they never import each other;
+* ``planners`` — pure decisions and builders, no I/O (``injection``, ``restart``,
+  ``attempt_plan``, ``manual``, ``agent_presence``, ``disruption_signals``, ``retention_plan``,
+  ``status``, ``validation``, ``tenancy``, ``reports``, ``runfacts``, ``pools``);
+* ``kinds`` — the job kinds (``kind.JobKind``, ``pytorchjob``, ``trainjob``, ``registry``);
+* ``model`` — the vocabulary everything shares: ``jobs`` (reading job objects),
+  ``jsonpatch``, ``constants``, ``config`` (settings).
 """
 
 __version__ = "0.1.0"

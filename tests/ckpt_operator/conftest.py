@@ -21,14 +21,14 @@ from ckpt_agent.format.owner import RunOwner
 from ckpt_agent.persist.housekeeping import GcResult
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
-from ckpt_operator import constants as c
+from ckpt_operator.adapters.events import RecordedEvents
+from ckpt_operator.adapters.kube import ConflictError, NotFoundError
+from ckpt_operator.adapters.metrics import Metrics
+from ckpt_operator.adapters.sources import VerificationFailedError
 from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.config import OperatorConfig
-from ckpt_operator.events import RecordedEvents
-from ckpt_operator.jobkinds import PYTORCHJOB, TRAINJOB, JobKind, kind_of
-from ckpt_operator.kube import ConflictError, NotFoundError
-from ckpt_operator.metrics import Metrics
-from ckpt_operator.sources import VerificationFailedError
+from ckpt_operator.kinds.registry import PYTORCHJOB, TRAINJOB, JobKind, kind_of
+from ckpt_operator.model import constants as c
+from ckpt_operator.model.config import OperatorConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from cryptography import x509
 
-from ckpt_operator import constants as c
-from ckpt_operator.config import IdentityGrant, LocalPathGrant, TenancyConfig, parse_config
-from ckpt_operator.validation import CHECKED_ANNOTATIONS
+from ckpt_operator.model import constants as c
+from ckpt_operator.model.config import IdentityGrant, LocalPathGrant, TenancyConfig, parse_config
+from ckpt_operator.planners.validation import CHECKED_ANNOTATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ckpt-operator"

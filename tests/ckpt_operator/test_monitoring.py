@@ -25,7 +25,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from ckpt_agent.metrics import Metrics as AgentMetrics
-from ckpt_operator.metrics import Metrics as OperatorMetrics
+from ckpt_operator.adapters.metrics import Metrics as OperatorMetrics
 
 HERE = Path(__file__).resolve().parent
 ALERT_TESTS = HERE / "alerts" / "alerts_test.yaml"

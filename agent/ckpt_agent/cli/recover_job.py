@@ -1,7 +1,7 @@
 """``ckpt recover --job J --step N --reason ...``: ask the operator for a manual recovery.
 
 The request is a set of annotations on the failed PyTorchJob (the operator's
-:mod:`ckpt_operator.manual` acts on them, even after ``GaveUp``). The agent
+:mod:`ckpt_operator.planners.manual` acts on them, even after ``GaveUp``). The agent
 package does not talk to Kubernetes itself: this runs ``kubectl annotate``
 (``$KUBECTL`` names another binary), with the caller's kubeconfig and rights.
 """
@@ -18,7 +18,7 @@ from ckpt_agent.persist.housekeeping import who
 
 __all__ = ["ANNOTATIONS", "annotate_command", "request_recovery"]
 
-#: The request's annotation keys (the operator's ``ckpt_operator.constants``; a test
+#: The request's annotation keys (the operator's ``ckpt_operator.model.constants``; a test
 #: keeps both in step).
 ANNOTATIONS = {
     "step": "ckpt.dev/recover-step",

@@ -156,7 +156,7 @@ cert-manager.io/inject-ca-from: {{ printf "%s/%s-webhook" .Release.Namespace (in
 
 {{/*
 The ckpt.dev annotations the job webhooks check, as a CEL list: exactly the keys
-ckpt_operator.validation.CHECKED_ANNOTATIONS (tests/ckpt_operator/test_chart.py checks it).
+ckpt_operator.planners.validation.CHECKED_ANNOTATIONS (tests/ckpt_operator/test_chart.py checks it).
 */}}
 {{- define "ckpt-operator.checkedAnnotations" -}}
 ['ckpt.dev/run-id', 'ckpt.dev/resume-from', 'ckpt.dev/resume-weights', 'ckpt.dev/resume-step', 'ckpt.dev/restart-count', 'ckpt.dev/run-started-at', 'ckpt.dev/mtbf-seconds', 'ckpt.dev/recover-step', 'ckpt.dev/recover-force', 'ckpt.dev/recover-dry-run', 'ckpt.dev/recover-by', 'ckpt.dev/recover-reason']
@@ -165,7 +165,7 @@ ckpt_operator.validation.CHECKED_ANNOTATIONS (tests/ckpt_operator/test_chart.py 
 {{/*
 matchConditions of the job validation webhooks: the API server calls them only when a
 checked annotation is present and new (a CREATE, or absent or different in the old
-object), the only case ckpt_operator.validation.annotation_errors can object to. Every
+object), the only case ckpt_operator.planners.validation.annotation_errors can object to. Every
 other write (the operator's own PATCHes, the training-operator's updates) skips the call.
 The rules match CREATE and UPDATE only, so oldObject is null only on a CREATE, which the
 first term decides; an object without annotations never calls (nothing to check). No

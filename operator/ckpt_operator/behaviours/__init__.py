@@ -1,7 +1,7 @@
 """What the operator does, one module per behaviour, as async functions over the API,
 storage and the pure planners.
 
-The kopf handlers (:mod:`ckpt_operator.handlers`) are one-liners over these;
+The kopf handlers (:mod:`ckpt_operator.app.handlers`) are one-liners over these;
 these are thin too: read objects, call a pure builder/planner, write the
 result, emit Events and metrics. All state lives on Kubernetes objects
 (annotations, policy status) so any of them can be interrupted and re-run.

@@ -6,25 +6,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_operator import constants as c
-from ckpt_operator.attempts import attempt_refusal
 from ckpt_operator.behaviours.deps import Deps, cached_job, cached_policy
-from ckpt_operator.injection import (
-    InjectionContext,
-    build_pod_patch,
-    is_unprotected,
-)
-from ckpt_operator.jobkinds import TRAINJOB, owner_of
-from ckpt_operator.jobs import job_facts, template_label_ops
-from ckpt_operator.jsonpatch import JSONPatchOp
-from ckpt_operator.runfacts import agent_run_env
-from ckpt_operator.trainjob import (
+from ckpt_operator.kinds.registry import TRAINJOB, owner_of
+from ckpt_operator.kinds.trainjob import (
     has_inject_patch,
     pod_attempt,
     runtime_ref,
     trainer_replicated_jobs,
 )
-from ckpt_operator.validation import annotation_errors, parse_policy_spec
+from ckpt_operator.model import constants as c
+from ckpt_operator.model.jobs import job_facts, template_label_ops
+from ckpt_operator.model.jsonpatch import JSONPatchOp
+from ckpt_operator.planners.attempt_plan import attempt_refusal
+from ckpt_operator.planners.injection import (
+    InjectionContext,
+    build_pod_patch,
+    is_unprotected,
+)
+from ckpt_operator.planners.runfacts import agent_run_env
+from ckpt_operator.planners.validation import annotation_errors, parse_policy_spec
 
 __all__ = [
     "InjectionOutcome",
@@ -46,7 +46,7 @@ def validate_job(job: Mapping[str, Any], old: Mapping[str, Any] | None = None) -
     """Bad ``ckpt.dev`` annotations of a PyTorchJob being created or updated (empty: fine).
 
     On an update only changed annotations count (see
-    :func:`ckpt_operator.validation.annotation_errors`).
+    :func:`ckpt_operator.planners.validation.annotation_errors`).
     """
 
     def annotations(obj: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
@@ -59,7 +59,7 @@ def validate_job(job: Mapping[str, Any], old: Mapping[str, Any] | None = None) -
 
 def label_job_ops(job: Mapping[str, Any]) -> list[JSONPatchOp]:
     """The ``label-job`` webhook's answer: an opted-in job's pod templates get
-    ``ckpt.dev/inject`` (:func:`ckpt_operator.jobs.template_label_ops`), so the pod webhook
+    ``ckpt.dev/inject`` (:func:`ckpt_operator.model.jobs.template_label_ops`), so the pod webhook
     sees exactly its pods; empty: not opted in, or labelled already."""
     return template_label_ops(job) if job_facts(job).opted_in else []
 
@@ -67,7 +67,7 @@ def label_job_ops(job: Mapping[str, Any]) -> list[JSONPatchOp]:
 async def trainjob_label_targets(deps: Deps, trainjob: Mapping[str, Any]) -> list[str]:
     """The ``label-trainjob`` webhook: the replicated Jobs of an opted-in TrainJob's runtime
     whose pod templates the operator's ``spec.runtimePatches`` entry labels
-    (:func:`ckpt_operator.trainjob.add_inject_patch`); empty: nothing to do (not opted in,
+    (:func:`ckpt_operator.kinds.trainjob.add_inject_patch`); empty: nothing to do (not opted in,
     labelled already, or a runtime that does not exist: Trainer's own webhook refuses it)."""
     if not job_facts(trainjob).opted_in or has_inject_patch(trainjob):
         return []

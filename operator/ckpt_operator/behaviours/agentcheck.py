@@ -1,10 +1,11 @@
 """No silent fresh starts: flag running pods whose training code never started the agent.
 
-Runs with each policy's reconcile pass (:mod:`ckpt_operator.agentcheck` decides): a
+Runs with each policy's reconcile pass (:mod:`ckpt_operator.planners.agent_presence` decides): a
 Warning Event ``AgentMissing`` on the job (once per pod) and the policy condition
 ``AgentReporting``. For storage the operator cannot read, the pods' termination
 messages and a probe of each overdue pod's agent metrics port are the evidence
-(:func:`ckpt_operator.agentcheck.unreported_pods`, :mod:`ckpt_operator.agentprobe`).
+(:func:`ckpt_operator.planners.agent_presence.unreported_pods`,
+:mod:`ckpt_operator.adapters.agentprobe`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from typing import Any
 
 from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
-from ckpt_operator import constants as c
-from ckpt_operator.agentcheck import (
+from ckpt_operator.adapters.sources import StorageAccessDeniedError
+from ckpt_operator.behaviours.deps import Deps, Obj, kind_kw
+from ckpt_operator.behaviours.guard import read_refusal, storage_call
+from ckpt_operator.behaviours.policies import write_policy_status
+from ckpt_operator.model import constants as c
+from ckpt_operator.planners.agent_presence import (
     AGENT_MISSING,
     Presence,
     ProbeResult,
@@ -29,13 +34,9 @@ from ckpt_operator.agentcheck import (
     silent_pods,
     unreported_pods,
 )
-from ckpt_operator.behaviours.deps import Deps, Obj, kind_kw
-from ckpt_operator.behaviours.guard import read_refusal, storage_call
-from ckpt_operator.behaviours.policies import write_policy_status
-from ckpt_operator.reports import pod_reports
-from ckpt_operator.sources import StorageAccessDeniedError
-from ckpt_operator.status import ConditionStatus, get_condition, set_condition
-from ckpt_operator.validation import parse_policy_spec
+from ckpt_operator.planners.reports import pod_reports
+from ckpt_operator.planners.status import ConditionStatus, get_condition, set_condition
+from ckpt_operator.planners.validation import parse_policy_spec
 
 __all__ = ["check_agents"]
 

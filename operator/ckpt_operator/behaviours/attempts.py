@@ -1,6 +1,6 @@
 """TrainJobs: each JobSet restart attempt planned on the restart protocol, once.
 
-The pure side is :mod:`ckpt_operator.attempts`; this module reads what it needs (the
+The pure side is :mod:`ckpt_operator.planners.attempt_plan`; this module reads what it needs (the
 JobSet's restart attempt, the pods' reports, the run's checkpoints), writes the decision on
 the TrainJob in one PATCH (which lets the attempt's pods through the webhook) and posts the
 Events. A TrainJob that JobSet gave up on (``Failed``) goes the PyTorchJob way
@@ -13,8 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt_operator import constants as c
-from ckpt_operator.attempts import AttemptPlan, plan_attempt, precheck_attempt
+from ckpt_operator.adapters.kube import ApiError
 from ckpt_operator.behaviours.deps import Deps, annotate_job, set_job_status
 from ckpt_operator.behaviours.guard import storage_call
 from ckpt_operator.behaviours.recovery import (
@@ -28,12 +27,8 @@ from ckpt_operator.behaviours.recovery import (
     report_plan,
     report_rebuild,
 )
-from ckpt_operator.jobkinds import TRAINJOB
-from ckpt_operator.jobs import job_facts
-from ckpt_operator.kube import ApiError
-from ckpt_operator.manual import pending_request
-from ckpt_operator.restart import GiveUp, Skip
-from ckpt_operator.trainjob import (
+from ckpt_operator.kinds.registry import TRAINJOB
+from ckpt_operator.kinds.trainjob import (
     has_inject_patch,
     jobset_restarts,
     jobset_trainjob,
@@ -41,6 +36,11 @@ from ckpt_operator.trainjob import (
     pod_attempt,
     restart_expected_until,
 )
+from ckpt_operator.model import constants as c
+from ckpt_operator.model.jobs import job_facts
+from ckpt_operator.planners.attempt_plan import AttemptPlan, plan_attempt, precheck_attempt
+from ckpt_operator.planners.manual import pending_request
+from ckpt_operator.planners.restart import GiveUp, Skip
 
 __all__ = [
     "attempt_due",
@@ -103,7 +103,7 @@ async def observe_trainjob(deps: Deps, trainjob: Mapping[str, Any]) -> bool:
 
 def restart_expected(deps: Deps, trainjob: Mapping[str, Any]) -> bool:
     """A pod of the planned attempt failed or is terminating, recently enough that a JobSet
-    restart is to be expected (:func:`ckpt_operator.trainjob.restart_expected_until`)."""
+    restart is to be expected (:func:`ckpt_operator.kinds.trainjob.restart_expected_until`)."""
     facts = job_facts(trainjob)
     if not _plans_attempts(trainjob):
         return False
@@ -145,8 +145,8 @@ async def recover_trainjob(deps: Deps, trainjob: Mapping[str, Any]) -> float | N
 async def plan_jobset_attempt(
     deps: Deps, trainjob: Mapping[str, Any], attempt: int
 ) -> float | None:
-    """Plan JobSet restart attempt ``attempt`` (see :mod:`ckpt_operator.attempts`); seconds
-    until the scheduler looks again (None: done)."""
+    """Plan JobSet restart attempt ``attempt`` (see :mod:`ckpt_operator.planners.attempt_plan`);
+    seconds until the scheduler looks again (None: done)."""
     spec = await load_policy_spec(deps, trainjob)
     if spec is None:
         return deps.config.recovery.policy_missing_retry_s

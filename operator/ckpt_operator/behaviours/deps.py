@@ -7,18 +7,18 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_operator import constants as c
-from ckpt_operator.agentcheck import ProbeResult
-from ckpt_operator.agentprobe import probe_agent
-from ckpt_operator.caches import ObjectCache, PodIndex
-from ckpt_operator.config import OperatorConfig
-from ckpt_operator.events import EventSink
-from ckpt_operator.jobkinds import KINDS, PYTORCHJOB, TRAINJOB, JobKind, kind_of
-from ckpt_operator.jobs import JobStatusAnnotation, format_time
-from ckpt_operator.kube import KubeApi, NotFoundError
-from ckpt_operator.metrics import Metrics
-from ckpt_operator.pools import PoolLedger
-from ckpt_operator.sources import SourceFactory
+from ckpt_operator.adapters.agentprobe import probe_agent
+from ckpt_operator.adapters.caches import ObjectCache, PodIndex
+from ckpt_operator.adapters.events import EventSink
+from ckpt_operator.adapters.kube import KubeApi, NotFoundError
+from ckpt_operator.adapters.metrics import Metrics
+from ckpt_operator.adapters.sources import SourceFactory
+from ckpt_operator.kinds.registry import KINDS, PYTORCHJOB, TRAINJOB, JobKind, kind_of
+from ckpt_operator.model import constants as c
+from ckpt_operator.model.config import OperatorConfig
+from ckpt_operator.model.jobs import JobStatusAnnotation, format_time
+from ckpt_operator.planners.agent_presence import ProbeResult
+from ckpt_operator.planners.pools import PoolLedger
 
 __all__ = [
     "AgentProbe",
@@ -90,7 +90,7 @@ class Deps:
 
 
 def kind_kw(kind: JobKind) -> dict[str, JobKind]:
-    """The ``kind`` keyword of a :class:`~ckpt_operator.kube.KubeApi` job call: none for a
+    """The ``kind`` keyword of a :class:`~ckpt_operator.adapters.kube.KubeApi` job call: none for a
     PyTorchJob (the default), so clients written for PyTorchJobs alone keep working."""
     return {} if kind is PYTORCHJOB else {"kind": kind}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt_operator import constants as c
 from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.disruption import (
+from ckpt_operator.model import constants as c
+from ckpt_operator.planners.disruption_signals import (
     Disruption,
     clear_patch,
     node_disruption,

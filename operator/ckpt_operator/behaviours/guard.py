@@ -1,8 +1,8 @@
 """Storage access from the behaviours: bounded in time, and only to runs of the namespace.
 
-:func:`storage_call` runs a blocking :class:`~ckpt_operator.sources.CheckpointSource`
+:func:`storage_call` runs a blocking :class:`~ckpt_operator.adapters.sources.CheckpointSource`
 call in a thread and stops waiting for it after ``config.storage_timeout_s``
-(:class:`~ckpt_operator.sources.StorageTimeoutError`): a stuck storage never
+(:class:`~ckpt_operator.adapters.sources.StorageTimeoutError`): a stuck storage never
 holds a handler forever. (Python cannot kill the thread; it ends when the
 backend's own timeouts fire — S3 connect/read timeouts are capped at the same
 value — and its result is dropped.)
@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.owner import RunOwner
+from ckpt_operator.adapters.sources import CheckpointSource, StorageTimeoutError
 from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.jobs import JobFacts
-from ckpt_operator.sources import CheckpointSource, StorageTimeoutError
-from ckpt_operator.tenancy import owner_refusal
+from ckpt_operator.model.jobs import JobFacts
+from ckpt_operator.planners.tenancy import owner_refusal
 
 __all__ = ["read_refusal", "run_refusal", "storage_call"]
 

@@ -6,13 +6,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
+from ckpt_operator.adapters.kube import ConflictError
 from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs, set_job_status
-from ckpt_operator.injection import build_config_map
-from ckpt_operator.jobs import job_facts
-from ckpt_operator.kube import ConflictError
-from ckpt_operator.status import policy_ready_status, set_condition
-from ckpt_operator.tenancy import storage_refusal
-from ckpt_operator.validation import parse_policy_spec
+from ckpt_operator.model.jobs import job_facts
+from ckpt_operator.planners.injection import build_config_map
+from ckpt_operator.planners.status import policy_ready_status, set_condition
+from ckpt_operator.planners.tenancy import storage_refusal
+from ckpt_operator.planners.validation import parse_policy_spec
 
 __all__ = ["STATUS_WRITE_ATTEMPTS", "reconcile_policy", "write_policy_status"]
 

@@ -11,9 +11,12 @@ from typing import Any
 from ckpt_agent.decide.mtbf import PoolEvidence
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_agent.records import CheckpointRecord
-from ckpt_operator import constants as c
-from ckpt_operator.agentcheck import AGENT_MISSING
-from ckpt_operator.attempts import planning_view
+from ckpt_operator.adapters.kube import ApiError, ConflictError
+from ckpt_operator.adapters.sources import (
+    CheckpointSource,
+    ReportedCheckpointSource,
+    StorageAccessDeniedError,
+)
 from ckpt_operator.behaviours.deps import (
     Deps,
     Obj,
@@ -23,18 +26,31 @@ from ckpt_operator.behaviours.deps import (
     set_job_status,
 )
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
-from ckpt_operator.jobkinds import kind_of
-from ckpt_operator.jobs import JobStatusAnnotation, condition, format_time, job_facts, parse_time
-from ckpt_operator.kube import ApiError, ConflictError
-from ckpt_operator.manual import RecoverRequest, blocked_reason, pending_request, plan_manual
-from ckpt_operator.pools import node_names
-from ckpt_operator.reports import (
+from ckpt_operator.kinds.registry import kind_of
+from ckpt_operator.model import constants as c
+from ckpt_operator.model.jobs import (
+    JobStatusAnnotation,
+    condition,
+    format_time,
+    job_facts,
+    parse_time,
+)
+from ckpt_operator.planners.agent_presence import AGENT_MISSING
+from ckpt_operator.planners.attempt_plan import planning_view
+from ckpt_operator.planners.manual import (
+    RecoverRequest,
+    blocked_reason,
+    pending_request,
+    plan_manual,
+)
+from ckpt_operator.planners.pools import node_names
+from ckpt_operator.planners.reports import (
     KnownCheckpoints,
     known_checkpoints,
     last_verified_json,
     pod_reports,
 )
-from ckpt_operator.restart import (
+from ckpt_operator.planners.restart import (
     GiveUp,
     LadderStep,
     Restart,
@@ -46,12 +62,7 @@ from ckpt_operator.restart import (
     run_mtbf,
     terminating_pods_wait,
 )
-from ckpt_operator.sources import (
-    CheckpointSource,
-    ReportedCheckpointSource,
-    StorageAccessDeniedError,
-)
-from ckpt_operator.validation import annotation_errors, parse_policy_spec
+from ckpt_operator.planners.validation import annotation_errors, parse_policy_spec
 
 __all__ = [
     "give_up",
@@ -213,7 +224,7 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
 async def _recover_manually(
     deps: Deps, job: Mapping[str, Any], request: RecoverRequest
 ) -> float | None:
-    """A person's ``ckpt.dev/recover-step`` (:mod:`ckpt_operator.manual`): restart exactly
+    """A person's ``ckpt.dev/recover-step`` (:mod:`ckpt_operator.planners.manual`): restart exactly
     there, or (dry run) report the plan; handled once, audited by Events."""
     facts = job_facts(job)
     handled: dict[str, str | None] = {c.ANN_RECOVER_HANDLED: request.key()}
@@ -370,7 +381,7 @@ class PlanInputs:
     progress: list[tuple[int, float]]
     verify: Callable[[str], bool]
     pool: PoolEvidence | None = None
-    """What other runs showed on the job's node pool (:mod:`ckpt_operator.pools`)."""
+    """What other runs showed on the job's node pool (:mod:`ckpt_operator.planners.pools`)."""
 
 
 def _pool_failure(
@@ -431,7 +442,7 @@ async def wait_for_terminating_pods(
     """Seconds until the next look while the failed job's pods are still terminating.
 
     They may be writing an emergency checkpoint (see
-    :func:`ckpt_operator.restart.terminating_pods_wait`); planning waits for them.
+    :func:`ckpt_operator.planners.restart.terminating_pods_wait`); planning waits for them.
     """
     facts = job_facts(job)
     wait = terminating_pods_wait(pods, now)

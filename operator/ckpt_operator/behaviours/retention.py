@@ -8,22 +8,22 @@ from typing import Any
 
 from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
-from ckpt_operator import constants as c
+from ckpt_operator.adapters.sources import StorageAccessDeniedError
 from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
-from ckpt_operator.jobs import JobFacts, job_facts
-from ckpt_operator.reports import (
+from ckpt_operator.model import constants as c
+from ckpt_operator.model.jobs import JobFacts, job_facts
+from ckpt_operator.planners.reports import (
     known_checkpoints,
     newest_entry,
     pod_reports,
     reported_status,
 )
-from ckpt_operator.retention_reconcile import Deletion, plan_policy_retention, retention_status
-from ckpt_operator.sources import StorageAccessDeniedError
-from ckpt_operator.status import set_condition
-from ckpt_operator.tenancy import summarize_error
-from ckpt_operator.validation import parse_policy_spec
+from ckpt_operator.planners.retention_plan import Deletion, plan_policy_retention, retention_status
+from ckpt_operator.planners.status import set_condition
+from ckpt_operator.planners.tenancy import summarize_error
+from ckpt_operator.planners.validation import parse_policy_spec
 
 __all__ = ["reconcile_retention"]
 
@@ -63,7 +63,8 @@ async def _reported_status(
     deps: Deps, policy: Mapping[str, Any], jobs: list[Obj], now: float
 ) -> Obj | None:
     """Local storage the operator cannot read (a PVC mounted in the pods only): the status
-    from what the pods reported (:mod:`ckpt_operator.reports`); retention runs in the pods."""
+    from what the pods reported (:mod:`ckpt_operator.planners.reports`); retention runs in the
+    pods."""
     meta = policy.get("metadata") or {}
     namespace = str(meta.get("namespace"))
     pods = await deps.api.list_pods(

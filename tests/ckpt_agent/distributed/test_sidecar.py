@@ -240,7 +240,7 @@ def test_ckpt_sidecar_runs_with_the_environment_the_operator_injects(tmp_path: P
         ENV_STORAGE_URL,
         ENV_WORK_DIR,
     )
-    from ckpt_operator.injection import InjectionContext
+    from ckpt_operator.planners.injection import InjectionContext
 
     command = list(InjectionContext(policy_name="p", run_id=RUN).sidecar_command)
     assert command == ["ckpt", "sidecar"]

@@ -1,0 +1,153 @@
+"""Kubernetes Events for every decision, behind a tiny interface.
+
+Handlers call :meth:`EventSink.emit` with the object the Event is about (a
+PyTorchJob, a policy, a pod). In the operator, :class:`KopfEvents` posts
+through kopf's event queue (and logs the same line, structured); tests use
+:class:`RecordedEvents`.
+
+kopf's queue is only reachable from inside its watch-event handlers (it lives in
+context variables set per object worker). Admission webhook requests and the
+operator's own background loops (retention) run outside them, so there
+:class:`KopfEvents` posts the Event itself through ``post`` (the API client), off
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, cast
+
+__all__ = [
+    "EventSink",
+    "EventType",
+    "KopfEvents",
+    "RecordedEvent",
+    "RecordedEvents",
+    "build_event",
+]
+
+EventType = Literal["Normal", "Warning"]
+
+log = logging.getLogger("ckpt_operator.adapters.events")
+
+
+class EventSink(Protocol):
+    def emit(self, obj: Mapping[str, Any], type_: EventType, reason: str, message: str) -> None: ...
+
+
+def _ref(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{obj.get('kind', '?')}/{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def build_event(
+    obj: Mapping[str, Any],
+    type_: EventType,
+    reason: str,
+    message: str,
+    *,
+    component: str = "ckpt-operator",
+    now: _dt.datetime | None = None,
+) -> dict[str, Any]:
+    """A core/v1 Event about ``obj`` (in its namespace; ``default`` for cluster objects)."""
+    meta = obj.get("metadata") or {}
+    namespace = str(meta.get("namespace") or "default")
+    stamp = (now or _dt.datetime.now(_dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    ref = {
+        "apiVersion": obj.get("apiVersion"),
+        "kind": obj.get("kind"),
+        "name": meta.get("name"),
+        "namespace": meta.get("namespace"),
+        "uid": meta.get("uid"),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
+        "involvedObject": {k: v for k, v in ref.items() if v},
+        "type": type_,
+        "reason": reason,
+        "message": message,
+        "source": {"component": component},
+        "reportingComponent": component,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+
+
+class KopfEvents:
+    """Posts Events through kopf (non-blocking, batched by kopf's poster).
+
+    ``post`` (a blocking ``Event body -> None``) is used where kopf's queue is not
+    available (see the module docstring); without it such Events are only logged.
+    """
+
+    def __init__(self, post: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self._post = post
+
+    def _post_safely(self, body: dict[str, Any]) -> None:
+        assert self._post is not None
+        try:
+            self._post(body)
+        except Exception as e:  # an Event is never worth failing a decision for
+            log.warning("could not post Event %s: %s", body.get("reason"), e)
+
+    def emit(self, obj: Mapping[str, Any], type_: EventType, reason: str, message: str) -> None:
+        import kopf
+
+        log.log(
+            logging.WARNING if type_ == "Warning" else logging.INFO,
+            "%s %s: %s",
+            reason,
+            _ref(obj),
+            message,
+            extra={"event_reason": reason, "event_type": type_, "object": _ref(obj)},
+        )
+        meta = obj.get("metadata") or {}
+        if not meta.get("name") or not meta.get("uid"):
+            return  # not persisted yet (a pod under admission): the log line is all we can do
+        # kopf truncates long messages itself; keep ours readable anyway.
+        try:
+            kopf.event(
+                kopf.Body(cast(kopf.RawBody, dict(obj))),
+                type=type_,
+                reason=reason,
+                message=message[:1000],
+            )
+            return
+        except LookupError:  # outside kopf's watch-event handlers (webhooks, our loops)
+            if self._post is None:
+                return
+        body = build_event(obj, type_, reason, message[:1000])
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._post_safely(body)
+            return
+        loop.run_in_executor(None, self._post_safely, body)  # never block the event loop
+
+
+@dataclass(frozen=True)
+class RecordedEvent:
+    obj: str
+    type: EventType
+    reason: str
+    message: str
+
+
+@dataclass
+class RecordedEvents:
+    """Collects events (tests)."""
+
+    events: list[RecordedEvent] = field(default_factory=list)
+
+    def emit(self, obj: Mapping[str, Any], type_: EventType, reason: str, message: str) -> None:
+        self.events.append(RecordedEvent(_ref(obj), type_, reason, message))
+
+    def reasons(self) -> list[str]:
+        return [e.reason for e in self.events]
