@@ -15,13 +15,15 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
 from ckpt_e2e.fit import faults
 from ckpt_e2e.fit.__main__ import main as fit_main
 from ckpt_e2e.fit.campaign import run_campaign
-from ckpt_e2e.fit.core import Outcome
+from ckpt_e2e.fit.core import Outcome, restart_may_resume
 from ckpt_e2e.fit.runner import (
     DEFAULT_REPORT_DIR,
     REPORT_DIR_ENV,
@@ -119,6 +121,64 @@ def test_table_report_and_skips(tmp_path: Path) -> None:
         "skip",
     ]
     assert Path(f"{path}.txt").read_text().startswith("scenario")
+
+
+def _ck(cid: str, step: int, tier: str, status: str, **kw: Any) -> CheckpointRecord:
+    return CheckpointRecord(cid, step, Tier(tier), CheckpointStatus(status), **kw)
+
+
+#: What storage held when the trainer was killed under load: the validator had checked
+#: the full at 84; the pulses at 150 and 153 were committed, still pending.
+AT_KILL = [
+    _ck("pulse_step_070", 70, "pulse", "valid"),
+    _ck("full_step_084", 84, "full", "valid"),
+    _ck("pulse_step_084", 84, "pulse", "valid"),
+    _ck("pulse_step_150", 150, "pulse", "pending"),
+    _ck("pulse_step_153", 153, "pulse", "pending"),
+    _ck("pulse_step_160", 160, "pulse", "pending", lightweight=True),
+    _ck("pulse_step_140", 140, "pulse", "corrupted"),
+    _ck("heartbeat_step_161", 161, "heartbeat", "valid"),
+]
+
+
+@pytest.mark.parametrize(
+    ("resumed", "rejected", "corrupted", "ok"),
+    [
+        ("pulse_step_153", (), (), True),  # the newest committed one, verified at restart
+        ("full_step_084", (), (), False),  # passed newer committed ones over unverified
+        ("full_step_084", ("pulse_step_150", "pulse_step_153"), (), True),  # both failed
+        ("pulse_step_150", (), ("pulse_step_153",), True),  # 153 was found corrupt
+        ("pulse_step_150", (), (), False),  # 153 skipped without a verdict
+        ("pulse_step_084", ("pulse_step_150", "pulse_step_153"), (), False),  # older than valid
+        ("pulse_step_070", ("pulse_step_150", "pulse_step_153"), (), False),
+        ("pulse_step_160", (), (), False),  # lightweight: not a resume candidate
+        ("pulse_step_140", (), (), False),  # corrupted
+        ("pulse_step_170", (), (), False),  # committed after the kill
+        (None, (), (), False),  # a fresh start while checkpoints exist
+    ],
+)
+def test_which_checkpoint_a_restart_may_resume(
+    resumed: str | None, rejected: tuple[str, ...], corrupted: tuple[str, ...], ok: bool
+) -> None:
+    """The shared criterion: the newest valid at the kill or a newer committed (pending)
+    one the restart verified; newer ones passed over only with a verdict."""
+    assert [r.id for r in restart_may_resume(AT_KILL)] == [
+        "pulse_step_153",
+        "pulse_step_150",
+        "full_step_084",
+    ]
+    outcome = Outcome("x")
+    got = outcome.check_resume_choice(resumed, AT_KILL, rejected=rejected, corrupted_now=corrupted)
+    assert got is ok and outcome.passed is ok, outcome.checks
+
+
+def test_a_restart_with_nothing_committed_starts_fresh() -> None:
+    pending_only = [_ck("pulse_step_10", 10, "pulse", "pending")]
+    assert [r.id for r in restart_may_resume(pending_only)] == ["pulse_step_10"]
+    (first, *_) = restart_may_resume(AT_KILL, avoid={"pulse_step_153"})
+    assert first.id == "pulse_step_150"
+    assert Outcome("x").check_resume_choice(None, [], rejected=(), corrupted_now=())
+    assert not Outcome("x").check_resume_choice("full_1", [], rejected=(), corrupted_now=())
 
 
 def test_cli_usage(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,15 @@ the outcome passes when every check holds. The shared criteria (issue #14):
 * losses after recovery equal the uninterrupted run's bit for bit where the resume is
   exact, within :data:`LOSS_TOLERANCE` otherwise;
 * no checkpoint acknowledged as committed is lost;
-* no corrupted checkpoint is ever marked valid or loaded.
+* no corrupted checkpoint is ever marked valid or loaded;
+* the restart resumes from a checkpoint a restart may use (:func:`restart_may_resume`):
+  of the complete weights checkpoints committed when the fault hit, the newest one valid
+  then or a newer one still pending then (its validation lagging, as under load) that the
+  restarting trainer verified itself (docs/format.md: a restart verifies pending
+  checkpoints newer than the newest valid one before the ladder); every such checkpoint
+  newer than the one it resumed from was rejected by that restart or found corrupted.
+  Never one committed after the fault, never one older than the newest valid at the
+  fault while that one is intact.
 
 Scenario modules register themselves on import; :func:`load_all` imports them.
 """
@@ -19,11 +27,13 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
 
 T = TypeVar("T")
 
@@ -93,10 +103,78 @@ class Outcome:
             f"max |delta| {delta:.3g} over {len(common)} steps ({want})",
         )
 
+    def check_resume_choice(
+        self,
+        resumed: str | None,
+        at_fault: Sequence[CheckpointRecord],
+        *,
+        rejected: Collection[str],
+        corrupted_now: Collection[str],
+        avoid: Collection[str] = (),
+    ) -> bool:
+        """The shared criterion on *which* checkpoint the restart took (module docstring):
+        ``at_fault`` is what storage held once the trainer was gone, ``rejected`` the ids
+        the restart's report says it rejected, ``corrupted_now`` the ids found corrupted
+        after the run, ``avoid`` the ones the scenario damaged or made unreadable."""
+        may = [r.id for r in restart_may_resume(at_fault, avoid)]
+        what = f"resumed from {resumed or '(fresh start)'}; a restart may use {may or 'none'}"
+        if not may:
+            return self.check("resumed from a checkpoint a restart may use", resumed is None, what)
+        if resumed not in may:
+            return self.check("resumed from a checkpoint a restart may use", False, what)
+        passed_over = [
+            c for c in may[: may.index(resumed)] if c not in rejected and c not in corrupted_now
+        ]
+        if passed_over:
+            what += f"; newer ones passed over unverified: {passed_over}"
+        return self.check("resumed from a checkpoint a restart may use", not passed_over, what)
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["passed"] = self.passed
         return out
+
+
+_TIER_ORDER = {Tier.HEARTBEAT: 0, Tier.PULSE: 1, Tier.FULL: 2}
+
+
+def _newest_first(r: CheckpointRecord) -> tuple[int, int]:
+    return (r.step, _TIER_ORDER[r.tier])  # the ladder's order: a full wins a pulse's step
+
+
+def restart_may_resume(
+    at_fault: Sequence[CheckpointRecord], avoid: Collection[str] = ()
+) -> list[CheckpointRecord]:
+    """The checkpoints a restart may legitimately resume from, newest first (pure).
+
+    ``at_fault``: the checkpoints committed in storage when the fault hit (listed once
+    the trainer was gone, so nothing newer can commit). A restart (the agent's own start,
+    :mod:`ckpt_agent.runtime.restorer`) takes the newest complete weights checkpoint
+    (pulse or full, not lightweight) that it can use: valid, or pending (committed, the
+    validator had not got to it yet) and verified by the restart itself. So the candidates
+    are the newest one valid at the fault and every newer one still pending then; the
+    restart resumes from the first of them that verifies. ``avoid``: checkpoints the
+    scenario damaged or made unreadable (never candidates; other checks cover them).
+    """
+    usable = (CheckpointStatus.VALID, CheckpointStatus.PENDING)
+    complete = sorted(
+        (
+            r
+            for r in at_fault
+            if r.tier in (Tier.PULSE, Tier.FULL)
+            and r.has_weights
+            and not r.lightweight
+            and r.status in usable
+            and r.id not in avoid
+        ),
+        key=_newest_first,
+        reverse=True,
+    )
+    valid = [r for r in complete if r.status == CheckpointStatus.VALID]
+    if not valid:
+        return complete
+    floor = _newest_first(valid[0])
+    return [r for r in complete if _newest_first(r) >= floor]
 
 
 @dataclass

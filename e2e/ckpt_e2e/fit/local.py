@@ -22,7 +22,7 @@ from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 
 from ..training import Training
-from .core import FitContext, Outcome, scenario
+from .core import FitContext, Outcome, restart_may_resume, scenario
 from .disk import SmallDisk
 from .faults import CRASH_EXIT, FAKE_NVML_DIR, NVML_FILE_ENV
 from .trainer import (
@@ -283,13 +283,18 @@ def io_errors(ctx: FitContext) -> Outcome:
     )
     last = run.last_step()
     detected = run.kill()
-    valid = sorted(run.valid(), key=lambda r: r.step)
-    newest = valid[-1].id
+    at_fault = run.records()
+    acknowledged = [r.id for r in run.valid()]
+    # the checkpoint the restart takes first: the newest valid one, or a newer one still
+    # pending (validation lags under load) that the restart verifies itself
+    newest = restart_may_resume(at_fault)[0].id
     outcome.injected_at = f"EIO on writes at step {step}; EIO reading {newest} at the restart"
     # transient: each of the newest checkpoint's own blobs fails its first read only
     read_eio = {"errno": "EIO", "op": "read", "names": _own_blobs(run, newest), "times": 1}
     outcome.check_recovery_time(run.restart_and_time(detected, fault={"errors": [read_eio]}))
-    verify_recovery(outcome, run, ref, Expectations([r.id for r in valid], last_step_before=last))
+    verify_recovery(
+        outcome, run, ref, Expectations(acknowledged, last_step_before=last, at_fault=at_fault)
+    )
     # a transient EIO says nothing about the bytes: re-read, never skipped for an older one
     outcome.check(
         "the transient EIO was retried: resumed from the newest",

@@ -12,7 +12,8 @@ what is really stored.
   connection refused or cut). Training must go on (saves are deferred, not waited
   for), the failed saves are retried, nothing half-written is marked valid, and saves
   commit again once the storage is back; then the trainer is SIGKILLed and must
-  resume from the newest valid checkpoint, bit-exact.
+  resume, bit-exact, from the newest checkpoint valid at the kill or a newer committed
+  one it verified itself (validation lags under load: the shared criterion).
 * ``storage-degraded``: 200 ms latency on every connection, ~10 % of connections
   reset by the peer and ~5 % stalled until they time out (toxics with
   ``toxicity``) for the whole run, recovery included: saves still commit, nothing
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_agent.format.layout import commit_key
-from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.storage import StorageOptions, open_storage
 
 from ..s3servers import MinioServer, Toxiproxy, build_tool, start_minio, start_toxiproxy
@@ -136,30 +136,21 @@ def s3_run(ctx: FitContext, service: S3Service, training: Training) -> FitRun:
     return run
 
 
-def _newest(records: list[CheckpointRecord]) -> CheckpointRecord | None:
-    return max(records, key=lambda r: r.step) if records else None
-
-
 def _kill_and_recover(ctx: FitContext, outcome: Outcome, run: FitRun, training: Training) -> None:
-    """SIGKILL the trainer, start it again unpaced, check the recovery."""
+    """SIGKILL the trainer, start it again unpaced, check the recovery (which checkpoint it
+    may resume from: the shared criterion, :func:`~ckpt_e2e.fit.core.restart_may_resume`)."""
     acknowledged = [r.id for r in run.valid()]
-    newest = _newest(run.valid())
     last_step = run.last_step()
     outcome.injected_at = f"{outcome.injected_at}; SIGKILL at step {last_step}"
     detected = run.kill()
+    at_fault = run.records()  # the trainer is gone: nothing newer can commit
     run.training = replace(training, step_sleep=0.0)  # pacing only: same numbers
     outcome.check_recovery_time(run.restart_and_time(detected))
     verify_recovery(
         outcome,
         run,
         reference(ctx, training),
-        Expectations(acknowledged=acknowledged, last_step_before=last_step),
-    )
-    want = newest.id if newest else None
-    outcome.check(
-        "resumed from the newest valid checkpoint",
-        outcome.recovered_from == want,
-        f"{outcome.recovered_from} (newest valid at the kill: {want})",
+        Expectations(acknowledged=acknowledged, last_step_before=last_step, at_fault=at_fault),
     )
 
 

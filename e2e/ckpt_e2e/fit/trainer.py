@@ -444,6 +444,10 @@ class Expectations:
     """Checkpoints storage failed to read at the restart (never loaded; may stay valid)."""
     last_step_before: int = -1
     """The last step logged before the fault."""
+    at_fault: list[CheckpointRecord] | None = None
+    """The committed checkpoints listed once the trainer was gone (:meth:`FitRun.records`
+    after the kill): with them, which checkpoint the restart took is checked against
+    :func:`~ckpt_e2e.fit.core.restart_may_resume` (the shared criterion)."""
 
 
 def verify_recovery(
@@ -486,3 +490,11 @@ def verify_recovery(
         ckpt_id not in avoid,
         f"resumed from {ckpt_id}; damaged/unreadable: {sorted(avoid) or 'none'}",
     )
+    if expect.at_fault is not None:
+        outcome.check_resume_choice(
+            ckpt_id,
+            expect.at_fault,
+            rejected={str(r[0]) for r in resume.get("rejected") or []},
+            corrupted_now={r.id for r in run.records() if r.status == CheckpointStatus.CORRUPTED},
+            avoid=avoid,
+        )
