@@ -17,7 +17,7 @@ import pytest
 from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.codec import PY_SHUFFLER, CodecError, CodecSpec, decode, encode
-from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats, read_heartbeat
+from ckpt_agent.format.heartbeat import Heartbeat, PackedRng, encode_heartbeats, read_heartbeat
 from ckpt_agent.format.layout import (
     HEARTBEAT_MAX_BYTES,
     blob_key,
@@ -398,6 +398,58 @@ def test_heartbeat_ring_round_trip_and_size_limit(ck_store: LocalStorage) -> Non
     assert [(r.tier, r.step, r.status) for r in recs] == [
         (Tier.HEARTBEAT, 4, CheckpointStatus.VALID)
     ]
+
+
+def _packed_rng() -> PackedRng:
+    words = (*range(1000, 1624), 624)
+    key = bytes(range(256)) * 9 + bytes(192)  # 624 uint32 words
+    return PackedRng(
+        python=(3, words, None),
+        numpy=("MT19937", key, 17, 1, -0.25),
+        torch_cpu=bytes(range(200)) * 25 + bytes(56),
+        cuda=(b"\x01" * 16, b"\x02" * 16),
+    )
+
+
+def test_heartbeat_rng_is_compact_binary_and_round_trips(ck_store: LocalStorage) -> None:
+    rng = _packed_rng()
+    packed = rng.pack()
+    assert PackedRng.unpack(packed) == rng
+    assert len(packed) < 10_200  # 625 + 624 words, 5056 + 2 x 16 generator bytes, headers
+    bare = PackedRng(python=(3, rng.python[1] if rng.python else (), 0.5))
+    assert PackedRng.unpack(bare.pack()) == bare
+    hb = Heartbeat(step=7, time=1.0, data={"pos": 7}, rng_packed=rng)
+    ck_store.commit(heartbeat_key(RUN, 0), encode_heartbeats(RUN, 0, [hb] * 4))
+    assert len(ck_store.read(heartbeat_key(RUN, 0), 0, HEARTBEAT_MAX_BYTES)) < 4 * 14_000
+    (got, *_) = read_heartbeat(ck_store, RUN)
+    assert got.rng_packed == rng and got.rng is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["magic", "truncate", "trailing", "unknown part", "huge generator", "many cuda"],
+)
+def test_a_damaged_packed_rng_is_a_format_error(damage: str) -> None:
+    packed = bytearray(_packed_rng().pack())
+    if damage == "magic":
+        packed[0:4] = b"XXXX"
+    elif damage == "truncate":
+        del packed[-5:]
+    elif damage == "trailing":
+        packed += b"\0"
+    elif damage == "unknown part":
+        packed[4] |= 0x10
+    elif damage == "huge generator":
+        packed = bytearray(PackedRng(torch_cpu=b"").pack())
+        packed[5:9] = (10**6).to_bytes(4, "little")
+    else:
+        packed = bytearray(PackedRng(cuda=(b"",)).pack())
+        packed[5:7] = (1000).to_bytes(2, "little")
+    with pytest.raises(CheckpointFormatError):
+        PackedRng.unpack(bytes(packed))
+    entry = {"step": 1, "time": 0.0, "rng_bin": "not base64!"}
+    with pytest.raises(CheckpointFormatError, match="base64"):
+        Heartbeat.from_json(entry, "hb")
 
 
 # --------------------------------------------------------------------------- codec
