@@ -91,8 +91,8 @@ def bench_stall(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
     from ckpt_agent.records import Tier
-    from ckpt_agent.runtime.flash import FlashTarget
-    from ckpt_agent.runtime.snapshot import HostArena, take_snapshot
+    from ckpt_agent.runtime.save.snapshot import HostArena, take_snapshot
+    from ckpt_agent.runtime.shm.target import FlashTarget
 
     root.mkdir(parents=True, exist_ok=True)
     if not dist.is_initialized():
@@ -286,7 +286,7 @@ def _agree_worker(rank: int, world: int, port: int, steps: int, q: Any) -> None:
     import torch.distributed as dist
 
     from ckpt_agent.decide.scheduler import AdaptiveScheduler
-    from ckpt_agent.runtime.distributed import Comm, DecisionAgreement, LocalSignals
+    from ckpt_agent.runtime.dist.agreement import Comm, DecisionAgreement, LocalSignals
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -5,7 +5,7 @@ its own ``CollectorRegistry`` (tests stay isolated; a process can run several
 checkpointers). ``serve(port)`` starts the HTTP exporter on that registry;
 :class:`MetricsServer` is that exporter, with optional health endpoints (the
 sidecar's ``/healthz``/``/readyz``; the operator can use it too). TensorBoard
-scalars live in :mod:`ckpt_agent.runtime.tensorboard` (they need torch).
+scalars live in :mod:`ckpt_agent.runtime.core.tensorboard` (they need torch).
 
 =========================================== ==========================================
 ``ckpt_save_latency_seconds{tier}``          histogram: snapshot → commit (persist time)

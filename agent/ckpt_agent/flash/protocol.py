@@ -52,7 +52,7 @@ access to the pod's memory, i.e. the pod itself. Storage keeps SHA-256.
 This module is the protocol (records, layout, locks; torch-free); the checksums are
 :mod:`ckpt_agent.flash.checksums`. The persister's
 side is :mod:`ckpt_agent.flash.reader`, the trainer's (which copies torch
-tensors) :mod:`ckpt_agent.runtime.shm_writer`.
+tensors) :mod:`ckpt_agent.runtime.shm.writer`.
 """
 
 from __future__ import annotations

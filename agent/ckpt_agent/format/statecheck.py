@@ -2,7 +2,7 @@
 
 Torch-free and numpy-free: the validator (``load_check``, ``ckpt verify``) runs
 it, and the trainer runs it before it builds a single tensor
-(:mod:`ckpt_agent.runtime.restorer`). Whatever a restore would refuse because
+(:mod:`ckpt_agent.runtime.restore.restorer`). Whatever a restore would refuse because
 of the checkpoint's own content is refused here, so a checkpoint the
 validator calls valid is one ``Checkpointer.start()`` can apply (given a live
 model of the same shape — that part is the restorer's).
@@ -119,7 +119,7 @@ def check_state(manifest: RankManifest) -> dict[str, object]:
 
 
 def check_rng(rng: object, what: str) -> None:
-    """An RNG section as :func:`ckpt_agent.runtime.serialization.capture_rng` writes it.
+    """An RNG section as :func:`ckpt_agent.runtime.core.serialization.capture_rng` writes it.
 
     Tensors may be :class:`TensorRef` placeholders or real tensors (the caller
     checks their sizes against the live generator).

@@ -20,7 +20,7 @@ What happens where:
 
 * **training thread** (inside :meth:`Checkpointer.step`): the scheduler's
   decision; for a pulse/full, the copy of the state into reusable host
-  buffers (:mod:`ckpt_agent.runtime.snapshot`) — the only stall; the heartbeat's
+  buffers (:mod:`ckpt_agent.runtime.save.snapshot`) — the only stall; the heartbeat's
   RNG capture.
 * **persister thread**: chunk, hash, de-duplicate, compress, write, fsync,
   publish the manifest and the COMMIT (:mod:`ckpt_agent.persist.writer`).
@@ -29,15 +29,17 @@ What happens where:
   unreferenced blobs.
 
 A snapshot is never taken while the previous persist still owns the buffers
-(back-pressure, :mod:`~ckpt_agent.runtime.saving`). A failed persist is raised
+(back-pressure, :mod:`~ckpt_agent.runtime.save.saving`). A failed persist is raised
 once, from the next :meth:`~Checkpointer.step` / :meth:`~Checkpointer.save_now` /
 :meth:`~Checkpointer.close`.
 
-:class:`Checkpointer` is a facade over :mod:`~ckpt_agent.runtime.context` (shared
-services), :mod:`~ckpt_agent.runtime.capture` (what a snapshot holds), a
-:class:`~ckpt_agent.runtime.persister.Persister` (:mod:`~ckpt_agent.runtime.local_persister`
-or :mod:`~ckpt_agent.runtime.shm_persister`), :mod:`~ckpt_agent.runtime.restorer`,
-:mod:`~ckpt_agent.runtime.signals` and :mod:`~ckpt_agent.runtime.coordination`.
+:class:`Checkpointer` is a facade over :mod:`~ckpt_agent.runtime.core.context` (shared
+services), :mod:`~ckpt_agent.runtime.core.capture` (what a snapshot holds), a
+:class:`~ckpt_agent.runtime.save.persister.Persister`
+(:mod:`~ckpt_agent.runtime.save.thread_persister` or
+:mod:`~ckpt_agent.runtime.shm.persister`, :func:`make_persister`),
+:mod:`~ckpt_agent.runtime.restore.restorer`,
+:mod:`~ckpt_agent.runtime.save.signals` and :mod:`~ckpt_agent.runtime.dist.rank_group`.
 """
 
 from __future__ import annotations
@@ -54,15 +56,17 @@ from ckpt_agent.errors import CheckpointError, PersistError, ResumeError
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import Tier
-from ckpt_agent.runtime.capture import StateCapture, encode_train_config
-from ckpt_agent.runtime.context import Engine, Ranks, Stats
-from ckpt_agent.runtime.coordination import RankGroup
-from ckpt_agent.runtime.distributed import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
-from ckpt_agent.runtime.persister import make_persister
-from ckpt_agent.runtime.restorer import Restorer, ResumePoint
-from ckpt_agent.runtime.saving import SavePath
-from ckpt_agent.runtime.signals import Heartbeats, SignalWatch
-from ckpt_agent.runtime.tensorboard import ScalarWriter
+from ckpt_agent.runtime.core.capture import StateCapture, encode_train_config
+from ckpt_agent.runtime.core.context import Engine, Ranks, Stats
+from ckpt_agent.runtime.core.tensorboard import ScalarWriter
+from ckpt_agent.runtime.dist.agreement import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
+from ckpt_agent.runtime.dist.rank_group import RankGroup
+from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.save.persister import Persister
+from ckpt_agent.runtime.save.saving import SavePath
+from ckpt_agent.runtime.save.signals import Heartbeats, SignalWatch
+from ckpt_agent.runtime.save.thread_persister import ThreadPersister
+from ckpt_agent.runtime.shm.persister import ShmPersister
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import gc_grace_for
 
@@ -75,6 +79,18 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def make_persister(
+    engine: Engine,
+    capture: StateCapture,
+    group: RankGroup | None,
+    approximate_threshold: float | None,
+) -> Persister:
+    """Shared memory with ``config.shm_dir`` on a writing rank, else the in-process threads."""
+    if engine.config.shm_dir and engine.ranks.writes:
+        return ShmPersister(engine, capture, group)
+    return ThreadPersister(engine, capture, group, approximate_threshold=approximate_threshold)
 
 
 class Checkpointer:
@@ -123,7 +139,8 @@ class Checkpointer:
 
     With ``config.shm_dir`` (``CKPT_SHM_DIR``) the snapshot goes to shared memory
     and a persister process — the pod's sidecar, or a local subprocess started
-    here — writes, validates and records it (flash checkpoints, :mod:`ckpt_agent.runtime.flash`).
+    here — writes, validates and records it (flash checkpoints,
+    :mod:`ckpt_agent.runtime.shm.target`).
     """
 
     def __init__(
@@ -191,7 +208,7 @@ class Checkpointer:
 
     @property
     def sharded(self) -> bool:
-        """FSDP2/DTensor state (see :class:`~ckpt_agent.runtime.context.Ranks`)."""
+        """FSDP2/DTensor state (see :class:`~ckpt_agent.runtime.core.context.Ranks`)."""
         return self._engine.ranks.sharded
 
     @property

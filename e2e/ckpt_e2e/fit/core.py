@@ -149,7 +149,7 @@ def restart_may_resume(
 
     ``at_fault``: the checkpoints committed in storage when the fault hit (listed once
     the trainer was gone, so nothing newer can commit). A restart (the agent's own start,
-    :mod:`ckpt_agent.runtime.restorer`) takes the newest complete weights checkpoint
+    :mod:`ckpt_agent.runtime.restore.restorer`) takes the newest complete weights checkpoint
     (pulse or full, not lightweight) that it can use: valid, or pending (committed, the
     validator had not got to it yet) and verified by the restart itself. So the candidates
     are the newest one valid at the fault and every newer one still pending then; the

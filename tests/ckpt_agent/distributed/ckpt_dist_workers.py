@@ -328,10 +328,10 @@ def fsdp_save(rank: int, world: int, out: Path, steps: int) -> None:
     from ckpt_agent.format.manifest import CheckpointMeta
     from ckpt_agent.persist.writer import CheckpointWriter
     from ckpt_agent.records import Tier
-    from ckpt_agent.runtime.distributed import Comm, TwoPhaseCommit
-    from ckpt_agent.runtime.serialization import library_versions
-    from ckpt_agent.runtime.sharded import plan_save
-    from ckpt_agent.runtime.snapshot import HostArena, take_snapshot
+    from ckpt_agent.runtime.core.serialization import library_versions
+    from ckpt_agent.runtime.core.sharded import plan_save
+    from ckpt_agent.runtime.dist.agreement import Comm, TwoPhaseCommit
+    from ckpt_agent.runtime.save.snapshot import HostArena, take_snapshot
 
     model, opt = _fsdp_model(world)
     for step in range(steps):
@@ -370,7 +370,7 @@ def fsdp_load(rank: int, world: int, out: Path, ckpt_id: str) -> None:
     """Build the same model at another world size and load the sharded checkpoint into it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from ckpt_agent.runtime.sharded import load_sharded
+    from ckpt_agent.runtime.core.sharded import load_sharded
 
     model, opt = _fsdp_model(world)
     # one step so that the optimizer has state to load into (AdamW creates it lazily)
@@ -472,7 +472,7 @@ def train_flash(rank: int, world: int, out: Path, steps: int, opts: dict[str, An
 def shm_half_write(rank: int, world: int, out: Path, shm: str) -> None:
     """Write one complete snapshot (step 1), then die (SIGKILL) in the middle of the second."""
     from ckpt_agent.records import Tier
-    from ckpt_agent.runtime.shm_writer import ShmWriter
+    from ckpt_agent.runtime.shm.writer import ShmWriter
 
     writer = ShmWriter(shm, RUN, 0)
     state = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(4096)}

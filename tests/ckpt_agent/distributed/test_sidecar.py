@@ -24,7 +24,7 @@ from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus, Tier
-from ckpt_agent.runtime.shm_writer import ShmWriter
+from ckpt_agent.runtime.shm.writer import ShmWriter
 from ckpt_agent.storage.fs import LocalStorage
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]

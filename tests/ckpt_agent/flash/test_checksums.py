@@ -19,8 +19,8 @@ from ckpt_agent.flash.checksums import (
 )
 from ckpt_agent.flash.reader import ShmReader, verify_views
 from ckpt_agent.records import Tier
-from ckpt_agent.runtime.shm_restore import copy_snapshot, regions, shm_offers
-from ckpt_agent.runtime.shm_writer import ShmWriter
+from ckpt_agent.runtime.shm.in_place import copy_snapshot, regions, shm_offers
+from ckpt_agent.runtime.shm.writer import ShmWriter
 
 RUN = "run1"
 

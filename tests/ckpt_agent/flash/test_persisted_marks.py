@@ -9,7 +9,7 @@ from pathlib import Path
 from ckpt_agent.flash.protocol import MARK_HISTORY, PersistedMark
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.runtime.flash import FlashTarget
+from ckpt_agent.runtime.shm.target import FlashTarget
 
 RUN = "run1"
 

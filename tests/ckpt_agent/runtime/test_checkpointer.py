@@ -223,7 +223,7 @@ def test_mutation_after_step_does_not_leak_into_the_checkpoint(ck_config: Config
     t.run(ckpt, 2, 4)
     ckpt.close()
     store = _store(cfg)
-    from ckpt_agent.runtime.serialization import load_tensors
+    from ckpt_agent.runtime.core.serialization import load_tensors
 
     _, manifest = read_checkpoint(store, "run1", cid)
     model = load_tensors(store, "run1", manifest).section("model")
@@ -487,7 +487,7 @@ def test_frozen_backbone_fine_tune_writes_a_small_fraction(ck_config: ConfigFact
     assert sizes[second] < 0.05 * sizes[first], sizes
     assert ckpt.metrics.value("ckpt_bytes_reused_total", {"tier": "full"}) > 0.9 * sizes[first]
     # and both restore exactly
-    from ckpt_agent.runtime.serialization import load_tensors
+    from ckpt_agent.runtime.core.serialization import load_tensors
 
     _, m = read_checkpoint(store, "run1", second)
     restored = load_tensors(store, "run1", m).section("model")

@@ -47,7 +47,7 @@ from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_checkpoint, read_commit, read_rank_manifest
 from ckpt_agent.format.statecheck import chunk_names
 from ckpt_agent.records import Json
-from ckpt_agent.runtime.serialization import dtype_name, load_entry, torch_dtype
+from ckpt_agent.runtime.core.serialization import dtype_name, load_entry, torch_dtype
 from ckpt_agent.storage.base import Storage
 
 __all__ = [

@@ -1,10 +1,11 @@
 """What the checkpointer needs from whoever persists its snapshots (:class:`Persister`).
 
-Two implementations, chosen once when the checkpointer is built:
+Two implementations, chosen once when the checkpointer is built
+(:func:`~ckpt_agent.runtime.checkpointer.make_persister`):
 
-* :class:`~ckpt_agent.runtime.local_persister.ThreadPersister` — host buffers and
+* :class:`~ckpt_agent.runtime.save.thread_persister.ThreadPersister` — host buffers and
   a persister thread in this process (plus rank 0's validator thread);
-* :class:`~ckpt_agent.runtime.shm_persister.ShmPersister` — shared memory and a
+* :class:`~ckpt_agent.runtime.shm.persister.ShmPersister` — shared memory and a
   persister process (the pod's sidecar or a local subprocess): flash checkpoints.
 """
 
@@ -13,15 +14,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from ckpt_agent.decide.scheduler import Decision
-from ckpt_agent.runtime.capture import StateCapture
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.coordination import RankGroup
-from ckpt_agent.runtime.local_persister import ThreadPersister
-from ckpt_agent.runtime.restorer import Restorer, ResumePoint
-from ckpt_agent.runtime.shm_persister import ShmPersister
-from ckpt_agent.runtime.snapshot import JobError
+from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.save.snapshot import JobError
 
-__all__ = ["JobError", "Persister", "make_persister"]
+__all__ = ["JobError", "Persister"]
 
 
 class Persister(Protocol):
@@ -67,15 +63,3 @@ class Persister(Protocol):
 
     def close(self, timeout: float | None) -> None:
         """Finish the queued work and stop."""
-
-
-def make_persister(
-    engine: Engine,
-    capture: StateCapture,
-    group: RankGroup | None,
-    approximate_threshold: float | None,
-) -> Persister:
-    """Shared memory with ``config.shm_dir`` on a writing rank, else the in-process threads."""
-    if engine.config.shm_dir and engine.ranks.writes:
-        return ShmPersister(engine, capture, group)
-    return ThreadPersister(engine, capture, group, approximate_threshold=approximate_threshold)

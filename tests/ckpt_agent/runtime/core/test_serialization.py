@@ -19,7 +19,7 @@ from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.records import Tier, checkpoint_id
-from ckpt_agent.runtime.serialization import (
+from ckpt_agent.runtime.core.serialization import (
     LiveArray,
     capture_rng,
     flatten,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckpt_agent.format import jsontree
-from ckpt_agent.runtime.inline import decode_inline, encode_inline
+from ckpt_agent.runtime.core.inline import decode_inline, encode_inline
 
 
 def test_round_trip_of_a_data_position_and_rng_like_state() -> None:

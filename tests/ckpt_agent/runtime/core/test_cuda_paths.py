@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_agent.runtime import snapshot
-from ckpt_agent.runtime.devices import cuda_devices, synchronize_copies
-from ckpt_agent.runtime.serialization import LiveArray, capture_rng, restore_rng
+from ckpt_agent.runtime.core.devices import cuda_devices, synchronize_copies
+from ckpt_agent.runtime.core.serialization import LiveArray, capture_rng, restore_rng
+from ckpt_agent.runtime.save import snapshot
 
 
 class OnGpu(torch.Tensor):

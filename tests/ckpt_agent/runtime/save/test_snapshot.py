@@ -11,7 +11,12 @@ import torch
 
 from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
 from ckpt_agent.records import Tier
-from ckpt_agent.runtime.snapshot import BackgroundWorker, HeartbeatWriter, HostArena, take_snapshot
+from ckpt_agent.runtime.save.snapshot import (
+    BackgroundWorker,
+    HeartbeatWriter,
+    HostArena,
+    take_snapshot,
+)
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.tuning import DIRECT_IO_ALIGN
 

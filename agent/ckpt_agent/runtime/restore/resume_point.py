@@ -9,7 +9,7 @@ from typing import Any
 from ckpt_agent.errors import RejectionKind
 from ckpt_agent.format.heartbeat import Heartbeat
 from ckpt_agent.records import CheckpointRecord, Lineage
-from ckpt_agent.runtime.serialization import LoadedState
+from ckpt_agent.runtime.core.serialization import LoadedState
 
 __all__ = ["Candidate", "Rejection", "ResumePoint"]
 

@@ -1,14 +1,14 @@
 """Flash checkpoints: snapshots into shared memory, a persister process does the rest.
 
-:class:`ShmPersister` is the :class:`~ckpt_agent.runtime.persister.Persister`
+:class:`ShmPersister` is the :class:`~ckpt_agent.runtime.save.persister.Persister`
 used with ``config.shm_dir`` (``CKPT_SHM_DIR``): the training thread copies
-the state into a shared-memory slot (:class:`~ckpt_agent.runtime.flash.FlashTarget`);
+the state into a shared-memory slot (:class:`~ckpt_agent.runtime.shm.target.FlashTarget`);
 the pod's sidecar — or a local subprocess — writes, validates and records it.
 Its results (persist times, commit hashes, errors: every save's) come back through
 :meth:`ShmPersister.poll`; a local persister's metrics are served by the trainer
 (:meth:`~ckpt_agent.metrics.Metrics.relay`). An in-place restart may resume straight from
 checked shared-memory snapshots, on every rank alike (:meth:`ShmPersister.resume_point`,
-:mod:`~ckpt_agent.runtime.shm_restore`).
+:mod:`~ckpt_agent.runtime.shm.in_place`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.flash.protocol import PersistedMark, read_file
 from ckpt_agent.format.manifest import lineage_to_json
 from ckpt_agent.records import Tier, checkpoint_id
-from ckpt_agent.runtime.capture import StateCapture
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.coordination import RankGroup
-from ckpt_agent.runtime.flash import FlashTarget
-from ckpt_agent.runtime.restorer import Restorer, ResumePoint
-from ckpt_agent.runtime.serialization import library_versions
-from ckpt_agent.runtime.shm_restore import InPlaceRestore
-from ckpt_agent.runtime.snapshot import JobError
+from ckpt_agent.runtime.core.capture import StateCapture
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.serialization import library_versions
+from ckpt_agent.runtime.dist.rank_group import RankGroup
+from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.save.snapshot import JobError
+from ckpt_agent.runtime.shm.in_place import InPlaceRestore
+from ckpt_agent.runtime.shm.target import FlashTarget
 
 __all__ = ["ShmPersister"]
 
@@ -36,7 +36,7 @@ CLOSE_TIMEOUT_S = 300.0
 
 
 class ShmPersister:
-    """The shared-memory :class:`~ckpt_agent.runtime.persister.Persister` (see the module doc)."""
+    """The shared-memory :class:`~ckpt_agent.runtime.save.persister.Persister` (module doc)."""
 
     def __init__(self, engine: Engine, capture: StateCapture, group: RankGroup | None) -> None:
         self.engine = engine
@@ -212,7 +212,7 @@ class ShmPersister:
         """In-place restart: every rank restores the newest save all ranks hold in shared
         memory (checked) when it is at least as new as anything in storage; None on every
         rank: resume from storage as usual (collective with several ranks;
-        :mod:`~ckpt_agent.runtime.shm_restore`)."""
+        :mod:`~ckpt_agent.runtime.shm.in_place`)."""
         rank = self.engine.ranks.rank
         areas = {rank: self.flash.reader}
         if rank != 0:

@@ -34,8 +34,8 @@ from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
 from ckpt_agent.format.layout import heartbeat_key
 from ckpt_agent.persist.writer import TensorSource
 from ckpt_agent.records import Json, Tier
-from ckpt_agent.runtime.devices import synchronize_copies
-from ckpt_agent.runtime.serialization import LiveArray, flatten, raw_bytes
+from ckpt_agent.runtime.core.devices import synchronize_copies
+from ckpt_agent.runtime.core.serialization import LiveArray, flatten, raw_bytes
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 

@@ -37,8 +37,8 @@ from ckpt_agent.flash.protocol import (
     try_flock,
 )
 from ckpt_agent.records import Json, Tier
-from ckpt_agent.runtime.devices import synchronize_copies
-from ckpt_agent.runtime.serialization import LiveArray, flatten
+from ckpt_agent.runtime.core.devices import synchronize_copies
+from ckpt_agent.runtime.core.serialization import LiveArray, flatten
 
 __all__ = ["ShmWriter"]
 

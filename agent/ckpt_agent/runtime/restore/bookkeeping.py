@@ -5,7 +5,7 @@ consumed with an audit entry), the verdicts found while resuming (validation
 records and the catalog), the retirement of checkpoints past the resume
 step (:func:`ckpt_agent.decide.lineage.superseded`), and the checkpoint report a start
 that fails leaves in the termination message (:func:`report_failed_start`). Used by
-:class:`~ckpt_agent.runtime.restorer.Restorer`.
+:class:`~ckpt_agent.runtime.restore.restorer.Restorer`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ckpt_agent.format.manifest import ValidationRecord
 from ckpt_agent.format.readers import read_capped
 from ckpt_agent.persist.housekeeping import append_audit, who
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
-from ckpt_agent.runtime.context import Engine
+from ckpt_agent.runtime.core.context import Engine
 
 __all__ = [
     "consume_recover_request",

@@ -24,9 +24,9 @@ from typing import Literal
 from ckpt_agent import tuning
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.errors import PersistError, RetryableError
-from ckpt_agent.runtime.capture import StateCapture
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.persister import Persister
+from ckpt_agent.runtime.core.capture import StateCapture
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.save.persister import Persister
 
 __all__ = ["SavePath"]
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class SavePath:
-    """Hands due saves to the :class:`~ckpt_agent.runtime.persister.Persister` (module doc)."""
+    """Hands due saves to the :class:`~ckpt_agent.runtime.save.persister.Persister` (module doc)."""
 
     def __init__(
         self,

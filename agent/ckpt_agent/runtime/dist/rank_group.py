@@ -1,4 +1,4 @@
-"""Several ranks: the checkpointer's glue to :mod:`ckpt_agent.runtime.distributed`.
+"""Several ranks: the checkpointer's glue to :mod:`ckpt_agent.runtime.dist.agreement`.
 
 :class:`RankGroup` creates the agent's own gloo groups (a control group for
 the per-step agreement and broadcasts, a commit group for the two-phase
@@ -6,7 +6,7 @@ commit), runs the per-step agreement, and lets rank 0 choose the resume point
 that every rank then restores (with rank 0's resume lineage). An in-place
 restart from shared memory agrees over the same control group
 (:meth:`RankGroup.gather`, :meth:`RankGroup.broadcast_tensor`;
-:mod:`~ckpt_agent.runtime.shm_restore`).
+:mod:`~ckpt_agent.runtime.shm.in_place`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from ckpt_agent.decide.scheduler import SystemSignals
 from ckpt_agent.errors import CheckpointError, ResumeError
 from ckpt_agent.format.manifest import lineage_from_json, lineage_to_json
 from ckpt_agent.records import Json
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.distributed import Agreed, Comm, DecisionAgreement, LocalSignals
-from ckpt_agent.runtime.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.dist.agreement import Agreed, Comm, DecisionAgreement, LocalSignals
+from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
 
 __all__ = ["RankGroup"]
 

@@ -1,6 +1,6 @@
 """The trainer's side of flash checkpoints: snapshot into shared memory, a persister does the rest.
 
-:class:`FlashTarget` owns this rank's :class:`~ckpt_agent.runtime.shm_writer.ShmWriter` and
+:class:`FlashTarget` owns this rank's :class:`~ckpt_agent.runtime.shm.writer.ShmWriter` and
 makes sure a persister serves it: the pod's sidecar container (the operator
 injects it when ``spec.agent.sidecar`` is true) or, for a local run, a
 subprocess ``python -m ckpt_agent.cli sidecar --exit-with-trainer`` started in
@@ -11,7 +11,7 @@ The engine (:class:`~ckpt_agent.runtime.checkpointer.Checkpointer`) calls :meth:
 instead of copying into host buffers, reads the persister's results with
 :meth:`poll` (errors, commit hashes, persist times for the scheduler: every save's), and
 waits with :meth:`wait` where it used to wait for its persister thread. An
-in-place restart reads the areas back (:mod:`~ckpt_agent.runtime.shm_restore`).
+in-place restart reads the areas back (:mod:`~ckpt_agent.runtime.shm.in_place`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ckpt_agent.flash.protocol import DEFAULT_SLOTS, Descriptor, PersistedMark, 
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import Json, Tier
-from ckpt_agent.runtime.shm_writer import ShmWriter
+from ckpt_agent.runtime.shm.writer import ShmWriter
 
 __all__ = ["FlashTarget"]
 

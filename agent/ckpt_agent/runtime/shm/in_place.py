@@ -43,11 +43,11 @@ from ckpt_agent.flash.reader import ShmReader, ShmSnapshot, verify_views
 from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, TensorEntry, lineage_from_json
 from ckpt_agent.format.parallel_read import restore_workers
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.coordination import RankGroup
-from ckpt_agent.runtime.restorer import Candidate, Restorer
-from ckpt_agent.runtime.resume_point import ResumePoint
-from ckpt_agent.runtime.serialization import LoadedState, torch_dtype
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.serialization import LoadedState, torch_dtype
+from ckpt_agent.runtime.dist.rank_group import RankGroup
+from ckpt_agent.runtime.restore.restorer import Candidate, Restorer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.storage.memory import populate
 from ckpt_agent.tuning import CHUNK_BYTES
 

@@ -8,8 +8,8 @@ import torch
 
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.persist.validate import compare_meta
-from ckpt_agent.runtime.serialization import dtype_name
-from ckpt_agent.runtime.sharded import sharded_compat
+from ckpt_agent.runtime.core.serialization import dtype_name
+from ckpt_agent.runtime.core.sharded import sharded_compat
 
 __all__ = ["compat_problems", "live_meta"]
 

@@ -1,7 +1,7 @@
 """Restore through the parallel, in-place reader: bit-exact, nothing applied before verified.
 
-``Checkpointer.start()`` → :class:`~ckpt_agent.runtime.restorer.Restorer` →
-:func:`~ckpt_agent.runtime.serialization.load_tensors` →
+``Checkpointer.start()`` → :class:`~ckpt_agent.runtime.restore.restorer.Restorer` →
+:func:`~ckpt_agent.runtime.core.serialization.load_tensors` →
 :func:`~ckpt_agent.format.parallel_read.read_into`.
 """
 
@@ -21,8 +21,8 @@ from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus
-from ckpt_agent.runtime import restorer
 from ckpt_agent.runtime.checkpointer import Checkpointer, ResumeError
+from ckpt_agent.runtime.restore import restorer
 from ckpt_agent.storage.fs import LocalStorage
 
 ConfigFactory = Callable[..., AgentConfig]

@@ -38,8 +38,8 @@ from ckpt_agent.metrics import DecisionLog, Metrics
 from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Lineage, Tier
-from ckpt_agent.runtime.sharded import is_dtensor
-from ckpt_agent.runtime.tensorboard import ScalarWriter, TensorBoard
+from ckpt_agent.runtime.core.sharded import is_dtensor
+from ckpt_agent.runtime.core.tensorboard import ScalarWriter, TensorBoard
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
 
@@ -85,11 +85,11 @@ class Ranks:
     world_size: int
     distributed: bool
     """Several ranks with torch.distributed: agreed decisions, every rank writes its part,
-    two-phase commit (:mod:`ckpt_agent.runtime.distributed`). Without an initialized process
+    two-phase commit (:mod:`ckpt_agent.runtime.dist.agreement`). Without an initialized process
     group, rank 0 writes the (replicated) state alone."""
     sharded: bool
     """FSDP2/DTensor state: every rank writes its own shards, planned by DCP
-    (:mod:`ckpt_agent.runtime.sharded`); a resume may use another world size."""
+    (:mod:`ckpt_agent.runtime.core.sharded`); a resume may use another world size."""
 
     @property
     def coordinator(self) -> bool:

@@ -17,7 +17,7 @@ from ckpt_agent.format import jsontree
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE, TENSOR_MAX_DIMS
 from ckpt_agent.format.statecheck import scalar_value
 from ckpt_agent.records import Json
-from ckpt_agent.runtime.serialization import dtype_name, torch_dtype
+from ckpt_agent.runtime.core.serialization import dtype_name, torch_dtype
 
 __all__ = ["decode_inline", "encode_inline"]
 

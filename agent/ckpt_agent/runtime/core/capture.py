@@ -2,8 +2,8 @@
 
 :class:`StateCapture` holds the model, optimizer, scheduler, scaler, data
 position and training configuration and turns them into the sections of a
-snapshot (:meth:`~StateCapture.sections`); :mod:`ckpt_agent.runtime.snapshot`
-copies those into host buffers, :mod:`ckpt_agent.runtime.flash` into shared
+snapshot (:meth:`~StateCapture.sections`); :mod:`ckpt_agent.runtime.save.snapshot`
+copies those into host buffers, :mod:`ckpt_agent.runtime.shm.target` into shared
 memory.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ckpt_agent.records import Tier
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.serialization import capture_rng
-from ckpt_agent.runtime.sharded import plan_save, sharded_state
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.serialization import capture_rng
+from ckpt_agent.runtime.core.sharded import plan_save, sharded_state
 
 __all__ = ["TRAIN_CONFIG_FILE", "StateCapture", "encode_train_config"]
 

@@ -16,15 +16,15 @@ choice on the other ranks):
 
 Every rejected candidate carries a :class:`Rejection` with its
 :class:`~ckpt_agent.errors.RejectionKind`: anything a candidate raises while it
-is read, decoded, checked (:mod:`~ckpt_agent.runtime.preflight`, before anything
+is read, decoded, checked (:mod:`~ckpt_agent.runtime.restore.preflight`, before anything
 is applied) or applied is a rejection, never a crash; checkpoints past the resume step are
 marked superseded (:meth:`Restorer.restore`); the lineage the new checkpoints
 carry is the engine's ``lineage``. A start that fails leaves its verdicts in the
 termination-message report first (after a failed pin: the ladder's next candidates
-probed too, :func:`~ckpt_agent.runtime.resume_records.report_failed_start`). What a
+probed too, :func:`~ckpt_agent.runtime.restore.bookkeeping.report_failed_start`). What a
 resume reads and writes in storage besides the checkpoint (``RECOVER.json``, verdicts,
-retirements) is in :mod:`~ckpt_agent.runtime.resume_records`; :class:`ResumePoint` and the candidate
-types in :mod:`~ckpt_agent.runtime.resume_point`.
+retirements) is in :mod:`~ckpt_agent.runtime.restore.bookkeeping`; :class:`ResumePoint` and
+the candidate types in :mod:`~ckpt_agent.runtime.restore.resume_point`.
 """
 
 from __future__ import annotations
@@ -57,11 +57,20 @@ from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_checkpoint, read_rank_manifest
 from ckpt_agent.format.statecheck import check_state
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Lineage, Tier
-from ckpt_agent.runtime.capture import TRAIN_CONFIG_FILE, StateCapture
-from ckpt_agent.runtime.compat import compat_problems
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.inline import decode_inline
-from ckpt_agent.runtime.preflight import (
+from ckpt_agent.runtime.core.capture import TRAIN_CONFIG_FILE, StateCapture
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.inline import decode_inline
+from ckpt_agent.runtime.core.serialization import LoadedState, load_tensors, restore_rng
+from ckpt_agent.runtime.core.sharded import restore_sharded
+from ckpt_agent.runtime.restore.bookkeeping import (
+    consume_recover_request,
+    read_recover_request,
+    record_verdict,
+    report_failed_start,
+    retire_newer,
+)
+from ckpt_agent.runtime.restore.compat import compat_problems
+from ckpt_agent.runtime.restore.preflight import (
     LiveState,
     as_rejection,
     check_budget,
@@ -70,16 +79,7 @@ from ckpt_agent.runtime.preflight import (
     memory_budget,
     rejection_kind,
 )
-from ckpt_agent.runtime.resume_point import Candidate, Rejection, ResumePoint
-from ckpt_agent.runtime.resume_records import (
-    consume_recover_request,
-    read_recover_request,
-    record_verdict,
-    report_failed_start,
-    retire_newer,
-)
-from ckpt_agent.runtime.serialization import LoadedState, load_tensors, restore_rng
-from ckpt_agent.runtime.sharded import restore_sharded
+from ckpt_agent.runtime.restore.resume_point import Candidate, Rejection, ResumePoint
 from ckpt_agent.tuning import (
     MAX_PENDING_PROMOTIONS,
     RESTORE_READ_ATTEMPTS,

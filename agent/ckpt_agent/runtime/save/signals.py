@@ -9,7 +9,7 @@ higher failure hazard, a shorter pulse interval) until the operator clears it.
 When asked, it installs a SIGTERM handler that only sets a flag — the training
 thread acts on it at the next step.
 :class:`Heartbeats` writes the heartbeat ring (step, data position, RNG) in
-the background (:class:`~ckpt_agent.runtime.snapshot.HeartbeatWriter`).
+the background (:class:`~ckpt_agent.runtime.save.snapshot.HeartbeatWriter`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
 from ckpt_agent.format.signal import KIND_CLEAR, KIND_WARNING, Signal, parse_signal
-from ckpt_agent.runtime.capture import StateCapture
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.inline import encode_inline
-from ckpt_agent.runtime.serialization import capture_rng
-from ckpt_agent.runtime.snapshot import HeartbeatWriter
+from ckpt_agent.runtime.core.capture import StateCapture
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.inline import encode_inline
+from ckpt_agent.runtime.core.serialization import capture_rng
+from ckpt_agent.runtime.save.snapshot import HeartbeatWriter
 
 __all__ = ["Heartbeats", "SignalWatch"]
 

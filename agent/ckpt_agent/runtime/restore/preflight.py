@@ -1,6 +1,6 @@
 """Before a candidate checkpoint touches the live objects: decode all of it, check it fits.
 
-:class:`~ckpt_agent.runtime.restorer.Restorer` applies a checkpoint with the
+:class:`~ckpt_agent.runtime.restore.restorer.Restorer` applies a checkpoint with the
 live objects' own ``load_state_dict``; several of those mutate as they go
 (``Module.load_state_dict`` copies every matching tensor before it complains
 about the others, ``GradScaler`` sets field after field). So a candidate is
@@ -44,9 +44,9 @@ from ckpt_agent.errors import (
 )
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.statecheck import check_state
-from ckpt_agent.runtime.capture import StateCapture
-from ckpt_agent.runtime.inline import decode_inline
-from ckpt_agent.runtime.serialization import LoadedState, check_rng_live
+from ckpt_agent.runtime.core.capture import StateCapture
+from ckpt_agent.runtime.core.inline import decode_inline
+from ckpt_agent.runtime.core.serialization import LoadedState, check_rng_live
 
 __all__ = [
     "LiveState",

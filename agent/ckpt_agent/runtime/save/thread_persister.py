@@ -1,7 +1,7 @@
 """In-process persisting: host-buffer snapshots, a persister thread, rank 0's validator thread.
 
 :class:`ThreadPersister` copies the state into reusable host buffers
-(:mod:`ckpt_agent.runtime.snapshot`) on the training thread, then its
+(:mod:`ckpt_agent.runtime.save.snapshot`) on the training thread, then its
 persister thread chunks, hashes, de-duplicates, compresses and writes it and
 publishes the manifest and the ``COMMIT`` (:mod:`ckpt_agent.persist.writer`;
 with several ranks through the two-phase commit). On rank 0 a validator
@@ -20,13 +20,13 @@ from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
-from ckpt_agent.runtime.capture import StateCapture
-from ckpt_agent.runtime.context import Engine
-from ckpt_agent.runtime.coordination import RankGroup
-from ckpt_agent.runtime.distributed import TwoPhaseCommit
-from ckpt_agent.runtime.restorer import Restorer, ResumePoint
-from ckpt_agent.runtime.serialization import library_versions
-from ckpt_agent.runtime.snapshot import (
+from ckpt_agent.runtime.core.capture import StateCapture
+from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.serialization import library_versions
+from ckpt_agent.runtime.dist.agreement import TwoPhaseCommit
+from ckpt_agent.runtime.dist.rank_group import RankGroup
+from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.save.snapshot import (
     BackgroundWorker,
     HostArena,
     JobError,
@@ -46,7 +46,7 @@ class _PersistJob:
 
 
 class ThreadPersister:
-    """The in-process :class:`~ckpt_agent.runtime.persister.Persister` (see the module doc)."""
+    """The in-process :class:`~ckpt_agent.runtime.save.persister.Persister` (see the module doc)."""
 
     def __init__(
         self,
