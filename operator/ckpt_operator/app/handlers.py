@@ -370,6 +370,7 @@ async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: P
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         deps.reported_pods.discard(uid)
         deps.agents_serving.pop(uid, None)
+        deps.agents_refused.pop(uid, None)
         return
     index.upsert(pod)
     await report_unprotected(deps, pod)

@@ -156,11 +156,21 @@ async def _blind_verdict(
             return await deps.probe(*target, PROBE_TIMEOUT_S)
 
     results = await asyncio.gather(*(probe(target) for _, target in todo))
+    refused_since: dict[str, float] = {}
     for (pod, _), result in zip(todo, results, strict=True):
         meta = pod["metadata"]
+        uid, count = str(meta.get("uid")), restarts(pod)
         probes[str(meta["name"])] = result
+        if result.presence is Presence.ABSENT:
+            # a refusal proves absence only once the same processes refused for a deadline
+            first = deps.agents_refused.get(uid)
+            since = first[1] if first is not None and first[0] == count else now
+            deps.agents_refused[uid] = (count, since)
+            refused_since[str(meta["name"])] = since
+            continue
+        deps.agents_refused.pop(uid, None)  # any other answer starts the suspicion over
         if result.presence is Presence.SERVING:
-            deps.agents_serving[str(meta.get("uid"))] = restarts(pod)
-        elif result.presence is Presence.UNKNOWN:
+            deps.agents_serving[uid] = count
+        else:
             log.debug("agent probe of pod %s: no verdict (%s)", meta["name"], result.detail)
-    return unreported_pods(pods, reported, now, deadline_s, probes)
+    return unreported_pods(pods, reported, now, deadline_s, probes, refused_since)

@@ -76,6 +76,10 @@ class Deps:
     agents_serving: dict[str, int] = field(default_factory=dict)
     """Pod uid → its containers' restart count when its agent answered a probe: not probed
     again until a container restarts (dropped when the pod is deleted)."""
+    agents_refused: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Pod uid → (its containers' restart count, when its agent port first refused) while
+    every probe of the same processes since was refused: a refusal proves absence only once
+    it has lasted a report deadline (dropped on any other answer and when the pod goes)."""
     admission_api: KubeApi | None = None
     """The API client the webhook falls back to on a cache miss (its own worker threads,
     so admission never waits behind reconciliation); None: ``api``."""

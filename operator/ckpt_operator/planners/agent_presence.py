@@ -16,6 +16,15 @@ agent writes its checkpoint report at ``start()`` into the termination message, 
 kubelet shows once a container has ended. :func:`unreported_pods` flags running pods
 without a report whose port refused the probe, or whose containers ended at least once
 (restarted in place) while the probe could not tell; a pod whose agent answers is fine.
+
+What a refusal proves: only that nothing listened at that moment. A process that is
+still starting (a large image just pulled, torch imported on a loaded node, a model
+built before ``start()``) refuses too. So the deadline counts from the start of the
+pod's current processes (the newest running container's ``startedAt``, not the pod's
+``startTime``, which precedes the image pull), and a refusal is proof of absence only
+when the same processes have never answered and their port has refused on every probe
+for at least one more deadline (``refused_since``): the agent had the deadline to come
+up, then the deadline again while the operator already suspected it.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ __all__ = [
     "SilentPod",
     "overdue_unreported",
     "probe_target",
+    "processes_started",
     "restarts",
     "running_injected_pods",
     "silent_pods",
@@ -56,7 +66,8 @@ class Presence(StrEnum):
     SERVING = "serving"
     """The agent's metrics answered."""
     ABSENT = "absent"
-    """The pod refused the connection: nothing listens on the agent's port."""
+    """The pod refused the connection: nothing listens on the agent's port (now: proof of
+    absence only once refusals span a deadline, :func:`unreported_pods`)."""
     UNKNOWN = "unknown"
     """No verdict: a timeout, an unreachable pod, something else on the port."""
 
@@ -136,12 +147,10 @@ def running_injected_pods(
 def _overdue(
     pod: Mapping[str, Any], now: float, deadline_s: float
 ) -> tuple[SilentPod, float] | None:
-    """The pod as a :class:`SilentPod` and its start, when it has a run id and has run
-    for at least ``deadline_s``; else None."""
+    """The pod as a :class:`SilentPod` and its start, when it has a run id and its current
+    processes have run for at least ``deadline_s`` (:func:`processes_started`); else None."""
     meta = pod.get("metadata") or {}
-    started = parse_time((pod.get("status") or {}).get("startTime")) or parse_time(
-        meta.get("creationTimestamp")
-    )
+    started = processes_started(pod)
     run_id = (meta.get("annotations") or {}).get(c.ANN_RUN_ID)
     if deadline_s <= 0 or started is None or not run_id or now - started < deadline_s:
         return None
@@ -149,6 +158,25 @@ def _overdue(
     kind, job = owner if owner is not None else (PYTORCHJOB, "")
     silent = SilentPod(str(meta.get("name")), job, str(run_id), now - started, kind)
     return silent, started
+
+
+def processes_started(pod: Mapping[str, Any]) -> float | None:
+    """When the pod's current processes started: the newest ``state.running.startedAt`` of
+    its containers (the kubelet sets it once the image is there and the process runs; a
+    container restarted in place is a new process), else the pod's ``startTime``, else its
+    creation; None when it has none of them."""
+    status = pod.get("status") or {}
+    running = [
+        t
+        for cs in status.get("containerStatuses") or ()
+        if (t := parse_time(((cs.get("state") or {}).get("running") or {}).get("startedAt")))
+        is not None
+    ]
+    if running:
+        return max(running)
+    return parse_time(status.get("startTime")) or parse_time(
+        (pod.get("metadata") or {}).get("creationTimestamp")
+    )
 
 
 def silent_pods(
@@ -204,11 +232,14 @@ def unreported_pods(
     now: float,
     deadline_s: float,
     probes: Mapping[str, ProbeResult] | None = None,
+    refused_since: Mapping[str, float] | None = None,
 ) -> list[SilentPod]:
-    """For storage the operator cannot read: pods running for longer than ``deadline_s``
-    without a checkpoint report (``reported``: the names of the pods that did) whose
-    agent port refused the probe (``probes`` by pod name), or whose containers ended at
-    least once while the probe could not tell. A pod whose agent serves is never silent."""
+    """For storage the operator cannot read: pods whose current processes have run for
+    longer than ``deadline_s`` without a checkpoint report (``reported``: the names of the
+    pods that did) whose agent port has refused the probe (``probes`` by pod name) on every
+    probe since ``refused_since[pod]`` (the first refusal of the same processes; none:
+    this one) and that for ``deadline_s`` at least, or whose containers ended at least once
+    while the probe could not tell. A pod whose agent serves is never silent."""
     out: list[SilentPod] = []
     for pod in pods:
         overdue = _overdue(pod, now, deadline_s)
@@ -216,7 +247,13 @@ def unreported_pods(
             continue
         probe = (probes or {}).get(overdue[0].pod)
         presence = probe.presence if probe is not None else Presence.UNKNOWN
-        if presence is Presence.ABSENT or (presence is Presence.UNKNOWN and _ended_once(pod)):
+        if presence is Presence.ABSENT:
+            refusing_s = now - (refused_since or {}).get(overdue[0].pod, now)
+            if refusing_s >= deadline_s:
+                assert probe is not None
+                evidence = f"{probe.detail} on every probe for {refusing_s:.0f}s"
+                out.append(replace(overdue[0], evidence=evidence))
+        elif presence is Presence.UNKNOWN and _ended_once(pod):
             evidence = "" if probe is None else probe.detail
             out.append(replace(overdue[0], evidence=evidence))
     return out

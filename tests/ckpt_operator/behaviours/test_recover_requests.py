@@ -38,6 +38,7 @@ from ckpt_operator.planners.agent_presence import (
     Presence,
     ProbeResult,
     probe_target,
+    processes_started,
     silent_pods,
     unreported_pods,
 )
@@ -384,15 +385,50 @@ def test_unreported_pods_with_probes() -> None:
     absent = {"p": ProbeResult(Presence.ABSENT, "10.0.0.5:9400 refused the connection")}
     serving = {"p": ProbeResult(Presence.SERVING, "the agent serves 10.0.0.5:9400")}
     unknown = {"p": ProbeResult(Presence.UNKNOWN, "10.0.0.5:9400 did not answer within 2s")}
-    silent = unreported_pods([pod], set(), t0 + 400, 300, absent)
-    assert [(s.pod, s.evidence) for s in silent] == [("p", "10.0.0.5:9400 refused the connection")]
-    assert unreported_pods([pod], set(), t0 + 100, 300, absent) == []  # before the deadline
-    assert unreported_pods([pod], {"p"}, t0 + 400, 300, absent) == []  # it reported
+    # a first refusal is a suspicion (the process may still be starting) ...
+    assert unreported_pods([pod], set(), t0 + 400, 300, absent) == []
+    assert unreported_pods([pod], set(), t0 + 400, 300, absent, {"p": t0 + 101}) == []
+    # ... proof once every probe of the same processes refused for a deadline
+    silent = unreported_pods([pod], set(), t0 + 400, 300, absent, {"p": t0 + 100})
+    assert [(s.pod, s.evidence) for s in silent] == [
+        ("p", "10.0.0.5:9400 refused the connection on every probe for 300s")
+    ]
+    since = {"p": t0 - 500}
+    assert unreported_pods([pod], set(), t0 + 100, 300, absent, since) == []  # before deadline
+    assert unreported_pods([pod], {"p"}, t0 + 400, 300, absent, since) == []  # it reported
     assert unreported_pods([pod], set(), t0 + 400, 300, unknown) == []  # never ended
     assert unreported_pods([pod], set(), t0 + 400, 300, serving) == []
     _ended(pod, "")
     assert unreported_pods([pod], set(), t0 + 400, 300, serving) == []  # restarted, agent up
     assert [s.pod for s in unreported_pods([pod], set(), t0 + 400, 300, unknown)] == ["p"]
+
+
+def test_the_deadline_counts_from_the_processes_start_not_the_pods() -> None:
+    """The pod's startTime precedes the image pull: a container that started late (or
+    restarted in place) has its own deadline, from its state.running.startedAt."""
+    pod = {
+        "metadata": {"name": "p", "annotations": {c.ANN_RUN_ID: "r"}, "labels": {}},
+        "status": {
+            "phase": "Running",
+            "startTime": "2024-05-02T11:00:00Z",
+            "containerStatuses": [
+                {"name": "sidecar", "state": {"running": {"startedAt": "2024-05-02T11:00:05Z"}}},
+                {"name": "pytorch", "state": {"running": {"startedAt": "2024-05-02T11:04:00Z"}}},
+            ],
+        },
+    }
+    t0 = parse_time("2024-05-02T11:00:00Z") or 0.0
+    assert processes_started(pod) == t0 + 240
+    absent = {"p": ProbeResult(Presence.ABSENT, "10.0.0.5:9400 refused the connection")}
+    long_ago = {"p": t0 - 10_000}
+    assert unreported_pods([pod], set(), t0 + 400, 300, absent, long_ago) == []  # ran 160 s
+    assert [s.pod for s in unreported_pods([pod], set(), t0 + 540, 300, absent, long_ago)] == ["p"]
+    assert silent_pods([pod], {"r": []}, t0 + 400, 300) == []
+    # heartbeats of the process before a restart in place say nothing about this one
+    assert [s.pod for s in silent_pods([pod], {"r": [t0 + 100]}, t0 + 540, 300)] == ["p"]
+    del pod["status"]["containerStatuses"]
+    assert processes_started(pod) == t0  # no container status yet: the pod's start
+    assert processes_started({"metadata": {}}) is None
 
 
 def test_probe_target() -> None:
@@ -433,24 +469,40 @@ def test_agent_missing_blind_probes_the_running_pod(world: Any, fixture: Any) ->
     assert run(check_agents(world.deps, policy)) == []  # not past the deadline: not probed
     assert probed == []
     world.clock.now += 500
-    assert run(check_agents(world.deps, policy)) == ["mnist-ddp-worker-0"]
+    # refused once: the process may still be starting (a loaded node), no verdict yet
+    assert run(check_agents(world.deps, policy)) == []
     assert probed == [("10.0.0.5", 9400)]
+    world.clock.now += 100  # refused again, but not for a whole deadline (300 s) yet
+    assert run(check_agents(world.deps, policy)) == [] and len(probed) == 2
+    presence[0] = Presence.UNKNOWN  # no verdict in between: the suspicion starts over
+    world.clock.now += 100
+    assert run(check_agents(world.deps, policy)) == [] and len(probed) == 3
+    presence[0] = Presence.ABSENT
+    world.clock.now += 100
+    assert run(check_agents(world.deps, policy)) == [] and len(probed) == 4
+    world.clock.now += 300  # every probe for a deadline refused: proof
+    assert run(check_agents(world.deps, policy)) == ["mnist-ddp-worker-0"]
+    assert len(probed) == 5
     warnings = [e for e in world.events.events if e.reason == "AgentMissing"]
-    assert len(warnings) == 1 and "10.0.0.5:9400 says absent" in warnings[0].message
+    assert len(warnings) == 1
+    assert "10.0.0.5:9400 says absent on every probe for 300s" in warnings[0].message
     presence[0] = Presence.SERVING
     policy = world.api.policies[("ml-team", "llm-finetune")]
     assert run(check_agents(world.deps, policy)) == []
     conditions = world.api.policies[("ml-team", "llm-finetune")]["status"]["conditions"]
     assert next(x for x in conditions if x["type"] == "AgentReporting")["status"] == "True"
-    assert len(probed) == 2
+    assert len(probed) == 6
     presence[0] = Presence.ABSENT  # answered once: not probed again while nothing restarted
-    assert run(check_agents(world.deps, policy)) == [] and len(probed) == 2
+    world.clock.now += 600
+    assert run(check_agents(world.deps, policy)) == [] and len(probed) == 6
     stored = world.api.pods[("ml-team", "mnist-ddp-worker-0")]
     stored["status"]["containerStatuses"] = [
         {"name": "pytorch", "restartCount": 1, "state": {"running": {}}}
-    ]  # a new process (no report in lastState): probed again
+    ]  # a new process (no report in lastState): probed again, suspected anew
+    assert run(check_agents(world.deps, policy)) == [] and len(probed) == 7
+    world.clock.now += 300
     assert run(check_agents(world.deps, policy)) == ["mnist-ddp-worker-0"]
-    assert len(probed) == 3
+    assert len(probed) == 8
 
 
 def test_agent_missing_blind_uses_the_pods_reports(world: Any, fixture: Any) -> None:
