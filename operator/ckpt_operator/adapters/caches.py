@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 
 __all__ = ["Key", "ObjectCache", "PodIndex", "key_of", "lean"]
 
@@ -37,8 +38,8 @@ Stored = bytes | Obj
 
 def key_of(obj: Mapping[str, Any]) -> Key:
     """``(namespace, name)`` of an object."""
-    meta = obj.get("metadata") or {}
-    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+    meta = meta_of(obj)
+    return str(meta.namespace or ""), str(meta.name or "")
 
 
 def lean(obj: Mapping[str, Any]) -> Obj:
@@ -64,7 +65,7 @@ def _unpack(stored: Stored) -> Obj:
 
 def _resource_version(obj: Mapping[str, Any]) -> int:
     try:
-        return int(str((obj.get("metadata") or {}).get("resourceVersion") or 0))
+        return int(str(meta_of(obj).resource_version or 0))
     except ValueError:
         return 0
 
@@ -106,11 +107,11 @@ class PodIndex:
         return sum(len(pods) for pods in self._by_job.values())
 
     def _job_key(self, pod: Mapping[str, Any]) -> Key | None:
-        meta = pod.get("metadata") or {}
-        job = (meta.get("labels") or {}).get(self._label)
+        meta = meta_of(pod)
+        job = meta.labels.get(self._label)
         if not job:
             return None
-        return str(meta.get("namespace") or ""), str(job)
+        return str(meta.namespace or ""), str(job)
 
     def upsert(self, pod: Mapping[str, Any]) -> None:
         key = self._job_key(pod)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
+from ckpt_operator.model.bodies import meta_of
+
 __all__ = [
     "EventSink",
     "EventType",
@@ -40,8 +42,8 @@ class EventSink(Protocol):
 
 
 def _ref(obj: Mapping[str, Any]) -> str:
-    meta = obj.get("metadata") or {}
-    return f"{obj.get('kind', '?')}/{meta.get('namespace', '')}/{meta.get('name', '')}"
+    meta = meta_of(obj)
+    return f"{obj.get('kind', '?')}/{(meta.namespace or '')}/{(meta.name or '')}"
 
 
 def build_event(
@@ -54,20 +56,20 @@ def build_event(
     now: _dt.datetime | None = None,
 ) -> dict[str, Any]:
     """A core/v1 Event about ``obj`` (in its namespace; ``default`` for cluster objects)."""
-    meta = obj.get("metadata") or {}
-    namespace = str(meta.get("namespace") or "default")
+    meta = meta_of(obj)
+    namespace = str(meta.namespace or "default")
     stamp = (now or _dt.datetime.now(_dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     ref = {
         "apiVersion": obj.get("apiVersion"),
         "kind": obj.get("kind"),
-        "name": meta.get("name"),
-        "namespace": meta.get("namespace"),
-        "uid": meta.get("uid"),
+        "name": meta.name,
+        "namespace": meta.namespace,
+        "uid": meta.uid,
     }
     return {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
+        "metadata": {"generateName": f"{meta.name}.", "namespace": namespace},
         "involvedObject": {k: v for k, v in ref.items() if v},
         "type": type_,
         "reason": reason,
@@ -108,8 +110,8 @@ class KopfEvents:
             message,
             extra={"event_reason": reason, "event_type": type_, "object": _ref(obj)},
         )
-        meta = obj.get("metadata") or {}
-        if not meta.get("name") or not meta.get("uid"):
+        meta = meta_of(obj)
+        if not meta.name or not meta.uid:
             return  # not persisted yet (a pod under admission): the log line is all we can do
         # kopf truncates long messages itself; keep ours readable anyway.
         try:

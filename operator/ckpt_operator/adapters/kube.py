@@ -27,6 +27,7 @@ from typing import Any, Final, Protocol, cast
 
 from ckpt_operator.kinds.kind import JobKind
 from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
+from ckpt_operator.model.bodies import continue_token, meta_of
 
 __all__ = [
     "ApiError",
@@ -286,7 +287,7 @@ class KubernetesApi:
                 ),
             )
             items += page.get("items") or []
-            token = (page.get("metadata") or {}).get("continue")
+            token = continue_token(page)
             if not token:
                 return items
 
@@ -395,7 +396,7 @@ class KubernetesApi:
                 item.setdefault("apiVersion", "v1")
                 item.setdefault("kind", "Pod")
                 items.append(item)
-            token = (page.get("metadata") or {}).get("continue")
+            token = continue_token(page)
             if not token:
                 return items
 
@@ -423,7 +424,7 @@ class KubernetesApi:
     def post_event(self, body: Obj) -> None:
         """Create a core/v1 Event (blocking; see
         :class:`ckpt_operator.adapters.events.KopfEvents`)."""
-        namespace = str((body.get("metadata") or {}).get("namespace") or "default")
+        namespace = str(meta_of(body).namespace or "default")
         # the created Event is not decoded (the client's models cost more than the post);
         # a refusal still raises, an answer is read to free its connection
         answer: Any = self._core.create_namespaced_event(

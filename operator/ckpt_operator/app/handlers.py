@@ -63,6 +63,7 @@ from ckpt_operator.behaviours.retention import reconcile_retention
 from ckpt_operator.kinds.registry import TRAINJOB
 from ckpt_operator.kinds.trainjob import add_inject_patch, jobset_trainjob, pod_ended_at
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, apply_patch_in_place
 
 __all__ = ["EVENT_ONLY_KINDS", "DiffBaseForChanges", "Runtime", "make_runtime", "register"]
@@ -191,10 +192,10 @@ async def on_policy(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 async def on_policy_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     rt = _rt(memo)
-    meta = body.get("metadata") or {}
+    meta = meta_of(body)
     if type == "DELETED":
-        rt.retention.remove(str(meta.get("namespace")), str(meta.get("name")))
-        rt.deps.policies.remove(str(meta.get("namespace")), str(meta.get("name")))
+        rt.retention.remove(str(meta.namespace), str(meta.name))
+        rt.deps.policies.remove(str(meta.namespace), str(meta.name))
     else:
         rt.retention.upsert(_raw(body))
         rt.deps.policies.upsert(_raw(body))
@@ -235,7 +236,7 @@ async def on_mutate_pod(
     **_: Any,
 ) -> None:
     pod = _raw(body)
-    namespace = str((pod.get("metadata") or {}).get("namespace") or "")
+    namespace = str(meta_of(pod).namespace or "")
     deps = _rt(memo).deps
     budget = deps.config.webhook.budget_s
     try:
@@ -303,8 +304,8 @@ async def _track_job(
     observe: Callable[[dict[str, Any]], Awaitable[bool]],
 ) -> None:
     """An opted-in job's watch event: its cache entry, bookkeeping, recovery when due."""
-    meta = job.get("metadata") or {}
-    ns, name = str(meta.get("namespace")), str(meta.get("name"))
+    meta = meta_of(job)
+    ns, name = str(meta.namespace), str(meta.name)
     if type == "DELETED":
         scheduler.cancel(ns, name)
         cache.remove(ns, name)
@@ -328,8 +329,8 @@ async def on_trainjob_event(type: str | None, body: kopf.Body, memo: kopf.Memo, 
     trainjob = _raw(body)
     await _track_job(type, trainjob, rt.deps.trainjobs, rt.trainjob_recovery, observe)
     if type == "DELETED":
-        meta = trainjob.get("metadata") or {}
-        rt.deps.attempts_seen.pop((str(meta.get("namespace")), str(meta.get("name"))), None)
+        meta = meta_of(trainjob)
+        rt.deps.attempts_seen.pop((str(meta.namespace), str(meta.name)), None)
         rt.memory.evicted()
 
 
@@ -337,8 +338,8 @@ async def on_jobset_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **
     """A TrainJob's JobSet: its ``status.restarts`` is the restart attempt to plan."""
     rt = _rt(memo)
     jobset = _raw(body)
-    meta = jobset.get("metadata") or {}
-    ns, name = str(meta.get("namespace")), str(meta.get("name"))
+    meta = meta_of(jobset)
+    ns, name = str(meta.namespace), str(meta.name)
     if type == "DELETED":
         rt.deps.jobsets.remove(ns, name)
         return
@@ -367,7 +368,7 @@ async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: P
     and a report of an opted-in pod that runs without the agent."""
     if type == "DELETED":
         index.remove(pod)
-        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        uid = str(meta_of(pod).uid or "")
         deps.reported_pods.discard(uid)
         deps.agents_serving.pop(uid, None)
         deps.agents_refused.pop(uid, None)
@@ -401,7 +402,7 @@ async def on_trainjob_pod_event(
     # may be silent, see behaviours.attempts.recover_trainjob)
     name = TRAINJOB.job_name_of_pod(pod)
     if name and pod_ended_at(pod) is not None:
-        ns = str((pod.get("metadata") or {}).get("namespace"))
+        ns = str(meta_of(pod).namespace)
         if rt.deps.trainjobs.get(ns, name) is not None:
             rt.trainjob_recovery.schedule(ns, name)
 
@@ -409,7 +410,7 @@ async def on_trainjob_pod_event(
 async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     deps = _rt(memo).deps
     if type == "DELETED":  # its pool is kept: the failures of its pods still count
-        deps.node_signals.pop(str((body.get("metadata") or {}).get("name")), None)
+        deps.node_signals.pop(str(meta_of(body).name), None)
         return
     node = _raw(body)
     deps.pools.note_node(node, deps.config.recovery.node_pool_labels)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.policy import RetentionSpec
+from ckpt_operator.model.bodies import meta_of
 
 __all__ = ["MemoryReturn", "RecoveryScheduler", "RetentionLoop", "malloc_trim"]
 
@@ -145,8 +146,8 @@ class RetentionLoop:
 
     def upsert(self, body: Obj) -> None:
         """Track a policy (new ones run on the next tick; updates keep their schedule)."""
-        meta = body.get("metadata") or {}
-        key = (str(meta.get("namespace")), str(meta.get("name")))
+        meta = meta_of(body)
+        key = (str(meta.namespace), str(meta.name))
         entry = self._policies.get(key)
         if entry is None:
             self._policies[key] = _Entry(body, self._clock())

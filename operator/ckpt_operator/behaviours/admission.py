@@ -15,6 +15,7 @@ from ckpt_operator.kinds.trainjob import (
     trainer_replicated_jobs,
 )
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import job_facts, template_label_ops
 from ckpt_operator.model.jsonpatch import JSONPatchOp
 from ckpt_operator.planners.attempt_plan import attempt_refusal
@@ -52,7 +53,7 @@ def validate_job(job: Mapping[str, Any], old: Mapping[str, Any] | None = None) -
     def annotations(obj: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
         if obj is None:
             return None
-        return (obj.get("metadata") or {}).get("annotations") or {}
+        return meta_of(obj).annotations
 
     return annotation_errors(annotations(job) or {}, annotations(old))
 
@@ -75,7 +76,7 @@ async def trainjob_label_targets(deps: Deps, trainjob: Mapping[str, Any]) -> lis
     if ref is None:
         return []
     kind, name = ref
-    namespace = str((trainjob.get("metadata") or {}).get("namespace") or "")
+    namespace = str(meta_of(trainjob).namespace or "")
     api = deps.admission_api if deps.admission_api is not None else deps.api
     if kind == c.CLUSTER_TRAINING_RUNTIME_KIND:
         plural, where = c.CLUSTER_TRAINING_RUNTIME_PLURAL, None
@@ -92,16 +93,16 @@ async def report_unprotected(deps: Deps, pod: Mapping[str, Any]) -> bool:
     webhook skips on purpose (policy missing, no training container) were reported at
     admission. True when reported.
     """
-    meta = pod.get("metadata") or {}
-    uid = str(meta.get("uid") or "")
+    meta = meta_of(pod)
+    uid = str(meta.uid or "")
     if not uid or uid in deps.reported_pods or not is_unprotected(pod):
         return False
-    namespace = str(meta.get("namespace") or "")
+    namespace = str(meta.namespace or "")
     if (await inject_pod(deps, pod, namespace, quiet=True)).result != "injected":
         return False
     deps.reported_pods.add(uid)
     deps.metrics.unprotected_pods.inc()
-    name = meta.get("name")
+    name = meta.name
     owner = owner_of(pod)
     kind = owner[0] if owner is not None else None
     message = (
@@ -165,7 +166,7 @@ async def inject_pod(
         key = (namespace, job_name)
         deps.attempts_seen[key] = max(deps.attempts_seen.get(key, 0), pod_attempt(pod))
         return InjectionOutcome([], [], "deferred", refusal, job_name)
-    pod_name = (pod.get("metadata") or {}).get("name") or "(generated name)"
+    pod_name = meta_of(pod).name or "(generated name)"
 
     def skipped(reason: str, event_reason: str) -> InjectionOutcome:
         message = f"pod {pod_name}: checkpoint agent not injected: {reason}"

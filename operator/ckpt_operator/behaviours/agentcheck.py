@@ -22,6 +22,7 @@ from ckpt_operator.behaviours.deps import Deps, Obj, kind_kw
 from ckpt_operator.behaviours.guard import read_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.planners.agent_presence import (
     AGENT_MISSING,
     Presence,
@@ -53,8 +54,8 @@ SEEN_SERVING = ProbeResult(Presence.SERVING, "its agent answered an earlier prob
 
 async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
     """Flag the policy's silent pods; returns their names."""
-    meta = policy.get("metadata") or {}
-    name, namespace = str(meta.get("name")), str(meta.get("namespace"))
+    meta = meta_of(policy)
+    name, namespace = str(meta.name), str(meta.namespace)
     spec, _ = parse_policy_spec(policy.get("spec"))
     if spec is None or spec.agent.report_deadline_seconds <= 0:
         return []
@@ -94,7 +95,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
         return []
     for s in silent:
         job = await deps.api.get_job(namespace, s.job, **kind_kw(s.kind)) if s.job else None
-        ann = ((job or {}).get("metadata") or {}).get("annotations") or {}
+        ann = meta_of(job).annotations
         if job is None or ann.get(c.ANN_AGENT_MISSING) == s.pod:
             continue
         deps.events.emit(
@@ -131,7 +132,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
 
 
 def _run_of(pod: Mapping[str, Any]) -> str:
-    return str((pod["metadata"].get("annotations") or {})[c.ANN_RUN_ID])
+    return str(meta_of(pod).annotations[c.ANN_RUN_ID])
 
 
 async def _blind_verdict(
@@ -144,9 +145,9 @@ async def _blind_verdict(
     probes: dict[str, ProbeResult] = {}
     todo: list[tuple[Mapping[str, Any], tuple[str, int]]] = []
     for pod in overdue_unreported(pods, reported, now, deadline_s):
-        meta = pod["metadata"]
-        if deps.agents_serving.get(str(meta.get("uid"))) == restarts(pod):
-            probes[str(meta["name"])] = SEEN_SERVING  # answered before, same processes
+        meta = meta_of(pod)
+        if deps.agents_serving.get(str(meta.uid)) == restarts(pod):
+            probes[str(meta.name)] = SEEN_SERVING  # answered before, same processes
         elif (target := probe_target(pod)) is not None:
             todo.append((pod, target))
     gate = asyncio.Semaphore(PROBES_AT_ONCE)
@@ -158,15 +159,15 @@ async def _blind_verdict(
     results = await asyncio.gather(*(probe(target) for _, target in todo))
     refused_since: dict[str, float] = {}
     for (pod, _), result in zip(todo, results, strict=True):
-        meta = pod["metadata"]
-        uid, count = str(meta.get("uid")), restarts(pod)
-        probes[str(meta["name"])] = result
+        meta = meta_of(pod)
+        uid, count = str(meta.uid), restarts(pod)
+        probes[str(meta.name)] = result
         if result.presence is Presence.ABSENT:
             # a refusal proves absence only once the same processes refused for a deadline
             first = deps.agents_refused.get(uid)
             since = first[1] if first is not None and first[0] == count else now
             deps.agents_refused[uid] = (count, since)
-            refused_since[str(meta["name"])] = since
+            refused_since[str(meta.name)] = since
             continue
         deps.agents_refused.pop(uid, None)  # any other answer starts the suspicion over
         if result.presence is Presence.SERVING:

@@ -15,6 +15,7 @@ from ckpt_operator.adapters.metrics import Metrics
 from ckpt_operator.adapters.sources import SourceFactory
 from ckpt_operator.kinds.registry import KINDS, PYTORCHJOB, TRAINJOB, JobKind, kind_of
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.config import OperatorConfig
 from ckpt_operator.model.jobs import JobStatusAnnotation, format_time
 from ckpt_operator.planners.agent_presence import ProbeResult
@@ -160,9 +161,9 @@ async def annotate_job(
     deps: Deps, job: Mapping[str, Any], annotations: Mapping[str, str | None]
 ) -> None:
     """:func:`patch_job_annotations` of ``job`` (its namespace, name and kind)."""
-    meta = job.get("metadata") or {}
+    meta = meta_of(job)
     await patch_job_annotations(
-        deps, str(meta.get("namespace")), str(meta.get("name")), annotations, kind_of(job)
+        deps, str(meta.namespace), str(meta.name), annotations, kind_of(job)
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.planners.disruption_signals import (
     Disruption,
     clear_patch,
@@ -24,8 +25,8 @@ async def _signal(deps: Deps, pod: Mapping[str, Any], disruption: Disruption) ->
     patch = save_now_patch(pod, disruption)
     if patch is None:
         return False
-    meta = pod.get("metadata") or {}
-    await deps.api.patch_pod(str(meta.get("namespace")), str(meta.get("name")), patch)
+    meta = meta_of(pod)
+    await deps.api.patch_pod(str(meta.namespace), str(meta.name), patch)
     deps.metrics.save_now.labels(disruption.reason).inc()
     kind = " (node warning)" if disruption.warning else ""
     deps.events.emit(
@@ -51,7 +52,7 @@ async def signal_node(deps: Deps, node: Mapping[str, Any]) -> int:
     A calm node clears the warning its pods still hold (once: ``deps.node_signals`` keeps
     ``""`` for a node known calm; unknown nodes, e.g. after a restart, are checked once).
     """
-    name = str((node.get("metadata") or {}).get("name") or "")
+    name = str(meta_of(node).name or "")
     disruption = node_disruption(node)
     signalled = deps.node_signals.get(name)
     if disruption is None:
@@ -79,6 +80,6 @@ async def _clear(deps: Deps, node: str) -> None:
         patch = clear_patch(pod, node)
         if patch is None:
             continue
-        meta = pod.get("metadata") or {}
-        await deps.api.patch_pod(str(meta.get("namespace")), str(meta.get("name")), patch)
+        meta = meta_of(pod)
+        await deps.api.patch_pod(str(meta.namespace), str(meta.name), patch)
         deps.events.emit(pod, "Normal", "NodeWarningCleared", f"node {node} is calm again")

@@ -8,6 +8,7 @@ from typing import Any
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_operator.adapters.kube import ConflictError
 from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs, set_job_status
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import job_facts
 from ckpt_operator.planners.injection import build_config_map
 from ckpt_operator.planners.status import policy_ready_status, set_condition
@@ -46,7 +47,7 @@ async def write_policy_status(
                 namespace,
                 name,
                 status,
-                resource_version=(current.get("metadata") or {}).get("resourceVersion"),
+                resource_version=meta_of(current).resource_version,
             )
             return status
         except ConflictError:
@@ -70,8 +71,8 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
     Returns the status written (or, when the policy is gone, the one computed from
     ``policy``).
     """
-    meta = policy.get("metadata") or {}
-    name, namespace = str(meta.get("name")), str(meta.get("namespace"))
+    meta = meta_of(policy)
+    name, namespace = str(meta.name), str(meta.namespace)
     spec, errors = parse_policy_spec(policy.get("spec"))
     now = deps.clock()
 
@@ -80,7 +81,7 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
     async def write_ready() -> Obj:
         def build(current: Mapping[str, Any]) -> Obj:
             status = policy_ready_status(
-                current.get("status"), generation=meta.get("generation"), errors=errors, now=now
+                current.get("status"), generation=meta.generation, errors=errors, now=now
             )
             if spec is not None:  # StorageAccess: what the administrator allows (no I/O)
                 status["conditions"] = set_condition(
@@ -90,7 +91,7 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
                     "StorageAccessDenied" if refusal else "Allowed",
                     refusal or "the operator may open this policy's storage",
                     now=now,
-                    observed_generation=meta.get("generation"),
+                    observed_generation=meta.generation,
                 )
             return status
 
@@ -100,7 +101,7 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
     if spec is None:
         deps.events.emit(policy, "Warning", "InvalidSpec", "; ".join(errors))
         return await write_ready()
-    await deps.api.apply_config_map(build_config_map(name, namespace, spec, meta.get("uid")))
+    await deps.api.apply_config_map(build_config_map(name, namespace, spec, meta.uid))
     for job in await list_all_jobs(deps, namespace):
         facts = job_facts(job)
         if (

@@ -28,6 +28,7 @@ from ckpt_operator.behaviours.deps import (
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.kinds.registry import kind_of
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import (
     JobStatusAnnotation,
     condition,
@@ -81,8 +82,8 @@ log = logging.getLogger(__name__)
 
 
 def _job_ref(job: Mapping[str, Any]) -> str:
-    meta = job.get("metadata") or {}
-    return f"{meta.get('namespace')}/{meta.get('name')}"
+    meta = meta_of(job)
+    return f"{meta.namespace}/{meta.name}"
 
 
 async def observe_job(deps: Deps, job: Mapping[str, Any]) -> bool:
@@ -333,9 +334,7 @@ async def job_pods(deps: Deps, job: Mapping[str, Any]) -> list[Obj]:
 
 def _finished(pod: Mapping[str, Any]) -> bool:
     phase = (pod.get("status") or {}).get("phase")
-    return phase in ("Succeeded", "Failed") and not (pod.get("metadata") or {}).get(
-        "deletionTimestamp"
-    )
+    return phase in ("Succeeded", "Failed") and not meta_of(pod).deletion_timestamp
 
 
 async def take_reports(
@@ -366,8 +365,8 @@ async def take_reports(
         pending.update(patch)
     elif patch:
         await annotate_job(deps, job, patch)
-    meta = dict(job.get("metadata") or {})
-    meta["annotations"] = {**(meta.get("annotations") or {}), c.ANN_CHECKPOINTS: known.annotation}
+    meta = dict(meta_of(job))
+    meta["annotations"] = {**meta_of(job).annotations, c.ANN_CHECKPOINTS: known.annotation}
     return {**job, "metadata": meta}, known
 
 
@@ -538,9 +537,9 @@ async def _restart(
     # born watched (run id copied, status set): its first event needs no bookkeeping write
     now = format_time(deps.clock(), precise=True)
     watching = JobStatusAnnotation("Watching", "PolicyFound", f"using policy {facts.policy}", now)
-    body = {**outcome.job, "metadata": dict(outcome.job.get("metadata") or {})}
+    body = {**outcome.job, "metadata": dict(meta_of(outcome.job))}
     body["metadata"]["annotations"] = {
-        **(body["metadata"].get("annotations") or {}),
+        **meta_of(outcome.job).annotations,
         c.ANN_STATUS: watching.to_json(),
     }
     kind = kind_of(job)
@@ -548,7 +547,7 @@ async def _restart(
         await deps.api.create_job(facts.namespace, body, **kind_kw(kind))
     except ConflictError:
         existing = await deps.api.get_job(facts.namespace, decision.name, **kind_kw(kind))
-        of = ((existing or {}).get("metadata") or {}).get("annotations", {}).get(c.ANN_RESTART_OF)
+        of = meta_of(existing).annotations.get(c.ANN_RESTART_OF)
         if existing is not None and of != facts.name:
             message = (
                 f"a {kind.kind} named {decision.name} exists and is not a restart of {facts.name}"

@@ -13,6 +13,7 @@ from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import JobFacts, job_facts
 from ckpt_operator.planners.reports import (
     known_checkpoints,
@@ -39,21 +40,19 @@ def _reconciled(current: Mapping[str, Any], reason: str, message: str, now: floa
         reason,
         message[:2000],
         now=now,
-        observed_generation=(current.get("metadata") or {}).get("generation"),
+        observed_generation=meta_of(current).generation,
     )
 
 
 async def _refuse_policy(deps: Deps, policy: Mapping[str, Any], message: str) -> Obj | None:
     """The administrator did not allow the policy's storage: a condition and an Event only."""
-    meta = policy.get("metadata") or {}
+    meta = meta_of(policy)
     now = deps.clock()
 
     def build(current: Mapping[str, Any]) -> Obj:
         return {"conditions": _reconciled(current, "StorageAccessDenied", message, now)}
 
-    status = await write_policy_status(
-        deps, str(meta.get("namespace")), str(meta.get("name")), build
-    )
+    status = await write_policy_status(deps, str(meta.namespace), str(meta.name), build)
     deps.metrics.retention_errors.inc()
     deps.events.emit(policy, "Warning", "StorageAccessDenied", message[:1000])
     return status
@@ -65,8 +64,8 @@ async def _reported_status(
     """Local storage the operator cannot read (a PVC mounted in the pods only): the status
     from what the pods reported (:mod:`ckpt_operator.planners.reports`); retention runs in the
     pods."""
-    meta = policy.get("metadata") or {}
-    namespace = str(meta.get("namespace"))
+    meta = meta_of(policy)
+    namespace = str(meta.namespace)
     pods = await deps.api.list_pods(
         node_name=None, label_selector=f"{c.LABEL_INJECTED}=true", namespace=namespace
     )
@@ -87,17 +86,17 @@ async def _reported_status(
             "the storage is not reachable from the operator (local storage on a PVC): the "
             "agents apply retention after each save; checkpoints as the pods reported them",
             now=now,
-            observed_generation=(current.get("metadata") or {}).get("generation"),
+            observed_generation=meta_of(current).generation,
         )
         return status
 
-    return await write_policy_status(deps, namespace, str(meta.get("name")), build)
+    return await write_policy_status(deps, namespace, str(meta.name), build)
 
 
 async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | None:
     """Apply a policy's retention to the storage of its jobs' runs; returns the status written."""
-    meta = policy.get("metadata") or {}
-    name, namespace = str(meta.get("name")), str(meta.get("namespace"))
+    meta = meta_of(policy)
+    name, namespace = str(meta.name), str(meta.namespace)
     spec, _ = parse_policy_spec(policy.get("spec"))
     if spec is None:
         return None

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_operator.model.bodies import meta_of
+
 __all__ = ["JobKind"]
 
 
@@ -48,5 +50,5 @@ class JobKind:
 
     def job_name_of_pod(self, pod: Mapping[str, Any]) -> str | None:
         """The job's name from the pod's :attr:`pod_job_label` (None: not such a pod)."""
-        value = ((pod.get("metadata") or {}).get("labels") or {}).get(self.pod_job_label)
+        value = meta_of(pod).labels.get(self.pod_job_label)
         return value if isinstance(value, str) and value else None

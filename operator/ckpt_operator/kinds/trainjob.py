@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from ckpt_operator.kinds.kind import JobKind
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import parse_time
 
 __all__ = [
@@ -78,7 +79,7 @@ def trainer_replicated_jobs(runtime: Mapping[str, Any]) -> list[str]:
     named = [r for r in rjobs if isinstance(r, Mapping) and r.get("name")]
 
     def ancestor(r: Mapping[str, Any]) -> str | None:
-        labels = ((r.get("template") or {}).get("metadata") or {}).get("labels") or {}
+        labels = meta_of(r.get("template")).labels
         value = labels.get(c.LABEL_TRAINER_ANCESTOR)
         return str(value) if value is not None else None
 
@@ -149,10 +150,10 @@ def _copied(_trainjob: dict[str, Any]) -> bool:
 
 def pod_attempt(pod: Mapping[str, Any]) -> int:
     """The JobSet restart attempt the pod belongs to (its ``restart-attempt`` label; 0)."""
-    meta = pod.get("metadata") or {}
-    raw = (meta.get("labels") or {}).get(c.LABEL_JOBSET_RESTART_ATTEMPT)
+    meta = meta_of(pod)
+    raw = meta.labels.get(c.LABEL_JOBSET_RESTART_ATTEMPT)
     if raw is None:
-        raw = (meta.get("annotations") or {}).get(c.LABEL_JOBSET_RESTART_ATTEMPT)
+        raw = meta.annotations.get(c.LABEL_JOBSET_RESTART_ATTEMPT)
     return max(0, _int(raw, 0))
 
 
@@ -169,8 +170,8 @@ RESTART_PROBE_S: Final = 120.0
 
 def pod_ended_at(pod: Mapping[str, Any]) -> float | None:
     """When a pod failed or started terminating (None: it runs, or it succeeded)."""
-    meta = pod.get("metadata") or {}
-    deleting = parse_time(meta.get("deletionTimestamp"))
+    meta = meta_of(pod)
+    deleting = parse_time(meta.deletion_timestamp)
     status = pod.get("status") or {}
     if status.get("phase") != "Failed":
         return deleting
@@ -180,7 +181,7 @@ def pod_ended_at(pod: Mapping[str, Any]) -> float | None:
             parse_time(((cs.get("state") or {}).get("terminated") or {}).get("finishedAt"))
         )
     known = [t for t in times if t is not None]
-    return max(known) if known else parse_time(meta.get("creationTimestamp"))
+    return max(known) if known else parse_time(meta.creation_timestamp)
 
 
 def restart_expected_until(pods: Iterable[Mapping[str, Any]], planned: int) -> float | None:
@@ -199,7 +200,7 @@ def jobset_restarts(jobset: Mapping[str, Any]) -> int:
 
 def jobset_trainjob(jobset: Mapping[str, Any]) -> str | None:
     """The TrainJob controlling ``jobset`` (its controller owner reference), else None."""
-    for ref in (jobset.get("metadata") or {}).get("ownerReferences") or ():
+    for ref in meta_of(jobset).owner_references:
         if (
             isinstance(ref, Mapping)
             and ref.get("kind") == c.TRAINJOB_KIND

@@ -1,2 +1,3 @@
 """The vocabulary every layer shares: names (``constants``), settings (``config``), JSON
-Patch (``jsonpatch``) and reading job objects (``jobs``). Pure; the bottom layer."""
+Patch (``jsonpatch``), typed views over Kubernetes objects (``bodies``) and reading job
+objects (``jobs``). Pure; the bottom layer."""

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, apply_patch_in_place, pointer
 
 __all__ = [
@@ -76,20 +77,20 @@ def run_id_of(job: Mapping[str, Any]) -> str:
     job that reuses an old name from resuming the old run's checkpoints.
     Restarts copy the annotation, so the whole chain shares one run id.
     """
-    meta = job.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
+    meta = meta_of(job)
+    annotations = meta.annotations
     explicit = annotations.get(c.ANN_RUN_ID)
     if isinstance(explicit, str) and explicit:
         return explicit
-    uid = str(meta.get("uid") or "")
-    name = str(meta.get("name") or "job")
+    uid = str(meta.uid or "")
+    name = str(meta.name or "job")
     return f"{name}-{uid[:8]}" if uid else name
 
 
 def owner_job_name(pod: Mapping[str, Any]) -> str | None:
     """Name of the PyTorchJob controlling ``pod`` (owner reference, else the training label)."""
-    meta = pod.get("metadata") or {}
-    for ref in meta.get("ownerReferences") or ():
+    meta = meta_of(pod)
+    for ref in meta.owner_references:
         if (
             isinstance(ref, Mapping)
             and ref.get("kind") == c.PYTORCHJOB_KIND
@@ -98,7 +99,7 @@ def owner_job_name(pod: Mapping[str, Any]) -> str | None:
             name = ref.get("name")
             if isinstance(name, str) and name:
                 return name
-    label = (meta.get("labels") or {}).get(c.LABEL_TO_JOB_NAME)
+    label = meta.labels.get(c.LABEL_TO_JOB_NAME)
     return label if isinstance(label, str) and label else None
 
 
@@ -199,10 +200,8 @@ class JobFacts:
 
 def job_facts(job: Mapping[str, Any]) -> JobFacts:
     """Parse a PyTorchJob body."""
-    meta = job.get("metadata") or {}
-    ann: dict[str, str] = {
-        str(k): str(v) for k, v in (meta.get("annotations") or {}).items() if v is not None
-    }
+    meta = meta_of(job)
+    ann: dict[str, str] = {str(k): str(v) for k, v in meta.annotations.items() if v is not None}
     policy = ann.get(c.ANN_POLICY) or None
     poisoned = tuple(p for p in _POISON_SPLIT.split(ann.get(c.ANN_POISONED, "")) if p)
     decision: Mapping[str, Any] | None = None
@@ -219,9 +218,9 @@ def job_facts(job: Mapping[str, Any]) -> JobFacts:
     if resume_step is not None and resume_step < 0:
         resume_step = None
     return JobFacts(
-        name=str(meta.get("name") or ""),
-        namespace=str(meta.get("namespace") or ""),
-        uid=str(meta.get("uid") or ""),
+        name=str(meta.name or ""),
+        namespace=str(meta.namespace or ""),
+        uid=str(meta.uid or ""),
         policy=policy,
         auto_resume=ann.get(c.ANN_AUTO_RESUME, "").strip().lower() == "true",
         run_id=run_id_of(job),
@@ -232,8 +231,8 @@ def job_facts(job: Mapping[str, Any]) -> JobFacts:
         restarted_as=ann.get(c.ANN_RESTARTED_AS) or None,
         restart_decision=decision,
         status=JobStatusAnnotation.parse(ann.get(c.ANN_STATUS)),
-        created_at=parse_time(meta.get("creationTimestamp")),
-        deleting=bool(meta.get("deletionTimestamp")),
+        created_at=parse_time(meta.creation_timestamp),
+        deleting=bool(meta.deletion_timestamp),
         # Trainer v2's TrainJob says ``Complete`` (JobSet's ``Completed``)
         succeeded=_is_true(job, "Succeeded") or _is_true(job, "Complete"),
         failed=_is_true(job, "Failed"),
@@ -258,7 +257,7 @@ def unlabelled_replicas(job: Mapping[str, Any]) -> list[str]:
         if not isinstance(rspec, Mapping):
             continue
         template = rspec.get("template") or {}
-        labels = (template.get("metadata") or {}).get("labels") or {}
+        labels = meta_of(template).labels
         if labels.get(c.LABEL_INJECT) != "true":
             missing.append(str(rtype))
     return sorted(missing)

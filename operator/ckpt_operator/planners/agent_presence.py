@@ -37,6 +37,7 @@ from typing import Any
 from ckpt_agent.policy.agent_config import ENV_METRICS_PORT
 from ckpt_operator.kinds.registry import PYTORCHJOB, JobKind, owner_of
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import parse_time
 
 __all__ = [
@@ -133,13 +134,11 @@ def running_injected_pods(
     """The injected pods of ``policy``'s jobs in ``namespace`` that are running."""
     out = []
     for pod in pods:
-        meta = pod.get("metadata") or {}
-        ann = meta.get("annotations") or {}
-        if meta.get("namespace") != namespace or ann.get(c.ANN_POLICY) != policy:
+        meta = meta_of(pod)
+        ann = meta.annotations
+        if meta.namespace != namespace or ann.get(c.ANN_POLICY) != policy:
             continue
-        if (pod.get("status") or {}).get("phase") == "Running" and not meta.get(
-            "deletionTimestamp"
-        ):
+        if (pod.get("status") or {}).get("phase") == "Running" and not meta.deletion_timestamp:
             out.append(pod)
     return out
 
@@ -149,14 +148,14 @@ def _overdue(
 ) -> tuple[SilentPod, float] | None:
     """The pod as a :class:`SilentPod` and its start, when it has a run id and its current
     processes have run for at least ``deadline_s`` (:func:`processes_started`); else None."""
-    meta = pod.get("metadata") or {}
+    meta = meta_of(pod)
     started = processes_started(pod)
-    run_id = (meta.get("annotations") or {}).get(c.ANN_RUN_ID)
+    run_id = meta.annotations.get(c.ANN_RUN_ID)
     if deadline_s <= 0 or started is None or not run_id or now - started < deadline_s:
         return None
     owner = owner_of(pod)
     kind, job = owner if owner is not None else (PYTORCHJOB, "")
-    silent = SilentPod(str(meta.get("name")), job, str(run_id), now - started, kind)
+    silent = SilentPod(str(meta.name), job, str(run_id), now - started, kind)
     return silent, started
 
 
@@ -174,9 +173,7 @@ def processes_started(pod: Mapping[str, Any]) -> float | None:
     ]
     if running:
         return max(running)
-    return parse_time(status.get("startTime")) or parse_time(
-        (pod.get("metadata") or {}).get("creationTimestamp")
-    )
+    return parse_time(status.get("startTime")) or parse_time(meta_of(pod).creation_timestamp)
 
 
 def silent_pods(
@@ -221,8 +218,7 @@ def overdue_unreported(
     return [
         p
         for p in pods
-        if _overdue(p, now, deadline_s) is not None
-        and str((p.get("metadata") or {}).get("name")) not in reported
+        if _overdue(p, now, deadline_s) is not None and str(meta_of(p).name) not in reported
     ]
 
 

@@ -43,6 +43,7 @@ from ckpt_agent.records import CheckpointRecord
 from ckpt_operator.kinds.registry import TRAINJOB
 from ckpt_operator.kinds.trainjob import planned_attempt, pod_attempt
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import JobFacts, format_time, job_facts, parse_time
 from ckpt_operator.planners.restart import (
     GiveUp,
@@ -113,8 +114,8 @@ def planning_view(job: Mapping[str, Any]) -> Mapping[str, Any]:
     progress from there); any other job as it is."""
     if not TRAINJOB.matches(job):
         return job
-    meta = job.get("metadata") or {}
-    ann = meta.get("annotations") or {}
+    meta = meta_of(job)
+    ann = meta.annotations
     started = parse_time(ann.get(c.ANN_ATTEMPT_STARTED_AT))
     if planned_attempt(ann) <= 0 or started is None:
         return job

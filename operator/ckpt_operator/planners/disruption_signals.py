@@ -34,6 +34,7 @@ from typing import Any
 
 from ckpt_agent.format.signal import KIND_CLEAR, KIND_WARNING, compose_signal, parse_signal
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 
 __all__ = [
     "DISRUPTION_TAINTS",
@@ -94,8 +95,8 @@ class Disruption:
 
 def pod_disruption(pod: Mapping[str, Any]) -> Disruption | None:
     """The disruption announced on the pod itself, if any (DisruptionTarget first)."""
-    meta = pod.get("metadata") or {}
-    uid = str(meta.get("uid") or meta.get("name") or "")
+    meta = meta_of(pod)
+    uid = str(meta.uid or meta.name or "")
     for cond in (pod.get("status") or {}).get("conditions") or ():
         if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
             reason = str(cond.get("reason") or "DisruptionTarget")
@@ -104,7 +105,7 @@ def pod_disruption(pod: Mapping[str, Any]) -> Disruption | None:
                 message=str(cond.get("message") or f"pod is a disruption target ({reason})"),
                 key=f"pod/{uid}/DisruptionTarget/{reason}/{cond.get('lastTransitionTime', '')}",
             )
-    deleting = meta.get("deletionTimestamp")
+    deleting = meta.deletion_timestamp
     if deleting:
         return Disruption(
             reason="PodDeleting",
@@ -118,8 +119,8 @@ def pod_disruption(pod: Mapping[str, Any]) -> Disruption | None:
 def node_disruption(node: Mapping[str, Any]) -> Disruption | None:
     """The warning a node announces, if any: a going-away taint first, then a cordon,
     then ``NotReady``, then a pressure condition (always a warning: see the module doc)."""
-    meta = node.get("metadata") or {}
-    name = str(meta.get("name") or "")
+    meta = meta_of(node)
+    name = str(meta.name or "")
     uid = meta.get("uid", name)
     spec = node.get("spec") or {}
     for taint in spec.get("taints") or ():
@@ -173,14 +174,14 @@ def save_now_patch(pod: Mapping[str, Any], disruption: Disruption) -> dict[str, 
     Only injected pods are signalled (others have no agent to listen), and
     only pods that are still running (a finished pod has nothing to save).
     """
-    meta = pod.get("metadata") or {}
-    labels = meta.get("labels") or {}
+    meta = meta_of(pod)
+    labels = meta.labels
     if labels.get(c.LABEL_INJECTED) != "true":
         return None
     phase = (pod.get("status") or {}).get("phase")
     if phase in ("Succeeded", "Failed"):
         return None
-    annotations = meta.get("annotations") or {}
+    annotations = meta.annotations
     if annotations.get(c.ANN_SAVE_NOW) == disruption.signal:
         return None
     return {
@@ -196,8 +197,8 @@ def save_now_patch(pod: Mapping[str, Any], disruption: Disruption) -> dict[str, 
 def clear_patch(pod: Mapping[str, Any], node: str) -> dict[str, Any] | None:
     """The merge patch that tells ``pod`` its node's warning went, or None when the pod
     holds no warning (a plain save-now, or already cleared)."""
-    meta = pod.get("metadata") or {}
-    held = parse_signal(str((meta.get("annotations") or {}).get(c.ANN_SAVE_NOW) or ""))
+    meta = meta_of(pod)
+    held = parse_signal(str(meta.annotations.get(c.ANN_SAVE_NOW) or ""))
     if held is None or held.kind != KIND_WARNING:
         return None
     if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):

@@ -60,6 +60,7 @@ from ckpt_agent.policy.agent_config import (
 )
 from ckpt_agent.storage.options import s3_env
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, pointer
 
 __all__ = [
@@ -178,8 +179,8 @@ class InjectionResult:
 
 def is_injected(pod: Mapping[str, Any]) -> bool:
     """The pod was injected already (marker annotation or our config volume)."""
-    meta = pod.get("metadata") or {}
-    if (meta.get("annotations") or {}).get(c.ANN_INJECTED):
+    meta = meta_of(pod)
+    if meta.annotations.get(c.ANN_INJECTED):
         return True
     spec = pod.get("spec") or {}
     return any(v.get("name") == c.VOL_CONFIG for v in spec.get("volumes") or ())
@@ -187,8 +188,8 @@ def is_injected(pod: Mapping[str, Any]) -> bool:
 
 def is_unprotected(pod: Mapping[str, Any]) -> bool:
     """An opted-in pod (``ckpt.dev/inject`` label) without the agent."""
-    meta = pod.get("metadata") or {}
-    return (meta.get("labels") or {}).get(c.LABEL_INJECT) == "true" and not is_injected(pod)
+    meta = meta_of(pod)
+    return meta.labels.get(c.LABEL_INJECT) == "true" and not is_injected(pod)
 
 
 def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
@@ -386,7 +387,7 @@ def build_pod_patch(
         )
 
     ops: list[JSONPatchOp] = []
-    meta = pod.get("metadata") or {}
+    meta = meta_of(pod)
 
     # Markers first: annotations and the label the disruption watcher selects on.
     pod_annotations = {

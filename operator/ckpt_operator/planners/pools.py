@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.decide.mtbf import PoolEvidence
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.config import RecoveryConfig
 
 __all__ = [
@@ -87,11 +88,11 @@ class PoolLedger:
 
     def note_node(self, node: Mapping[str, Any], keys: Sequence[str]) -> None:
         """Learn a node's pool from its labels (a node without one is forgotten)."""
-        meta = node.get("metadata") or {}
-        name = meta.get("name")
+        meta = meta_of(node)
+        name = meta.name
         if not isinstance(name, str) or not name:
             return
-        pool = pool_of(meta.get("labels") or {}, keys)
+        pool = pool_of(meta.labels, keys)
         self.nodes.pop(name, None)
         if pool is None:
             return

@@ -36,6 +36,7 @@ from ckpt_agent.format.termination import (
 )
 from ckpt_agent.records import CheckpointStatus
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import format_time
 
 __all__ = [
@@ -88,7 +89,7 @@ def pod_reports(pods: Iterable[Mapping[str, Any]]) -> tuple[list[PodReport], lis
     reports: list[PodReport] = []
     problems: list[str] = []
     for pod in pods:
-        name = str((pod.get("metadata") or {}).get("name"))
+        name = str(meta_of(pod).name)
         for container, message in _messages(pod):
             try:
                 reports.append(PodReport(name, container, parse_report(message)))

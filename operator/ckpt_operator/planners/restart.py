@@ -34,6 +34,7 @@ from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator.kinds.registry import kind_of
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import JobFacts, job_facts, parse_time
 from ckpt_operator.planners.runfacts import run_started_at
 
@@ -137,8 +138,8 @@ def terminating_pods_wait(
     waits: list[float] = []
     names: list[str] = []
     for pod in pods:
-        meta = pod.get("metadata") or {}
-        deadline = parse_time(meta.get("deletionTimestamp"))
+        meta = meta_of(pod)
+        deadline = parse_time(meta.deletion_timestamp)
         if deadline is None:
             continue
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
@@ -146,7 +147,7 @@ def terminating_pods_wait(
         left = deadline + margin_s - now
         if left > 0:
             waits.append(left)
-            names.append(str(meta.get("name")))
+            names.append(str(meta.name))
     if not waits:
         return None
     return min(TERMINATION_RECHECK_S, max(waits)), max(waits), tuple(sorted(names))
@@ -262,10 +263,10 @@ def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict
     """The new job (PyTorchJob or TrainJob): same spec, labels and user annotations, the
     restart recorded."""
     facts = job_facts(job)
-    meta = job.get("metadata") or {}
+    meta = meta_of(job)
     annotations = {
         k: v
-        for k, v in (meta.get("annotations") or {}).items()
+        for k, v in meta.annotations.items()
         if k not in c.OPERATOR_JOB_ANNOTATIONS
         and k not in c.RECOVER_REQUEST_ANNOTATIONS
         and k not in _DROP_ANNOTATIONS
