@@ -41,6 +41,7 @@ __all__ = [
     "RetryableStorageError",
     "RunOwnershipError",
     "ShmError",
+    "StepOrderError",
     "StorageError",
     "TerminationReportError",
     "UnsafePathError",
@@ -179,6 +180,13 @@ class PersistError(CheckpointError):
 
 class ResumeError(CheckpointError, PermanentError):
     """The requested/required checkpoint cannot be restored (never a silent fresh start)."""
+
+
+class StepOrderError(CheckpointError, PermanentError, ValueError):
+    """A step that is not after one already saved on the same run and lineage (a restarted
+    counter, a call per micro-batch, a second experiment on the same run id): refused,
+    because it would overwrite newer data or make retention delete the newer checkpoint
+    (retention orders by step). The message names what to do."""
 
 
 class ResumeStorageError(CheckpointError, RetryableError):
