@@ -105,7 +105,7 @@ from ckpt_agent.persist.validate import load_check
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenRank
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json, Tier, checkpoint_id
-from ckpt_agent.runtime.serialization import (
+from ckpt_agent.runtime.core.serialization import (
     LiveArray,
     dtype_name,
     flatten,
