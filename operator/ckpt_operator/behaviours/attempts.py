@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, assert_never
 
 from ckpt_operator.adapters.kube import ApiError
 from ckpt_operator.behaviours.deps import Deps, annotate_job, set_job_status
 from ckpt_operator.behaviours.guard import storage_call
-from ckpt_operator.behaviours.recovery import (
+from ckpt_operator.behaviours.recovery import observe_job, recover_job
+from ckpt_operator.behaviours.restart_steps import (
     PlanInputs,
     gather_plan_inputs,
     give_up,
     job_pods,
     load_policy_spec,
-    observe_job,
-    recover_job,
     report_plan,
     report_rebuild,
 )
@@ -164,22 +163,22 @@ async def plan_jobset_attempt(
         outcome = await storage_call(
             deps,
             plan_attempt,
-            *(trainjob, attempt, spec.recovery, inputs.records, now),
-            inputs.verify,
-            inputs.progress,
-            spec.scheduler.risk.mtbf_seconds,
-            inputs.pool,
+            *(trainjob, attempt, inputs.request(spec, now)),
             timeout_s=deps.config.verify_timeout_s,
         )
-    if isinstance(outcome, Skip):
-        if pending:
-            await annotate_job(deps, trainjob, pending)
-        return None
-    if isinstance(outcome, GiveUp):
-        await _give_up_attempt(deps, trainjob, attempt, outcome, pending)
-        return RECHECK_S
-    await _admit_attempt(deps, trainjob, outcome, pending)
-    return RECHECK_S
+    match outcome:
+        case Skip():
+            if pending:
+                await annotate_job(deps, trainjob, pending)
+            return None
+        case GiveUp():
+            await _give_up_attempt(deps, trainjob, attempt, outcome, pending)
+            return RECHECK_S
+        case AttemptPlan():
+            await _admit_attempt(deps, trainjob, outcome, pending)
+            return RECHECK_S
+        case _:
+            assert_never(outcome)
 
 
 async def _admit_attempt(

@@ -33,13 +33,12 @@ allows (:func:`planning_view` gives its planner the last attempt's start).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_agent.decide.mtbf import PoolEvidence
 from ckpt_agent.policy import RecoverySpec
-from ckpt_agent.records import CheckpointRecord
 from ckpt_operator.kinds.registry import TRAINJOB
 from ckpt_operator.kinds.trainjob import planned_attempt, pod_attempt
 from ckpt_operator.model import constants as c
@@ -48,6 +47,7 @@ from ckpt_operator.model.jobs import JobFacts, format_time, job_facts, parse_tim
 from ckpt_operator.planners.restart import (
     GiveUp,
     LadderStep,
+    PlanRequest,
     Restart,
     RestartDecision,
     Skip,
@@ -186,25 +186,14 @@ def attempt_annotations(
     }
 
 
-def plan_attempt(
-    trainjob: Mapping[str, Any],
-    attempt: int,
-    spec: RecoverySpec,
-    records: Sequence[CheckpointRecord],
-    now: float,
-    verify: Callable[[str], bool],
-    progress: Sequence[tuple[int, float]] = (),
-    mtbf_prior_s: float | None = None,
-    mtbf_pool: PoolEvidence | None = None,
-) -> AttemptOutcome:
+def plan_attempt(trainjob: Mapping[str, Any], attempt: int, request: PlanRequest) -> AttemptOutcome:
     """Plan JobSet restart attempt ``attempt`` of ``trainjob`` (see the module docstring)."""
-    early = precheck_attempt(trainjob, attempt, spec, now)
+    now = request.now
+    early = precheck_attempt(trainjob, attempt, request.spec, now)
     if early is not None:
         return early
     view = attempt_view(trainjob, now)
-    outcome = plan_restart(
-        view, _no_backoff(spec), records, now, verify, progress, mtbf_prior_s, mtbf_pool
-    )
+    outcome = plan_restart(view, dataclasses.replace(request, spec=_no_backoff(request.spec)))
     if not isinstance(outcome, Restart):
         return outcome if isinstance(outcome, Skip | GiveUp) else Skip("nothing to plan")
     return AttemptPlan(

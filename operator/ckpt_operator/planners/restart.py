@@ -41,6 +41,7 @@ from ckpt_operator.planners.runfacts import run_started_at
 __all__ = [
     "GiveUp",
     "LadderStep",
+    "PlanRequest",
     "Restart",
     "RestartDecision",
     "RestartOutcome",
@@ -259,6 +260,29 @@ class Restart:
 RestartOutcome = Skip | Wait | GiveUp | Restart
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a restart plan reads about the run besides the job itself: the same for a
+    PyTorchJob restart (:func:`plan_restart`) and a JobSet restart attempt
+    (:func:`ckpt_operator.planners.attempt_plan.plan_attempt`).
+
+    ``records`` are the run's checkpoints (all of them, as listed from the manifests);
+    ``verify(checkpoint_id)`` re-checks one candidate (hashes and manifest) and is only
+    called when the planner walks the ladder; ``progress`` the run's heartbeats
+    ``(step, time)``; ``mtbf_prior_s`` the policy's ``mtbfSeconds``, which the decision
+    carries blended with the run's failures and its node pool's, ``mtbf_pool``
+    (:func:`ckpt_agent.decide.mtbf.estimate_mtbf`).
+    """
+
+    spec: RecoverySpec
+    records: Sequence[CheckpointRecord]
+    now: float
+    verify: Callable[[str], bool]
+    progress: Sequence[tuple[int, float]] = ()
+    mtbf_prior_s: float | None = None
+    mtbf_pool: PoolEvidence | None = None
+
+
 def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict[str, Any]:
     """The new job (PyTorchJob or TrainJob): same spec, labels and user annotations, the
     restart recorded."""
@@ -382,27 +406,11 @@ def _fails(verdicts: Verdicts, cid: str, records: Sequence[CheckpointRecord]) ->
     return not verdicts(cid)[0]
 
 
-def plan_restart(
-    job: Mapping[str, Any],
-    spec: RecoverySpec,
-    records: Sequence[CheckpointRecord],
-    now: float,
-    verify: Callable[[str], bool],
-    progress: Sequence[tuple[int, float]] = (),
-    mtbf_prior_s: float | None = None,
-    mtbf_pool: PoolEvidence | None = None,
-) -> RestartOutcome:
-    """Decide what to do about a (possibly) failed job; see the module docstring.
-
-    ``mtbf_prior_s``: the policy's ``mtbfSeconds``; the decision carries it blended
-    with the run's failures and its node pool's, ``mtbf_pool``
-    (:func:`ckpt_agent.decide.mtbf.estimate_mtbf`).
-
-    ``records`` are the run's checkpoints (all of them, as listed from the
-    manifests); ``progress`` the run's heartbeats ``(step, time)``;
-    ``verify(checkpoint_id)`` re-checks one candidate (hashes and manifest)
-    and is only called when the planner walks the ladder.
-    """
+def plan_restart(job: Mapping[str, Any], request: PlanRequest) -> RestartOutcome:
+    """Decide what to do about a (possibly) failed job; see the module docstring and
+    :class:`PlanRequest` for what it reads."""
+    spec, records, now, verify = request.spec, request.records, request.now, request.verify
+    progress, mtbf_prior_s, mtbf_pool = request.progress, request.mtbf_prior_s, request.mtbf_pool
     early = precheck_restart(job, spec, now)
     if early is not None:
         return early

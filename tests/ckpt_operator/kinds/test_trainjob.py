@@ -43,7 +43,7 @@ from ckpt_operator.planners.attempt_plan import (
     planning_view,
     precheck_attempt,
 )
-from ckpt_operator.planners.restart import GiveUp, RestartDecision, Skip
+from ckpt_operator.planners.restart import GiveUp, PlanRequest, RestartDecision, Skip
 from tests.ckpt_operator.conftest import load
 
 Fixture = Callable[[str], dict[str, Any]]
@@ -335,7 +335,7 @@ def test_first_attempt_resumes_from_the_newest_checkpoint(
         return True
 
     tj = fixture("trainjob_running.json")
-    plan = plan_attempt(tj, 1, SPEC, records, NOW, verify, mtbf_prior_s=3600.0)
+    plan = plan_attempt(tj, 1, PlanRequest(SPEC, records, NOW, verify, mtbf_prior_s=3600.0))
     assert isinstance(plan, AttemptPlan) and plan.attempt == 1
     d = plan.decision
     assert (d.resume_from, d.resume_step, d.restart_count, d.action) == (
@@ -362,7 +362,7 @@ def test_first_attempt_resumes_from_the_newest_checkpoint(
 
 
 def test_an_attempt_without_checkpoints_starts_fresh(fixture: Fixture) -> None:
-    plan = plan_attempt(fixture("trainjob_running.json"), 1, SPEC, [], NOW, never)
+    plan = plan_attempt(fixture("trainjob_running.json"), 1, PlanRequest(SPEC, [], NOW, never))
     assert isinstance(plan, AttemptPlan)
     assert plan.decision.action == "fresh" and plan.annotations[c.ANN_RESUME_FROM] is None
     assert plan.annotations[c.ANN_MTBF_SECONDS] is None  # no prior given
@@ -385,7 +385,7 @@ def test_an_attempt_that_never_advanced_poisons_its_checkpoint(
 ) -> None:
     # attempt 1 resumed from 1200 (planned 100 s ago) and wrote nothing past it
     tj = _after_attempt(fixture, NOW - 100)
-    plan = plan_attempt(tj, 2, SPEC, records, NOW, lambda _: True)
+    plan = plan_attempt(tj, 2, PlanRequest(SPEC, records, NOW, lambda _: True))
     assert isinstance(plan, AttemptPlan)
     assert plan.crash_loop == "pulse_step_000000001200"
     assert plan.decision.resume_from == "pulse_step_000000001100"
@@ -401,23 +401,21 @@ def test_an_attempt_that_advanced_is_no_crash_loop(
 ) -> None:
     tj = _after_attempt(fixture, NOW - 250)  # attempt 1 resumed from 1200 and went on
     progressed = [*records, rec("pulse", 1300, created_at=NOW - 30, manifest_hash="h1300")]
-    plan = plan_attempt(tj, 2, SPEC, progressed, NOW, lambda _: True)
+    plan = plan_attempt(tj, 2, PlanRequest(SPEC, progressed, NOW, lambda _: True))
     assert isinstance(plan, AttemptPlan) and plan.crash_loop is None
     assert plan.decision.resume_from == "pulse_step_000000001300"
     # a heartbeat past the resume step counts as progress too
     heartbeat = plan_attempt(
-        _after_attempt(fixture, NOW - 100), 2, SPEC, records, NOW, lambda _: True, [(1210, NOW - 5)]
+        _after_attempt(fixture, NOW - 100),
+        2,
+        PlanRequest(SPEC, records, NOW, lambda _: True, [(1210, NOW - 5)]),
     )
     assert isinstance(heartbeat, AttemptPlan) and heartbeat.crash_loop is None
     # ... but not one from before the attempt started (the previous attempt's)
     stale = plan_attempt(
         _after_attempt(fixture, NOW - 100),
         2,
-        SPEC,
-        records,
-        NOW,
-        lambda _: True,
-        [(1210, NOW - 200)],
+        PlanRequest(SPEC, records, NOW, lambda _: True, [(1210, NOW - 200)]),
     )
     assert isinstance(stale, AttemptPlan) and stale.crash_loop == "pulse_step_000000001200"
 
@@ -429,7 +427,7 @@ def test_poisoned_checkpoints_accumulate_across_attempts(
         _after_attempt(fixture, NOW - 100, "1100"), poisoned="pulse_step_000000001200"
     )
     tj["metadata"]["annotations"][c.ANN_RESTART_COUNT] = "2"
-    plan = plan_attempt(tj, 3, SPEC, records, NOW, lambda _: True)
+    plan = plan_attempt(tj, 3, PlanRequest(SPEC, records, NOW, lambda _: True))
     assert isinstance(plan, AttemptPlan)
     assert plan.annotations[c.ANN_POISONED] == "pulse_step_000000001200,pulse_step_000000001100"
     assert plan.decision.resume_from == "full_step_000000001000"
@@ -437,23 +435,21 @@ def test_poisoned_checkpoints_accumulate_across_attempts(
 
 
 def test_attempt_give_ups(fixture: Fixture, records: list[CheckpointRecord]) -> None:
-    gone = plan_attempt(_after_attempt(fixture, NOW - 100), 2, SPEC, [], NOW, never)
+    gone = plan_attempt(_after_attempt(fixture, NOW - 100), 2, PlanRequest(SPEC, [], NOW, never))
     assert isinstance(gone, GiveUp) and gone.reason == "CheckpointsGone"
     exhausted = plan_attempt(
-        fixture("trainjob_running.json"), 1, SPEC, records, NOW, lambda _: False
+        fixture("trainjob_running.json"), 1, PlanRequest(SPEC, records, NOW, lambda _: False)
     )
     assert isinstance(exhausted, GiveUp) and exhausted.reason == "LadderExhausted"
     spent = plan_attempt(
         with_annotations(fixture("trainjob_running.json"), restart_count="3"),
         4,
-        SPEC,
-        records,
-        NOW,
-        never,
+        PlanRequest(SPEC, records, NOW, never),
     )
     assert isinstance(spent, GiveUp) and spent.reason == "MaxRestartsExceeded"
     assert isinstance(
-        plan_attempt(fixture("trainjob_failed.json"), 1, SPEC, records, NOW, never), Skip
+        plan_attempt(fixture("trainjob_failed.json"), 1, PlanRequest(SPEC, records, NOW, never)),
+        Skip,
     )
 
 

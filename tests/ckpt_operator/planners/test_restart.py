@@ -20,6 +20,7 @@ from ckpt_operator.model.jobs import (
 )
 from ckpt_operator.planners.restart import (
     GiveUp,
+    PlanRequest,
     Restart,
     RestartDecision,
     Skip,
@@ -80,7 +81,7 @@ def test_first_failure_restarts_from_the_newest_verified_checkpoint(
     fixture: Any, rec: Callable[..., CheckpointRecord]
 ) -> None:
     job = fixture("pytorchjob_failed.json")
-    out = plan_restart(job, RecoverySpec(), history(rec), LATER, ok)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), history(rec), LATER, ok))
     assert isinstance(out, Restart) and not out.replay
     d = out.decision
     assert (d.name, d.restart_count, d.resume_from, d.resume_step) == (
@@ -127,7 +128,7 @@ def test_corrupted_newest_walks_the_chain(
             raise ValueError("blob 3fa1 does not match its SHA-256 (corrupted)")
         return True
 
-    out = plan_restart(job, RecoverySpec(), history(rec), LATER, verify)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), history(rec), LATER, verify))
     assert isinstance(out, Restart)
     assert out.decision.resume_from == "pulse_step_000000001100"
     rejected, accepted = out.ladder
@@ -141,7 +142,7 @@ def test_crash_loop_poisons_the_resume_checkpoint(
 ) -> None:
     job = fixture("pytorchjob_r1_failed.json")  # restart 1 from pulse 1200, failed at once
     records = history(rec)
-    out = plan_restart(job, RecoverySpec(), records, LATER, ok)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), records, LATER, ok))
     assert isinstance(out, Restart)
     assert out.crash_loop == "pulse_step_000000001200"
     assert out.decision.poisoned == ("pulse_step_000000001200",)
@@ -166,7 +167,7 @@ def test_a_crash_on_a_checkpoint_that_fails_verification_is_explained_not_poison
             raise ValueError("a pod found it corrupted")
         return True
 
-    out = plan_restart(job, RecoverySpec(), history(rec), LATER, verify)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), history(rec), LATER, verify))
     assert isinstance(out, Restart)
     assert out.crash_loop is None and out.decision.poisoned == ()
     assert out.decision.resume_from == "pulse_step_000000001100"
@@ -211,7 +212,7 @@ def test_poisoned_list_accumulates_across_the_chain(
     job = fixture("pytorchjob_r1_failed.json")
     ann = job["metadata"]["annotations"]
     ann[c.ANN_POISONED] = "pulse_step_000000001300"
-    out = plan_restart(job, RecoverySpec(), history(rec), LATER, ok)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), history(rec), LATER, ok))
     assert isinstance(out, Restart)
     assert out.decision.poisoned == ("pulse_step_000000001300", "pulse_step_000000001200")
 
@@ -222,7 +223,9 @@ def test_ladder_exhausted_is_terminal(fixture: Any, rec: Callable[..., Checkpoin
     def bad(cid: str) -> bool:
         return False
 
-    out = plan_restart(job, RecoverySpec(allow_heartbeat_rebuild=False), history(rec), LATER, bad)
+    out = plan_restart(
+        job, PlanRequest(RecoverySpec(allow_heartbeat_rebuild=False), history(rec), LATER, bad)
+    )
     assert isinstance(out, GiveUp) and out.reason == "LadderExhausted"
     assert "pulse_step_000000001200" in out.message and RUN in out.message
 
@@ -232,20 +235,22 @@ def test_only_unusable_checkpoints_gives_up(
 ) -> None:
     job = fixture("pytorchjob_failed.json")
     records = [rec("pulse", 100, status=CheckpointStatus.CORRUPTED)]
-    out = plan_restart(job, RecoverySpec(), records, LATER, ok)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), records, LATER, ok))
     assert isinstance(out, GiveUp) and out.reason == "LadderExhausted"
 
 
 def test_no_checkpoint_yet_restarts_from_the_beginning(fixture: Any) -> None:
     job = fixture("pytorchjob_failed.json")
-    out = plan_restart(job, RecoverySpec(), [], LATER, ok)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), [], LATER, ok))
     assert isinstance(out, Restart) and out.decision.action == "fresh"
     assert out.decision.resume_from is None
     assert c.ANN_RESUME_FROM not in out.job["metadata"]["annotations"]
 
 
 def test_checkpoints_vanished_after_a_resume_gives_up(fixture: Any) -> None:
-    out = plan_restart(fixture("pytorchjob_r1_failed.json"), RecoverySpec(), [], LATER, ok)
+    out = plan_restart(
+        fixture("pytorchjob_r1_failed.json"), PlanRequest(RecoverySpec(), [], LATER, ok)
+    )
     assert isinstance(out, GiveUp) and out.reason == "CheckpointsGone"
 
 
@@ -319,7 +324,7 @@ def test_never_restarts_what_it_must_not(
     job = fixture(fixture_name)
     if mutate:
         mutate(job)
-    out = plan_restart(job, RecoverySpec(), [], LATER, ok)
+    out = plan_restart(job, PlanRequest(RecoverySpec(), [], LATER, ok))
     assert isinstance(out, Skip) and reason in out.reason
 
 
@@ -334,7 +339,7 @@ def test_a_written_decision_is_replayed_verbatim(
     fixture: Any, rec: Callable[..., CheckpointRecord]
 ) -> None:
     job = fixture("pytorchjob_failed.json")
-    first = plan_restart(job, RecoverySpec(), history(rec), LATER, ok)
+    first = plan_restart(job, PlanRequest(RecoverySpec(), history(rec), LATER, ok))
     assert isinstance(first, Restart)
     # the operator wrote its intent, then crashed before (or after) the create
     ann = job["metadata"]["annotations"]
@@ -348,7 +353,7 @@ def test_a_written_decision_is_replayed_verbatim(
         return True
 
     newer = [*history(rec), rec("pulse", 1300, created_at=LATER - 5)]
-    again = plan_restart(job, RecoverySpec(), newer, LATER + 999, verify)
+    again = plan_restart(job, PlanRequest(RecoverySpec(), newer, LATER + 999, verify))
     assert isinstance(again, Restart) and again.replay
     assert again.decision == first.decision
     assert again.job == first.job
