@@ -312,6 +312,6 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
         "b", "", StorageOptions(region="us-east-1", backoff_base_s=1.0, backoff_max_s=8.0)
     )
     for attempt, (lo, hi) in enumerate([(0.5, 1), (1, 2), (2, 4), (4, 8), (4, 8)], start=1):
-        samples = [s._backoff(attempt) for _ in range(200)]
+        samples = [s.bucket_client.backoff_s(attempt) for _ in range(200)]
         assert lo <= min(samples) and max(samples) <= hi
         assert max(samples) - min(samples) > (hi - lo) / 4  # jittered, not fixed

@@ -21,9 +21,11 @@ URL: ``s3://bucket/prefix``; key ``a/b`` is the object ``prefix/a/b``.
 * Server-side encryption: ``sse="AES256"`` (SSE-S3) or ``"aws:kms"`` with an
   optional ``kms_key_id`` (SSE-KMS), applied to every PUT and multipart upload.
 
-Modules: :mod:`.backend` (:class:`S3Storage`: requests, retries, listing,
-deletes), :mod:`.transfer` (multipart writer, resuming ranged reader) and
-:mod:`.failures` (what a failed request means and what to fix).
+Modules: :mod:`.backend` (:class:`S3Storage`: the storage API, listing,
+deletes), :mod:`.client` (:class:`~.client.BucketClient`: requests and the
+retry policy, in one place), :mod:`.transfer` (multipart writer, resuming
+ranged reader; through the client's public members) and :mod:`.failures`
+(what a failed request means and what to fix).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The S3 backend: :class:`S3Storage` (requests with the retry policy, reads, listing, deletes).
+"""The S3 backend: :class:`S3Storage` (the :class:`Storage` API: reads, listing, deletes).
 
-See :mod:`ckpt_agent.storage.s3` for the behaviour; streaming writes and
-resumable reads are in :mod:`ckpt_agent.storage.s3.transfer`.
+See :mod:`ckpt_agent.storage.s3` for the behaviour. Requests and their retry
+policy are in :mod:`ckpt_agent.storage.s3.client`; streaming writes and
+resumable reads in :mod:`ckpt_agent.storage.s3.transfer`.
 """
 
 from __future__ import annotations
@@ -9,40 +10,28 @@ from __future__ import annotations
 import collections
 import heapq
 import io
-import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
-import boto3
-from botocore.config import Config
-
 from ckpt_agent.storage.base import (
-    NotFoundError,
     ObjectInfo,
     ObjectWriter,
     PermanentStorageError,
-    RetryableStorageError,
     Storage,
     StorageError,
     validate_key,
     validate_prefix,
 )
 from ckpt_agent.storage.options import S3_MIN_PART_SIZE, StorageOptions
-from ckpt_agent.storage.s3.failures import HINTS, backoff_s, classify_error, with_code
+from ckpt_agent.storage.s3.client import BucketClient, make_boto_client
 from ckpt_agent.storage.s3.transfer import S3Reader, S3Writer
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
 
 __all__ = ["S3Storage"]
-
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class S3Storage(Storage):
@@ -71,15 +60,10 @@ class S3Storage(Storage):
         self._root_prefix = f"{self.root}/" if self.root else ""
         self.url = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
         self.options = opts
-        self._client: S3Client = client if client is not None else _make_client(opts)
-        self._endpoint = self._client.meta.endpoint_url
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._bucket_checked = False
-        #: Requests sent per operation name (attempts, retries included).
-        self.calls: collections.Counter[str] = collections.Counter()
-        #: Attempts that failed with a retryable error and were retried.
-        self.retries = 0
+        #: Requests to the bucket, under the retry policy (what the transfers use too).
+        self.bucket_client = BucketClient(
+            bucket, self.root, opts, client if client is not None else make_boto_client(opts)
+        )
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions | None = None) -> S3Storage:
@@ -94,132 +78,46 @@ class S3Storage(Storage):
         return cls(parts.netloc, parts.path, options)
 
     def __repr__(self) -> str:
-        where = f" at {self._endpoint}" if self.options.endpoint_url else ""
+        where = f" at {self.bucket_client.endpoint}" if self.options.endpoint_url else ""
         return f"S3Storage({self.url!r}{where})"
 
     @property
     def client(self) -> S3Client:
         """The underlying boto3 client (for tools and tests)."""
-        return self._client
+        return self.bucket_client.boto
 
-    # -- helpers -----------------------------------------------------------------------
-    def _full(self, key: str) -> str:
-        return self._root_prefix + validate_key(key)
+    @property
+    def calls(self) -> collections.Counter[str]:
+        """Requests sent per operation name (attempts, retries included)."""
+        return self.bucket_client.calls
 
-    def _where(self, key: str | None) -> str:
-        obj = f"s3://{self.bucket}/{self._root_prefix}{key or ''}"
-        return f"{obj} at {self._endpoint}" if self.options.endpoint_url else obj
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.options.max_concurrency, thread_name_prefix="ckpt-s3"
-                )
-            return self._pool
-
-    def _sse_args(self) -> dict[str, str]:
-        o = self.options
-        if o.sse == "none":
-            return {}
-        args: dict[str, str] = {"ServerSideEncryption": o.sse}
-        if o.sse == "aws:kms" and o.kms_key_id:
-            args["SSEKMSKeyId"] = o.kms_key_id
-        return args
+    @property
+    def retries(self) -> int:
+        """Attempts that failed with a retryable error and were retried."""
+        return self.bucket_client.retries
 
     def classify(self, e: BaseException, op: str, key: str | None = None) -> StorageError | None:
         """Map a boto3/botocore/network exception to the storage taxonomy (None: a bug)."""
-        return classify_error(e, f"S3 {op} {self._where(key)}")
-
-    def _backoff(self, attempt: int) -> float:
-        return backoff_s(attempt, self.options.backoff_base_s, self.options.backoff_max_s)
-
-    def _call(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
-        """Run one request with the retry policy; raise a :class:`StorageError`."""
-        attempt = 0
-        while True:
-            attempt += 1
-            with self._lock:
-                self.calls[op] += 1
-            try:
-                return fn()
-            except Exception as e:
-                err = self.classify(e, op, key)
-                if err is None:
-                    raise
-                if isinstance(err, RetryableStorageError):
-                    if attempt < self.options.max_attempts:
-                        delay = self._backoff(attempt)
-                        with self._lock:
-                            self.retries += 1
-                        log.warning(
-                            "%s (attempt %d/%d); retrying in %.2fs",
-                            err,
-                            attempt,
-                            self.options.max_attempts,
-                            delay,
-                        )
-                        time.sleep(delay)
-                        continue
-                    err = with_code(
-                        RetryableStorageError(f"{err}; gave up after {attempt} attempt(s)"),
-                        err.code,
-                    )
-                raise err from e
-
-    def _check_bucket(self) -> None:
-        """After an ambiguous 404/403 on HEAD: is the bucket itself there and reachable?"""
-        if self._bucket_checked:
-            return
-        try:
-            self._call("HeadBucket", None, lambda: self._client.head_bucket(Bucket=self.bucket))
-        except NotFoundError:
-            raise with_code(
-                PermanentStorageError(
-                    f"S3 HeadBucket {self._where(None)}: NoSuchBucket. {HINTS['NoSuchBucket']}"
-                ),
-                "NoSuchBucket",
-            ) from None
-        except PermanentStorageError:
-            # HEAD responses carry no error code: ask a call that does (ListObjectsV2).
-            self._call(
-                "ListObjectsV2",
-                None,
-                lambda: self._client.list_objects_v2(
-                    Bucket=self.bucket, Prefix=self._root_prefix, MaxKeys=1
-                ),
-            )
-            raise
-        self._bucket_checked = True
+        return self.bucket_client.classify(e, op, key)
 
     # -- Storage API ----------------------------------------------------------------
     def check(self) -> None:
         """Fail fast with a :class:`PermanentStorageError` if the bucket is unusable."""
-        self._bucket_checked = False
-        self._check_bucket()
+        self.bucket_client.check_bucket(again=True)
 
     def open_write(self, key: str) -> ObjectWriter:
-        return S3Writer(self, key)
-
-    def _put(self, key: str, data: bytes | bytearray) -> None:
-        full = self._full(key)
-        sse = self._sse_args()
-        body = bytes(data)
-        self._call(
-            "PutObject",
-            key,
-            lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=body, **sse),  # type: ignore[arg-type]
-        )
+        return S3Writer(self, self.bucket_client, key)
 
     def commit(self, key: str, data: bytes) -> None:
         t0 = time.perf_counter()
-        self._put(key, data)
+        self.bucket_client.put(key, data)
         self._record_write(key, time.perf_counter() - t0, len(data))
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         if start < 0 or (length is not None and length < 0):
             raise ValueError("start and length must be >= 0")
-        full = self._full(key)
+        bc = self.bucket_client
+        full = bc.full(key)
         if length == 0:
             self.stat(key)
             return b""
@@ -229,7 +127,7 @@ class S3Storage(Storage):
             kwargs["Range"] = f"bytes={start}-{end}"
 
         def get() -> bytes:
-            resp = self._client.get_object(**kwargs)
+            resp = bc.boto.get_object(**kwargs)
             with resp["Body"] as body:
                 if length is None:
                     return body.read()
@@ -239,38 +137,25 @@ class S3Storage(Storage):
                 return data
             if start:  # a whole object where a part of it was asked: the bytes are wrong
                 raise PermanentStorageError(
-                    f"S3 GetObject {self._where(key)}: the endpoint ignored the Range header "
+                    f"S3 GetObject {bc.where(key)}: the endpoint ignored the Range header "
                     "(sent more than was asked): use an S3-compatible endpoint that honours it"
                 )
             return data[:length]
 
         try:
-            return self._call("GetObject", key, get)
+            return bc.call("GetObject", key, get)
         except PermanentStorageError as e:
             if e.code == "InvalidRange":  # start at/after the end
                 return b""
             raise
 
     def open_read(self, key: str) -> BinaryIO:
-        info = self._head(key)
-        raw = S3Reader(self, key, info.size, info.etag)
+        info = self.bucket_client.head(key)
+        raw = S3Reader(self.bucket_client, key, info.size, info.etag)
         return io.BufferedReader(raw, buffer_size=1024 * 1024)
 
-    def _head(self, key: str) -> _Head:
-        full = self._full(key)
-        try:
-            resp = self._call(
-                "HeadObject", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full)
-            )
-        except (NotFoundError, PermanentStorageError):
-            self._check_bucket()  # turns a missing bucket / bad credentials into a clear error
-            raise
-        return _Head(
-            key, int(resp["ContentLength"]), resp["LastModified"].timestamp(), resp.get("ETag")
-        )
-
     def stat(self, key: str) -> ObjectInfo:
-        h = self._head(key)
+        h = self.bucket_client.head(key)
         return ObjectInfo(key=key, size=h.size, mtime=h.mtime)
 
     def list(self, prefix: str = "", *, delimiter: str | None = None) -> Iterator[ObjectInfo]:
@@ -286,10 +171,9 @@ class S3Storage(Storage):
         }
         if delimiter:
             kwargs["Delimiter"] = delimiter
+        bc = self.bucket_client
         while True:
-            resp = self._call(
-                "ListObjectsV2", prefix, lambda: self._client.list_objects_v2(**kwargs)
-            )
+            resp = bc.call("ListObjectsV2", prefix, lambda: bc.boto.list_objects_v2(**kwargs))
             objects = [
                 ObjectInfo(c["Key"][strip:], int(c["Size"]), c["LastModified"].timestamp())
                 for c in resp.get("Contents", [])
@@ -302,23 +186,23 @@ class S3Storage(Storage):
             kwargs["ContinuationToken"] = resp["NextContinuationToken"]
 
     def delete(self, key: str) -> None:
-        full = self._full(key)
-        self._call(
-            "DeleteObject", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=full)
-        )
+        bc = self.bucket_client
+        full = bc.full(key)
+        bc.call("DeleteObject", key, lambda: bc.boto.delete_object(Bucket=self.bucket, Key=full))
 
     def delete_prefix(self, prefix: str) -> int:
         """Batch delete (DeleteObjects, 1000 keys a request)."""
+        bc = self.bucket_client
         n = 0
         batch: list[str] = []
 
         def flush() -> None:
             nonlocal n
             objs: Any = [{"Key": self._root_prefix + k} for k in batch]
-            resp = self._call(
+            resp = bc.call(
                 "DeleteObjects",
                 prefix,
-                lambda: self._client.delete_objects(
+                lambda: bc.boto.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": objs, "Quiet": True}
                 ),
             )
@@ -326,7 +210,7 @@ class S3Storage(Storage):
             if errors:
                 first = errors[0]
                 raise PermanentStorageError(
-                    f"S3 DeleteObjects {self._where(prefix)}: {len(errors)} key(s) not deleted, "
+                    f"S3 DeleteObjects {bc.where(prefix)}: {len(errors)} key(s) not deleted, "
                     f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
                 )
             n += len(batch)
@@ -341,37 +225,4 @@ class S3Storage(Storage):
         return n
 
     def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        self._client.close()
-
-
-class _Head:
-    __slots__ = ("etag", "key", "mtime", "size")
-
-    def __init__(self, key: str, size: int, mtime: float, etag: str | None) -> None:
-        self.key, self.size, self.mtime, self.etag = key, size, mtime, etag
-
-
-def _make_client(opts: StorageOptions) -> S3Client:
-    session = boto3.session.Session(
-        aws_access_key_id=opts.access_key_id,
-        aws_secret_access_key=opts.secret_access_key,
-        aws_session_token=opts.session_token,
-        region_name=opts.region,
-        profile_name=opts.profile,
-    )
-    config = Config(
-        signature_version="s3v4",
-        connect_timeout=opts.connect_timeout_s,
-        read_timeout=opts.read_timeout_s,
-        retries={"total_max_attempts": 1, "mode": "standard"},  # we retry ourselves
-        max_pool_connections=max(10, 2 * opts.max_concurrency + 2),
-        s3={"addressing_style": "path" if opts.use_path_style else "auto"},
-        request_checksum_calculation=opts.checksums,
-        response_checksum_validation=opts.checksums,
-        tcp_keepalive=True,
-    )
-    return session.client("s3", endpoint_url=opts.endpoint_url, config=config)
+        self.bucket_client.close()

@@ -3,8 +3,9 @@
 :class:`S3Writer` sends one PUT for small objects and a bounded, parallel
 multipart upload for large ones (aborted on any failure); :class:`S3Reader`
 is a seekable ranged-GET reader that resumes after a dropped connection and
-detects a replaced object (``If-Match``). Requests go through the owning
-:class:`~ckpt_agent.storage.s3.backend.S3Storage` and its retry policy.
+detects a replaced object (``If-Match``). Requests go through a
+:class:`~ckpt_agent.storage.s3.client.BucketClient` and its retry policy
+(public members only).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from ckpt_agent.storage.base import (
     ObjectWriter,
     PermanentStorageError,
     RetryableStorageError,
+    Storage,
     StorageError,
 )
 from ckpt_agent.storage.options import S3_MAX_PARTS
+from ckpt_agent.storage.s3.client import BucketClient
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.type_defs import CompletedPartTypeDef
-
-    from ckpt_agent.storage.s3.backend import S3Storage
 
 __all__ = ["S3Reader", "S3Writer"]
 
@@ -50,17 +51,17 @@ CHECKSUM_FIELDS = (
 class S3Writer(ObjectWriter):
     """One PUT for small objects; a bounded, parallel multipart upload for large ones."""
 
-    def __init__(self, storage: S3Storage, key: str) -> None:
+    def __init__(self, storage: Storage, client: BucketClient, key: str) -> None:
         super().__init__(storage, key)
-        self._s3 = storage
-        self._full = storage._full(key)
-        self._part_size = storage.options.part_size_bytes
+        self._s3 = client
+        self._full = client.full(key)
+        self._part_size = client.options.part_size_bytes
         self._buf = bytearray()
         self._upload_id: str | None = None
         self._next_part = 1
         self._parts: dict[int, CompletedPartTypeDef] = {}
         self._futures: list[Future[None]] = []
-        self._slots = threading.BoundedSemaphore(storage.options.max_concurrency)
+        self._slots = threading.BoundedSemaphore(client.options.max_concurrency)
         self._failure: BaseException | None = None
         self._flock = threading.Lock()
 
@@ -83,13 +84,13 @@ class S3Writer(ObjectWriter):
 
     def _start_multipart(self) -> str:
         s3 = self._s3
-        extra: dict[str, Any] = dict(s3._sse_args())
+        extra: dict[str, Any] = dict(s3.sse_args())
         if s3.options.checksums == "when_supported":
             extra["ChecksumAlgorithm"] = "CRC32"
-        resp = s3._call(
+        resp = s3.call(
             "CreateMultipartUpload",
             self.key,
-            lambda: s3._client.create_multipart_upload(Bucket=s3.bucket, Key=self._full, **extra),
+            lambda: s3.boto.create_multipart_upload(Bucket=s3.bucket, Key=self._full, **extra),
         )
         return resp["UploadId"]
 
@@ -98,7 +99,7 @@ class S3Writer(ObjectWriter):
             self._upload_id = self._start_multipart()
         if self._next_part > S3_MAX_PARTS:
             raise PermanentStorageError(
-                f"S3 {self._s3._where(self.key)}: more than {S3_MAX_PARTS} parts; raise "
+                f"S3 {self._s3.where(self.key)}: more than {S3_MAX_PARTS} parts; raise "
                 "part_size_bytes (CKPT_S3_PART_SIZE) for objects this large"
             )
         # Back-pressure: at most max_concurrency parts in flight (bounded memory).
@@ -108,7 +109,7 @@ class S3Writer(ObjectWriter):
             self._raise_failure()
             number = self._next_part
             self._next_part += 1
-            fut = self._s3._executor().submit(self._upload_part, self._upload_id, number, part)
+            fut = self._s3.executor().submit(self._upload_part, self._upload_id, number, part)
         except BaseException:
             self._slots.release()
             raise
@@ -118,10 +119,10 @@ class S3Writer(ObjectWriter):
     def _upload_part(self, upload_id: str, number: int, body: bytes) -> None:
         s3 = self._s3
         try:
-            resp = s3._call(
+            resp = s3.call(
                 "UploadPart",
                 self.key,
-                lambda: s3._client.upload_part(
+                lambda: s3.boto.upload_part(
                     Bucket=s3.bucket,
                     Key=self._full,
                     UploadId=upload_id,
@@ -145,7 +146,7 @@ class S3Writer(ObjectWriter):
         s3 = self._s3
         self._raise_failure()
         if self._upload_id is None:
-            s3._put(self.key, self._buf)
+            s3.put(self.key, self._buf)
             self._buf = bytearray()
             return
         if self._buf:
@@ -156,16 +157,16 @@ class S3Writer(ObjectWriter):
         self._raise_failure()
         if len(self._parts) != self._next_part - 1:  # a cancelled part: storage closed?
             raise RetryableStorageError(
-                f"S3 {s3._where(self.key)}: {self._next_part - 1 - len(self._parts)} part(s) "
+                f"S3 {s3.where(self.key)}: {self._next_part - 1 - len(self._parts)} part(s) "
                 "were cancelled before upload (was the storage closed during the write?)"
             )
         parts = [self._parts[n] for n in sorted(self._parts)]
         upload_id = self._upload_id
         try:
-            s3._call(
+            s3.call(
                 "CompleteMultipartUpload",
                 self.key,
-                lambda: s3._client.complete_multipart_upload(
+                lambda: s3.boto.complete_multipart_upload(
                     Bucket=s3.bucket,
                     Key=self._full,
                     UploadId=upload_id,
@@ -180,7 +181,7 @@ class S3Writer(ObjectWriter):
 
     def _completed_already(self, nparts: int) -> bool:
         try:
-            head = self._s3._head(self.key)
+            head = self._s3.head(self.key)
         except StorageError:
             return False
         return bool(head.etag and head.etag.strip('"').endswith(f"-{nparts}"))
@@ -195,10 +196,10 @@ class S3Writer(ObjectWriter):
             return
         s3 = self._s3
         try:
-            s3._call(
+            s3.call(
                 "AbortMultipartUpload",
                 self.key,
-                lambda: s3._client.abort_multipart_upload(
+                lambda: s3.boto.abort_multipart_upload(
                     Bucket=s3.bucket, Key=self._full, UploadId=upload_id
                 ),
             )
@@ -209,7 +210,7 @@ class S3Writer(ObjectWriter):
                 "could not abort multipart upload %s of %s (%s); its parts stay until a "
                 "lifecycle rule AbortIncompleteMultipartUpload removes them",
                 upload_id,
-                s3._where(self.key),
+                s3.where(self.key),
                 e,
             )
 
@@ -217,11 +218,11 @@ class S3Writer(ObjectWriter):
 class S3Reader(io.RawIOBase):
     """Seekable ranged-GET reader that resumes after a dropped connection."""
 
-    def __init__(self, storage: S3Storage, key: str, size: int, etag: str | None) -> None:
+    def __init__(self, client: BucketClient, key: str, size: int, etag: str | None) -> None:
         super().__init__()
-        self._s3 = storage
+        self._s3 = client
         self._key = key
-        self._full = storage._full(key)
+        self._full = client.full(key)
         self._size = size
         self._etag = etag
         self._pos = 0
@@ -264,11 +265,11 @@ class S3Reader(io.RawIOBase):
         if self._etag:
             kwargs["IfMatch"] = self._etag
         try:
-            return s3._call("GetObject", self._key, lambda: s3._client.get_object(**kwargs))["Body"]
+            return s3.call("GetObject", self._key, lambda: s3.boto.get_object(**kwargs))["Body"]
         except PermanentStorageError as e:
             if e.code == "PreconditionFailed":
                 raise RetryableStorageError(
-                    f"{s3._where(self._key)} was replaced while being read; read it again"
+                    f"{s3.where(self._key)} was replaced while being read; read it again"
                 ) from e
             raise
 
@@ -278,8 +279,9 @@ class S3Reader(io.RawIOBase):
         want = len(buffer)
         if want == 0 or self._pos >= self._size:
             return 0
-        attempts = self._s3.options.max_attempts
-        for attempt in range(1, attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 if self._body is None:
                     self._body = self._open_body()
@@ -295,20 +297,18 @@ class S3Reader(io.RawIOBase):
             except Exception as e:
                 self._drop_body()
                 if isinstance(e, StorageError):
-                    raise  # already classified (and retried) by _call
+                    raise  # already classified (and retried) by BucketClient.call
                 err = self._s3.classify(e, "GetObject", self._key)
                 if err is None:
                     raise
                 if not isinstance(err, RetryableStorageError):
                     raise err from e
-                if attempt == attempts:
+                delay = self._s3.retry_delay(attempt)
+                if delay is None:
                     raise RetryableStorageError(
                         f"{err}; gave up resuming at offset {self._pos} after {attempt} attempt(s)"
                     ) from e
-                with self._s3._lock:
-                    self._s3.retries += 1
-                time.sleep(self._s3._backoff(attempt))
-        raise AssertionError("unreachable")
+                time.sleep(delay)
 
     def close(self) -> None:
         self._drop_body()
