@@ -52,7 +52,7 @@ from typing import Any, Literal
 import torch
 
 from ckpt_agent.decide.scheduler import AdaptiveScheduler, Decision
-from ckpt_agent.errors import CheckpointError, PersistError, ResumeError
+from ckpt_agent.errors import CheckpointError, PersistError, ResumeError, StepOrderError
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import Tier
@@ -314,9 +314,14 @@ class Checkpointer:
         """Observe one finished optimizer step, decide, and snapshot when a save is due.
 
         Call it after ``optimizer.step()`` (and ``lr_scheduler.step()``) of
-        ``step``: a checkpoint taken here resumes at ``step + 1``.
+        ``step``: a checkpoint taken here resumes at ``step + 1``. Steps must increase:
+        one not after the previous one (or after the checkpoint :meth:`start` resumed)
+        raises :class:`~ckpt_agent.errors.StepOrderError` before anything is saved, so a
+        restarted counter never overwrites newer checkpoints nor lets retention, which
+        orders by step, delete them.
         """
         self._check_running()
+        self._check_step_order(step)
         self._saver.raise_errors()
         self._saver.drain()
         if self._signals.sigterm and self._group is None:
@@ -406,6 +411,27 @@ class Checkpointer:
 
     def summary(self) -> dict[str, Any]:
         return self._engine.summary()
+
+    def _check_step_order(self, step: int) -> None:
+        last = self._last_step
+        if last is None or step > last:
+            return
+        resumed = (
+            self._resume is not None and self._resume.step > 0 and last == self._resume.step - 1
+        )
+        e = self._engine
+        where = (
+            f"the step of {self._resume.checkpoint_id or 'the checkpoint'} that start() resumed"
+            if resumed and self._resume is not None
+            else "the step passed to the previous step() call"
+        )
+        raise StepOrderError(
+            f"step({step}) is not after step {last}, {where} (run {e.run_id!r} on "
+            f"{e.config.storage_url}). Pass the index of the optimizer step just finished, "
+            "once per optimizer step (not per micro-batch); after a resume continue from "
+            f"start().step ({last + 1}). A new experiment needs its own run id: set "
+            "CKPT_RUN_ID (or AgentConfig.run_id)."
+        )
 
     def _check_running(self) -> None:
         if not self._started:
