@@ -330,7 +330,7 @@ async def on_trainjob_event(type: str | None, body: kopf.Body, memo: kopf.Memo, 
     await _track_job(type, trainjob, rt.deps.trainjobs, rt.trainjob_recovery, observe)
     if type == "DELETED":
         meta = meta_of(trainjob)
-        rt.deps.attempts_seen.pop((str(meta.namespace), str(meta.name)), None)
+        rt.deps.attempts_seen.forget(str(meta.namespace), str(meta.name))
         rt.memory.evicted()
 
 
@@ -369,9 +369,8 @@ async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: P
     if type == "DELETED":
         index.remove(pod)
         uid = str(meta_of(pod).uid or "")
-        deps.reported_pods.discard(uid)
-        deps.agents_serving.pop(uid, None)
-        deps.agents_refused.pop(uid, None)
+        deps.reported_pods.forget(uid)
+        deps.agent_answers.forget(uid)
         return
     index.upsert(pod)
     await report_unprotected(deps, pod)
@@ -410,7 +409,7 @@ async def on_trainjob_pod_event(
 async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     deps = _rt(memo).deps
     if type == "DELETED":  # its pool is kept: the failures of its pods still count
-        deps.node_signals.pop(str(meta_of(body).name), None)
+        deps.node_signals.forget(str(meta_of(body).name))
         return
     node = _raw(body)
     deps.pools.note_node(node, deps.config.recovery.node_pool_labels)

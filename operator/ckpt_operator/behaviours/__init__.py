@@ -9,6 +9,8 @@ result, emit Events and metrics. All state lives on Kubernetes objects
 ==================  =============================================================================
 ``deps``            :class:`~ckpt_operator.behaviours.deps.Deps` (what every behaviour needs),
                     the job status annotation write they share
+``state``           what they remember between events (node signals, refused attempts, reported
+                    pods, agent answers), behind named methods
 ``admission``       the webhooks: ``validate_policy``, ``inject_pod``
 ``policies``        ``reconcile_policy`` (ConfigMap, ``Ready``), ``write_policy_status``
                     (guarded write)

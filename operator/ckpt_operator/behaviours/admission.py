@@ -95,12 +95,12 @@ async def report_unprotected(deps: Deps, pod: Mapping[str, Any]) -> bool:
     """
     meta = meta_of(pod)
     uid = str(meta.uid or "")
-    if not uid or uid in deps.reported_pods or not is_unprotected(pod):
+    if not uid or deps.reported_pods.reported(uid) or not is_unprotected(pod):
         return False
     namespace = str(meta.namespace or "")
     if (await inject_pod(deps, pod, namespace, quiet=True)).result != "injected":
         return False
-    deps.reported_pods.add(uid)
+    deps.reported_pods.mark(uid)
     deps.metrics.unprotected_pods.inc()
     name = meta.name
     owner = owner_of(pod)
@@ -163,8 +163,7 @@ async def inject_pod(
     assert facts.policy is not None
     refusal = attempt_refusal(facts, pod) if kind is TRAINJOB else None
     if refusal is not None and not quiet:
-        key = (namespace, job_name)
-        deps.attempts_seen[key] = max(deps.attempts_seen.get(key, 0), pod_attempt(pod))
+        deps.attempts_seen.note(namespace, job_name, pod_attempt(pod))
         return InjectionOutcome([], [], "deferred", refusal, job_name)
     pod_name = meta_of(pod).name or "(generated name)"
 

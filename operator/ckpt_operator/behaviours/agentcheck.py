@@ -146,7 +146,7 @@ async def _blind_verdict(
     todo: list[tuple[Mapping[str, Any], tuple[str, int]]] = []
     for pod in overdue_unreported(pods, reported, now, deadline_s):
         meta = meta_of(pod)
-        if deps.agents_serving.get(str(meta.uid)) == restarts(pod):
+        if deps.agent_answers.served_before(str(meta.uid), restarts(pod)):
             probes[str(meta.name)] = SEEN_SERVING  # answered before, same processes
         elif (target := probe_target(pod)) is not None:
             todo.append((pod, target))
@@ -164,14 +164,11 @@ async def _blind_verdict(
         probes[str(meta.name)] = result
         if result.presence is Presence.ABSENT:
             # a refusal proves absence only once the same processes refused for a deadline
-            first = deps.agents_refused.get(uid)
-            since = first[1] if first is not None and first[0] == count else now
-            deps.agents_refused[uid] = (count, since)
-            refused_since[str(meta.name)] = since
+            refused_since[str(meta.name)] = deps.agent_answers.refused(uid, count, now)
             continue
-        deps.agents_refused.pop(uid, None)  # any other answer starts the suspicion over
-        if result.presence is Presence.SERVING:
-            deps.agents_serving[uid] = count
-        else:
+        # any other answer starts the suspicion over
+        serving = result.presence is Presence.SERVING
+        deps.agent_answers.answered(uid, count, serving=serving)
+        if not serving:
             log.debug("agent probe of pod %s: no verdict (%s)", meta["name"], result.detail)
     return unreported_pods(pods, reported, now, deadline_s, probes, refused_since)

@@ -72,7 +72,7 @@ def attempt_due(deps: Deps, trainjob: Mapping[str, Any]) -> int | None:
     jobset = deps.jobsets.get(facts.namespace, facts.name)
     attempt = max(
         jobset_restarts(jobset) if jobset is not None else 0,
-        deps.attempts_seen.get((facts.namespace, facts.name), 0),
+        deps.attempts_seen.newest(facts.namespace, facts.name),
     )
     return attempt if attempt > planned_attempt(facts.annotations) else None
 

@@ -13,6 +13,7 @@ from ckpt_operator.adapters.events import EventSink
 from ckpt_operator.adapters.kube import KubeApi, NotFoundError
 from ckpt_operator.adapters.metrics import Metrics
 from ckpt_operator.adapters.sources import SourceFactory
+from ckpt_operator.behaviours.state import AgentAnswers, NodeSignals, RefusedAttempts, ReportedPods
 from ckpt_operator.kinds.registry import KINDS, PYTORCHJOB, TRAINJOB, JobKind, kind_of
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import meta_of
@@ -49,8 +50,8 @@ class Deps:
     sources: SourceFactory
     config: OperatorConfig = field(default_factory=OperatorConfig)
     clock: Callable[[], float] = time.time
-    node_signals: dict[str, str] = field(default_factory=dict)
-    """node name → last disruption request id signalled (avoids re-listing pods)."""
+    node_signals: NodeSignals = field(default_factory=NodeSignals)
+    """Node → the last disruption request id signalled (avoids re-listing pods)."""
     policies: ObjectCache = field(default_factory=ObjectCache)
     """CheckpointPolicies as the watch delivered them."""
     jobs: ObjectCache = field(default_factory=ObjectCache)
@@ -63,24 +64,19 @@ class Deps:
     """Opted-in TrainJobs' pods by TrainJob (JobSet) name."""
     jobsets: ObjectCache = field(default_factory=ObjectCache)
     """JobSets of TrainJobs (their ``status.restarts``: the current restart attempt)."""
-    attempts_seen: dict[tuple[str, str], int] = field(default_factory=dict)
-    """(namespace, TrainJob) → the newest JobSet restart attempt a pod refused by the webhook
-    carried: JobSet labels a pod with the attempt it is at, so the attempt is due even while
-    the JobSet watch is silent (kopf serves JobSets only once it discovered their CRD)."""
+    attempts_seen: RefusedAttempts = field(default_factory=RefusedAttempts)
+    """The newest JobSet restart attempt of each TrainJob that a pod refused by the webhook
+    carried (the attempt is due even while the JobSet watch is silent)."""
     pools: PoolLedger = field(default_factory=PoolLedger)
     """Nodes' pools and finished jobs' running time and failures per pool (MTBF)."""
-    reported_pods: set[str] = field(default_factory=set)
-    """uids of unprotected pods already reported (dropped when the pod is deleted)."""
+    reported_pods: ReportedPods = field(default_factory=ReportedPods)
+    """Unprotected pods already reported (dropped when the pod is deleted)."""
     probe: AgentProbe = probe_agent
     """Probes a pod's agent metrics port (ip, port, timeout): the agent check's live signal
     when the storage is out of the operator's reach."""
-    agents_serving: dict[str, int] = field(default_factory=dict)
-    """Pod uid → its containers' restart count when its agent answered a probe: not probed
-    again until a container restarts (dropped when the pod is deleted)."""
-    agents_refused: dict[str, tuple[int, float]] = field(default_factory=dict)
-    """Pod uid → (its containers' restart count, when its agent port first refused) while
-    every probe of the same processes since was refused: a refusal proves absence only once
-    it has lasted a report deadline (dropped on any other answer and when the pod goes)."""
+    agent_answers: AgentAnswers = field(default_factory=AgentAnswers)
+    """What each pod's agent port answered the probes: serving (not probed again until a
+    container restarts) or refused since when (dropped when the pod is deleted)."""
     admission_api: KubeApi | None = None
     """The API client the webhook falls back to on a cache miss (its own worker threads,
     so admission never waits behind reconciliation); None: ``api``."""

@@ -54,11 +54,11 @@ async def signal_node(deps: Deps, node: Mapping[str, Any]) -> int:
     """
     name = str(meta_of(node).name or "")
     disruption = node_disruption(node)
-    signalled = deps.node_signals.get(name)
+    signalled = deps.node_signals.last(name)
     if disruption is None:
         if signalled != "":
             await _clear(deps, name)
-            deps.node_signals[name] = ""
+            deps.node_signals.remember(name, "")
         return 0
     if signalled == disruption.signal:
         return 0
@@ -66,7 +66,7 @@ async def signal_node(deps: Deps, node: Mapping[str, Any]) -> int:
     for pod in await _injected_pods(deps, name):
         if await _signal(deps, pod, disruption):
             n += 1
-    deps.node_signals[name] = disruption.signal
+    deps.node_signals.remember(name, disruption.signal)
     return n
 
 

@@ -117,7 +117,7 @@ def test_watch_events_feed_the_caches_and_deletions_empty_them(world: Any, fixtu
         return (*full, len(world.deps.policies), len(world.deps.jobs), len(world.deps.pods))
 
     assert run(main()) == (1, 1, 1, 0, 0, 0)
-    assert world.deps.reported_pods == set()
+    assert len(world.deps.reported_pods) == 0
 
 
 def test_observe_job_reads_the_policy_from_the_cache(world: Any, fixture: Any) -> None:
