@@ -44,6 +44,7 @@ import kopf
 
 from ckpt_operator.adapters.caches import ObjectCache, PodIndex
 from ckpt_operator.adapters.kube import NotFoundError
+from ckpt_operator.app.admission_answer import answer_with
 from ckpt_operator.app.loops import MemoryReturn, RecoveryScheduler, RetentionLoop
 from ckpt_operator.behaviours.admission import (
     inject_pod,
@@ -64,7 +65,6 @@ from ckpt_operator.kinds.registry import TRAINJOB
 from ckpt_operator.kinds.trainjob import add_inject_patch, jobset_trainjob, pod_ended_at
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import meta_of
-from ckpt_operator.model.jsonpatch import JSONPatchOp, apply_patch_in_place
 
 __all__ = ["EVENT_ONLY_KINDS", "DiffBaseForChanges", "Runtime", "make_runtime", "register"]
 
@@ -202,8 +202,8 @@ async def on_policy_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **
 
 
 def on_validate_policy(spec: kopf.Spec, patch: kopf.Patch | None = None, **_: Any) -> None:
-    if patch is not None:  # a validation: no patch to build (see _answer_with)
-        _answer_with(patch, [])
+    if patch is not None:  # a validation: no patch to build (see admission_answer)
+        answer_with(patch, [])
     errors = validate_policy(dict(spec))
     if errors:
         raise kopf.AdmissionError("invalid CheckpointPolicy: " + "; ".join(errors), code=422)
@@ -212,8 +212,8 @@ def on_validate_policy(spec: kopf.Spec, patch: kopf.Patch | None = None, **_: An
 def on_validate_job(
     body: kopf.Body, old: kopf.Body | None = None, patch: kopf.Patch | None = None, **_: Any
 ) -> None:
-    if patch is not None:  # a validation: no patch to build (see _answer_with)
-        _answer_with(patch, [])
+    if patch is not None:  # a validation: no patch to build (see admission_answer)
+        answer_with(patch, [])
     errors = validate_job(_raw(body), _raw(old) if old is not None else None)
     if errors:
         kind = str(body.get("kind") or c.PYTORCHJOB_KIND)
@@ -221,10 +221,6 @@ def on_validate_job(
 
 
 # --------------------------------------------------------------------------- pods: injection
-
-
-def _apply(ops: list[JSONPatchOp], body: Any) -> None:
-    apply_patch_in_place(cast(dict[str, Any], body), ops)
 
 
 async def on_mutate_pod(
@@ -260,25 +256,12 @@ async def on_mutate_pod(
         _rt(memo).trainjob_recovery.schedule(namespace, outcome.job)
         raise kopf.AdmissionError(f"ckpt-operator: {outcome.refusal}", code=503)
     warnings.extend(outcome.warnings)
-    _answer_with(patch, outcome.ops)
-
-
-def _answer_with(patch: kopf.Patch, ops: list[JSONPatchOp]) -> None:
-    """Answer the admission request with ``ops`` themselves (RFC 6902 against the request's
-    object, which is what they were built from). kopf would apply them to a deep copy of
-    the pod and diff the two to find them again: the webhook's largest cost at fleet scale
-    (issue #19); it deep-copies the object even when there is nothing to patch, so the
-    validating and job-labelling webhooks answer this way too. ``patch.fns`` still carries
-    the ops, should kopf build the answer otherwise."""
-    if ops:
-        patch.fns.append(functools.partial(_apply, ops))
-    answer = [cast(dict[str, Any], dict(op)) for op in ops]
-    setattr(patch, "as_json_patch", lambda body=None: answer)  # noqa: B010
+    answer_with(patch, outcome.ops)
 
 
 def on_label_job(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     """``label-job``: opted-in jobs' pod templates get ``ckpt.dev/inject`` (see handlers doc)."""
-    _answer_with(patch, label_job_ops(_raw(body)))
+    answer_with(patch, label_job_ops(_raw(body)))
 
 
 def _runtime_patch(targets: list[str], body: Any) -> None:
