@@ -194,9 +194,9 @@ def test_one_version_everywhere() -> None:
             )
         ),
     }
-    for pkg in ("agent/ckpt_agent", "operator/ckpt_operator"):
-        init = (ROOT / pkg / "__init__.py").read_text()
-        found[f"{pkg}/__init__.py"] = set(re.findall(r'^__version__ = "([^"]+)"$', init, re.M))
+    for path in ("agent/ckpt_agent/version.py", "operator/ckpt_operator/__init__.py"):
+        init = (ROOT / path).read_text()
+        found[path] = set(re.findall(r'^__version__ = "([^"]+)"$', init, re.M))
     assert len(re.findall(r"^ARG VERSION=", text, re.M)) == 2  # operator and agent stages
     for where, versions in found.items():
         assert versions == {version}, f"{where}: {versions} but pyproject.toml says {version}"

@@ -31,11 +31,10 @@ from ckpt_agent.errors import (
     RetryableError,
 )
 from ckpt_agent.policy.agent_config import AgentConfig
+from ckpt_agent.version import __version__
 
 if TYPE_CHECKING:
     from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AgentConfig",

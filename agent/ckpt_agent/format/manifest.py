@@ -19,7 +19,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ckpt_agent import __version__
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.codec import CodecError, CodecSpec, zstd_version
 from ckpt_agent.format.layout import (
@@ -50,6 +49,7 @@ from ckpt_agent.records import (
     Tier,
     checkpoint_id,
 )
+from ckpt_agent.version import __version__
 
 __all__ = [
     "BlobEntry",
