@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.policy import RetentionSpec
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 
 __all__ = ["MemoryReturn", "RecoveryScheduler", "RetentionLoop", "malloc_trim"]
 
@@ -136,7 +136,7 @@ class RetentionLoop:
 
     @staticmethod
     def interval_of(body: Mapping[str, Any]) -> float:
-        raw = ((body.get("spec") or {}).get("retention") or {}).get("reconcileIntervalSeconds")
+        raw = (Body(body).spec.get("retention") or {}).get("reconcileIntervalSeconds")
         try:
             return (
                 float(raw) if raw is not None else float(RetentionSpec().reconcile_interval_seconds)

@@ -22,7 +22,7 @@ from ckpt_operator.behaviours.deps import Deps, Obj, kind_kw
 from ckpt_operator.behaviours.guard import read_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.planners.agent_presence import (
     AGENT_MISSING,
     Presence,
@@ -118,14 +118,14 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
     )
 
     def build(current: Mapping[str, Any]) -> Obj:
-        conditions = (current.get("status") or {}).get("conditions")
+        conditions = Body(current).status.get("conditions")
         return {
             "conditions": set_condition(
                 conditions, CONDITION, status, reason, message[:2000], now=now
             )
         }
 
-    current = get_condition(((policy.get("status") or {}).get("conditions")), CONDITION)
+    current = get_condition((Body(policy).status.get("conditions")), CONDITION)
     if current is None or current.get("reason") != reason or current.get("message") != message:
         await write_policy_status(deps, namespace, name, build)
     return [s.pod for s in silent]

@@ -29,7 +29,7 @@ from ckpt_operator.behaviours.deps import (
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.kinds.registry import kind_of
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import (
     job_facts,
 )
@@ -148,7 +148,7 @@ async def job_pods(deps: Deps, job: Mapping[str, Any]) -> list[Obj]:
 
 
 def _finished(pod: Mapping[str, Any]) -> bool:
-    phase = (pod.get("status") or {}).get("phase")
+    phase = Body(pod).status.get("phase")
     return phase in ("Succeeded", "Failed") and not meta_of(pod).deletion_timestamp
 
 

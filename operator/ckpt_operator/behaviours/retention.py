@@ -13,7 +13,7 @@ from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs
 from ckpt_operator.behaviours.guard import run_refusal, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import JobFacts, job_facts
 from ckpt_operator.planners.reports import (
     known_checkpoints,
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 def _reconciled(current: Mapping[str, Any], reason: str, message: str, now: float) -> list[Obj]:
     """``status.conditions`` with ``Reconciled`` set (True only for ``RetentionApplied``)."""
     return set_condition(
-        ((current.get("status") or {}).get("conditions")),
+        (Body(current).status.get("conditions")),
         "Reconciled",
         "True" if reason == "RetentionApplied" else "False",
         reason,
@@ -79,7 +79,7 @@ async def _reported_status(
     def build(current: Mapping[str, Any]) -> Obj:
         status = reported_status(runs, previous=current.get("status"), jobs=len(jobs), now=now)
         status["conditions"] = set_condition(
-            (current.get("status") or {}).get("conditions"),
+            Body(current).status.get("conditions"),
             "Reconciled",
             "True",
             "RetentionInPods",

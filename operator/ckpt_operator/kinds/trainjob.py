@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from ckpt_operator.kinds.kind import JobKind
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import parse_time
 
 __all__ = [
@@ -55,7 +55,7 @@ def _int(value: object, default: int = 0) -> int:
 def runtime_ref(trainjob: Mapping[str, Any]) -> tuple[str, str] | None:
     """``(kind, name)`` of the runtime ``spec.runtimeRef`` names (kind defaults to
     ``ClusterTrainingRuntime``, as in Trainer); None: none named, or not a Trainer runtime."""
-    ref = (trainjob.get("spec") or {}).get("runtimeRef") or {}
+    ref = Body(trainjob).spec.get("runtimeRef") or {}
     name = ref.get("name") if isinstance(ref, Mapping) else None
     if not isinstance(name, str) or not name:
         return None
@@ -73,9 +73,7 @@ def trainer_replicated_jobs(runtime: Mapping[str, Any]) -> list[str]:
     """The runtime's replicated Jobs that train: those labelled
     ``trainer.kubeflow.org/trainjob-ancestor-step: trainer``; when none is, those with a
     ``node`` container; else all of them (never the initializers when they are labelled)."""
-    rjobs = (((runtime.get("spec") or {}).get("template") or {}).get("spec") or {}).get(
-        "replicatedJobs"
-    ) or []
+    rjobs = Body(Body(runtime).spec.get("template")).spec.get("replicatedJobs") or []
     named = [r for r in rjobs if isinstance(r, Mapping) and r.get("name")]
 
     def ancestor(r: Mapping[str, Any]) -> str | None:
@@ -84,8 +82,9 @@ def trainer_replicated_jobs(runtime: Mapping[str, Any]) -> list[str]:
         return str(value) if value is not None else None
 
     def containers(r: Mapping[str, Any]) -> list[str]:
-        pod = (((r.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec")
-        return [str(ctr.get("name")) for ctr in (pod or {}).get("containers") or ()]
+        job_template = Body(r.get("template"))  # a JobTemplateSpec, whose spec has the pods'
+        pod_spec = Body(job_template.spec.get("template")).spec
+        return [str(ctr.get("name")) for ctr in pod_spec.get("containers") or ()]
 
     trainers = [str(r["name"]) for r in named if ancestor(r) == c.TRAINER_ANCESTOR_TRAINER]
     if trainers:
@@ -97,7 +96,7 @@ def trainer_replicated_jobs(runtime: Mapping[str, Any]) -> list[str]:
 
 
 def _patches(trainjob: Mapping[str, Any]) -> list[Any]:
-    patches = (trainjob.get("spec") or {}).get("runtimePatches") or []
+    patches = Body(trainjob).spec.get("runtimePatches") or []
     return patches if isinstance(patches, list) else []
 
 
@@ -172,7 +171,7 @@ def pod_ended_at(pod: Mapping[str, Any]) -> float | None:
     """When a pod failed or started terminating (None: it runs, or it succeeded)."""
     meta = meta_of(pod)
     deleting = parse_time(meta.deletion_timestamp)
-    status = pod.get("status") or {}
+    status = Body(pod).status
     if status.get("phase") != "Failed":
         return deleting
     times: list[float | None] = [deleting]
@@ -195,7 +194,7 @@ def restart_expected_until(pods: Iterable[Mapping[str, Any]], planned: int) -> f
 
 def jobset_restarts(jobset: Mapping[str, Any]) -> int:
     """The JobSet's ``status.restarts`` (its current restart attempt)."""
-    return max(0, _int((jobset.get("status") or {}).get("restarts"), 0))
+    return max(0, _int(Body(jobset).status.get("restarts"), 0))
 
 
 def jobset_trainjob(jobset: Mapping[str, Any]) -> str | None:

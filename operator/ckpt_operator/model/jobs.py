@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, apply_patch_in_place, pointer
 
 __all__ = [
@@ -56,7 +56,7 @@ def format_time(ts: float, *, precise: bool = False) -> str:
 
 def condition(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
     """The ``status.conditions`` entry of ``type_`` (None when absent)."""
-    status = obj.get("status") or {}
+    status = Body(obj).status
     for cond in status.get("conditions") or ():
         if isinstance(cond, Mapping) and cond.get("type") == type_:
             return cond
@@ -246,7 +246,7 @@ def job_facts(job: Mapping[str, Any]) -> JobFacts:
 
 
 def _replica_specs(job: Mapping[str, Any]) -> Mapping[str, Any]:
-    specs = (job.get("spec") or {}).get(REPLICA_SPECS) or {}
+    specs = Body(job).spec.get(REPLICA_SPECS) or {}
     return specs if isinstance(specs, Mapping) else {}
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from ckpt_agent.policy.agent_config import ENV_METRICS_PORT
 from ckpt_operator.kinds.registry import PYTORCHJOB, JobKind, owner_of
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import parse_time
 
 __all__ = [
@@ -98,8 +98,8 @@ def probe_target(pod: Mapping[str, Any]) -> tuple[str, int] | None:
     """Where the pod's agent serves its metrics: the pod IP and the injected container port
     ``ckpt-metrics`` (else a container's ``CKPT_METRICS_PORT``); None when the pod has no
     IP yet or the agent's server is off (port 0)."""
-    ip = (pod.get("status") or {}).get("podIP")
-    containers = (pod.get("spec") or {}).get("containers") or ()
+    ip = Body(pod).status.get("podIP")
+    containers = Body(pod).spec.get("containers") or ()
     port = next(
         (
             p.get("containerPort")
@@ -138,7 +138,7 @@ def running_injected_pods(
         ann = meta.annotations
         if meta.namespace != namespace or ann.get(c.ANN_POLICY) != policy:
             continue
-        if (pod.get("status") or {}).get("phase") == "Running" and not meta.deletion_timestamp:
+        if Body(pod).status.get("phase") == "Running" and not meta.deletion_timestamp:
             out.append(pod)
     return out
 
@@ -164,7 +164,7 @@ def processes_started(pod: Mapping[str, Any]) -> float | None:
     its containers (the kubelet sets it once the image is there and the process runs; a
     container restarted in place is a new process), else the pod's ``startTime``, else its
     creation; None when it has none of them."""
-    status = pod.get("status") or {}
+    status = Body(pod).status
     running = [
         t
         for cs in status.get("containerStatuses") or ()
@@ -196,7 +196,7 @@ def silent_pods(
 
 
 def _ended_once(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status") or {}
+    status = Body(pod).status
     return any(
         (cs.get(state) or {}).get("terminated")
         for cs in status.get("containerStatuses") or ()
@@ -206,7 +206,7 @@ def _ended_once(pod: Mapping[str, Any]) -> bool:
 
 def restarts(pod: Mapping[str, Any]) -> int:
     """How often the pod's containers restarted (summed): a new process may lack the agent."""
-    statuses = (pod.get("status") or {}).get("containerStatuses") or ()
+    statuses = Body(pod).status.get("containerStatuses") or ()
     return sum(int(cs.get("restartCount") or 0) for cs in statuses)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from ckpt_agent.format.signal import KIND_CLEAR, KIND_WARNING, compose_signal, parse_signal
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 
 __all__ = [
     "DISRUPTION_TAINTS",
@@ -97,7 +97,7 @@ def pod_disruption(pod: Mapping[str, Any]) -> Disruption | None:
     """The disruption announced on the pod itself, if any (DisruptionTarget first)."""
     meta = meta_of(pod)
     uid = str(meta.uid or meta.name or "")
-    for cond in (pod.get("status") or {}).get("conditions") or ():
+    for cond in Body(pod).status.get("conditions") or ():
         if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
             reason = str(cond.get("reason") or "DisruptionTarget")
             return Disruption(
@@ -122,7 +122,7 @@ def node_disruption(node: Mapping[str, Any]) -> Disruption | None:
     meta = meta_of(node)
     name = str(meta.name or "")
     uid = meta.get("uid", name)
-    spec = node.get("spec") or {}
+    spec = Body(node).spec
     for taint in spec.get("taints") or ():
         key = str(taint.get("key") or "")
         reason = DISRUPTION_TAINTS.get(key)
@@ -142,9 +142,7 @@ def node_disruption(node: Mapping[str, Any]) -> Disruption | None:
             key=f"node/{uid}/cordon",
             warning=True,
         )
-    conditions = {
-        str(cond.get("type")): cond for cond in (node.get("status") or {}).get("conditions") or ()
-    }
+    conditions = {str(cond.get("type")): cond for cond in Body(node).status.get("conditions") or ()}
     ready = conditions.get("Ready")
     if ready is not None and ready.get("status") in ("False", "Unknown"):
         return _condition_warning(name, uid, ready, "NodeNotReady", "is NotReady")
@@ -178,7 +176,7 @@ def save_now_patch(pod: Mapping[str, Any], disruption: Disruption) -> dict[str, 
     labels = meta.labels
     if labels.get(c.LABEL_INJECTED) != "true":
         return None
-    phase = (pod.get("status") or {}).get("phase")
+    phase = Body(pod).status.get("phase")
     if phase in ("Succeeded", "Failed"):
         return None
     annotations = meta.annotations
@@ -201,7 +199,7 @@ def clear_patch(pod: Mapping[str, Any], node: str) -> dict[str, Any] | None:
     held = parse_signal(str(meta.annotations.get(c.ANN_SAVE_NOW) or ""))
     if held is None or held.kind != KIND_WARNING:
         return None
-    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+    if Body(pod).status.get("phase") in ("Succeeded", "Failed"):
         return None
     message = f"node {node}: the warning went"
     return {

@@ -60,7 +60,7 @@ from ckpt_agent.policy.agent_config import (
 )
 from ckpt_agent.storage.options import s3_env
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, pointer
 
 __all__ = [
@@ -182,7 +182,7 @@ def is_injected(pod: Mapping[str, Any]) -> bool:
     meta = meta_of(pod)
     if meta.annotations.get(c.ANN_INJECTED):
         return True
-    spec = pod.get("spec") or {}
+    spec = Body(pod).spec
     return any(v.get("name") == c.VOL_CONFIG for v in spec.get("volumes") or ())
 
 

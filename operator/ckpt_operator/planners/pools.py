@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.decide.mtbf import PoolEvidence
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.config import RecoveryConfig
 
 __all__ = [
@@ -59,7 +59,7 @@ def node_names(pods: Iterable[Mapping[str, Any]]) -> list[str]:
     """The nodes the pods ran on, one entry per pod (unscheduled pods: none)."""
     out = []
     for pod in pods:
-        node = (pod.get("spec") or {}).get("nodeName")
+        node = Body(pod).spec.get("nodeName")
         if isinstance(node, str) and node:
             out.append(node)
     return out

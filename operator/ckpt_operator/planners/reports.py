@@ -36,7 +36,7 @@ from ckpt_agent.format.termination import (
 )
 from ckpt_agent.records import CheckpointStatus
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import format_time
 
 __all__ = [
@@ -74,7 +74,7 @@ class KnownCheckpoints:
 
 
 def _messages(pod: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
-    status = pod.get("status") or {}
+    status = Body(pod).status
     for key in ("containerStatuses", "initContainerStatuses"):
         for cs in status.get(key) or ():
             for state in ("state", "lastState"):

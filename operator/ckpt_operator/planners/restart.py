@@ -34,7 +34,7 @@ from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator.kinds.registry import kind_of
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import JobFacts, job_facts, parse_time
 from ckpt_operator.planners.runfacts import run_started_at
 
@@ -143,7 +143,7 @@ def terminating_pods_wait(
         deadline = parse_time(meta.deletion_timestamp)
         if deadline is None:
             continue
-        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        if Body(pod).status.get("phase") in ("Succeeded", "Failed"):
             continue
         left = deadline + margin_s - now
         if left > 0:
