@@ -34,7 +34,8 @@ from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.version import __version__
 
 if TYPE_CHECKING:
-    from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
+    from ckpt_agent.runtime.checkpointer import Checkpointer
+    from ckpt_agent.runtime.restore.resume_point import ResumePoint
 
 __all__ = [
     "AgentConfig",
@@ -51,7 +52,7 @@ __all__ = [
 
 _LAZY = {
     "Checkpointer": "ckpt_agent.runtime.checkpointer",
-    "ResumePoint": "ckpt_agent.runtime.checkpointer",
+    "ResumePoint": "ckpt_agent.runtime.restore.resume_point",
 }
 
 

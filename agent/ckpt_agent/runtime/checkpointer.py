@@ -61,7 +61,8 @@ from ckpt_agent.runtime.core.context import Engine, Ranks, Stats
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter
 from ckpt_agent.runtime.dist.agreement import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
 from ckpt_agent.runtime.dist.rank_group import RankGroup
-from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.restore.restorer import Restorer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.runtime.save.persister import Persister
 from ckpt_agent.runtime.save.saving import SavePath
 from ckpt_agent.runtime.save.signals import Heartbeats, SignalWatch

@@ -19,7 +19,8 @@ from ckpt_agent.format.manifest import lineage_from_json, lineage_to_json
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.dist.agreement import Agreed, Comm, DecisionAgreement, LocalSignals
-from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.restore.restorer import Restorer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint, ResumeRequest
 
 __all__ = ["RankGroup"]
 
@@ -126,7 +127,12 @@ class RankGroup:
             raise ResumeError(f"rank 0 could not choose a checkpoint: {msg.get('error')}")
         if not msg.get("id"):
             return ResumePoint(step=0, reason=str(msg.get("reason") or "fresh start (rank 0)"))
+        weights_from = msg.get("weights_from")
         return restorer.resume_point(
-            forced=(str(msg["id"]), msg.get("weights_from"), str(msg.get("action") or "resume")),
-            lineage=lineage_from_json(msg.get("lineage"), "rank 0's resume lineage"),
+            ResumeRequest(
+                checkpoint_id=str(msg["id"]),
+                weights_from=None if weights_from is None else str(weights_from),
+                action=str(msg.get("action") or "resume"),
+                lineage=lineage_from_json(msg.get("lineage"), "rank 0's resume lineage"),
+            )
         )

@@ -1,5 +1,6 @@
-"""What :meth:`Checkpointer.start` returns (:class:`ResumePoint`) and the candidates a
-resume looks at (:class:`Candidate`, :class:`Rejection`); see :mod:`.restorer`."""
+"""What :meth:`Checkpointer.start` returns (:class:`ResumePoint`), rank 0's choice the other
+ranks restore exactly (:class:`ResumeRequest`) and the candidates a resume looks at
+(:class:`Candidate`, :class:`Rejection`); see :mod:`.restorer`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ckpt_agent.format.heartbeat import Heartbeat
 from ckpt_agent.records import CheckpointRecord, Lineage
 from ckpt_agent.runtime.core.serialization import LoadedState
 
-__all__ = ["Candidate", "Rejection", "ResumePoint"]
+__all__ = ["Candidate", "Rejection", "ResumePoint", "ResumeRequest"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,21 @@ class ResumePoint:
             "rejected": [list(r) for r in self.rejected],
             "lineage": {"epoch": self.lineage.epoch, "pins": list(self.lineage.pins)},
         }
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """Rank 0's choice, restored exactly on another rank
+    (:meth:`~ckpt_agent.runtime.restore.restorer.Restorer.resume_point`)."""
+
+    checkpoint_id: str
+    """The checkpoint rank 0 restored."""
+    weights_from: str | None = None
+    """The weights source of a heartbeat rebuild (None: the checkpoint holds its weights)."""
+    action: str = "resume"
+    """Rank 0's :attr:`ResumePoint.action` (``resume``, ``manual``, ...)."""
+    lineage: Lineage | None = None
+    """Rank 0's resume lineage (None: the restored checkpoint's own)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from ckpt_agent.decide.scheduler import Decision
-from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.restore.restorer import Restorer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.runtime.save.snapshot import JobError
 
 __all__ = ["JobError", "Persister"]

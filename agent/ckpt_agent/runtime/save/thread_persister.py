@@ -25,7 +25,8 @@ from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.serialization import library_versions
 from ckpt_agent.runtime.dist.agreement import TwoPhaseCommit
 from ckpt_agent.runtime.dist.rank_group import RankGroup
-from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.restore.restorer import Restorer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.runtime.save.snapshot import (
     BackgroundWorker,
     HostArena,

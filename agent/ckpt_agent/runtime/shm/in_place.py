@@ -46,8 +46,8 @@ from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.serialization import LoadedState, torch_dtype
 from ckpt_agent.runtime.dist.rank_group import RankGroup
-from ckpt_agent.runtime.restore.restorer import Candidate, Restorer
-from ckpt_agent.runtime.restore.resume_point import ResumePoint
+from ckpt_agent.runtime.restore.restorer import Restorer
+from ckpt_agent.runtime.restore.resume_point import Candidate, ResumePoint
 from ckpt_agent.storage.memory import populate
 from ckpt_agent.tuning import CHUNK_BYTES
 

@@ -24,7 +24,8 @@ from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.serialization import library_versions
 from ckpt_agent.runtime.dist.rank_group import RankGroup
-from ckpt_agent.runtime.restore.restorer import Restorer, ResumePoint
+from ckpt_agent.runtime.restore.restorer import Restorer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.runtime.save.snapshot import JobError
 from ckpt_agent.runtime.shm.in_place import InPlaceRestore
 from ckpt_agent.runtime.shm.target import FlashTarget

@@ -436,7 +436,7 @@ def test_flips_truncations_swaps_and_replays_fall_back(run: Run) -> None:
 def test_a_candidate_larger_than_memory_is_refused_before_allocating(
     run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("ckpt_agent.runtime.restore.restorer.memory_budget", lambda: 20_000)
+    monkeypatch.setattr("ckpt_agent.runtime.restore.loading.memory_budget", lambda: 20_000)
     t = Tiny(seed=1)
     before = t.weights()
     ckpt = t.checkpointer(run.cfg)

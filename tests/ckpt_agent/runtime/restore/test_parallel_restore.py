@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,6 @@ from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.runtime.checkpointer import Checkpointer, ResumeError
-from ckpt_agent.runtime.restore import restorer
 from ckpt_agent.storage.fs import LocalStorage
 
 ConfigFactory = Callable[..., AgentConfig]
@@ -202,7 +202,7 @@ def _restart_on(cfg: AgentConfig, store: LocalStorage) -> tuple[Mixed, Checkpoin
 def test_a_transient_read_error_is_retried_and_marks_nothing(
     ck_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(restorer, "RESTORE_READ_BACKOFF_S", 0.0)
+    monkeypatch.setattr(tuning, "RESTORE_READ_BACKOFF_S", 0.0)
     cfg = ck_config()
     (first, second), (_, state_second) = _saves(cfg, (2, 4))
     store = FlakyReads(cfg.storage_url.removeprefix("file://"), failures=1)
@@ -235,7 +235,7 @@ def test_a_storage_that_keeps_failing_fails_the_start_without_a_rewind(
     ck_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Never a good checkpoint marked corrupted for an EIO, never an older one chosen."""
-    monkeypatch.setattr(restorer, "RESTORE_READ_BACKOFF_S", 0.0)
+    monkeypatch.setattr(tuning, "RESTORE_READ_BACKOFF_S", 0.0)
     monkeypatch.setattr(tuning, "CHUNK_READ_BACKOFF_S", 0.0)
     cfg = ck_config()
     (first, second), _ = _saves(cfg, (2, 4))
@@ -248,3 +248,22 @@ def test_a_storage_that_keeps_failing_fails_the_start_without_a_rewind(
     _assert_same(fresh.state(), before)
     statuses = {r.id: r.status for r in list_checkpoints(store, RUN)}
     assert statuses[first] == statuses[second] == CheckpointStatus.VALID
+
+
+def test_the_restore_read_knobs_take_effect_when_overridden(
+    ck_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``tuning.RESTORE_READ_*`` are read when a candidate is read, not copied at import: a
+    test's (or an operator's) override is what the restorer uses."""
+    monkeypatch.setattr(tuning, "RESTORE_READ_ATTEMPTS", 2)
+    monkeypatch.setattr(tuning, "RESTORE_READ_BACKOFF_S", 0.0625)
+    monkeypatch.setattr(tuning, "CHUNK_READ_BACKOFF_S", 0.0)
+    cfg = ck_config()
+    _saves(cfg, (2,))
+    store = FlakyReads(cfg.storage_url.removeprefix("file://"), failures=10**6)
+    _, ckpt = _restart_on(cfg, store)
+    with caplog.at_level(logging.WARNING, logger="ckpt_agent.runtime.restore.loading"):
+        with pytest.raises(ResumeStorageError, match=r"\(2 attempts; last"):
+            ckpt.start()
+    delays = [r.args[2] for r in caplog.records if "retrying in" in r.msg and r.args]
+    assert delays == [0.0625]
