@@ -327,7 +327,7 @@ def build_restart_job(job: Mapping[str, Any], decision: RestartDecision) -> dict
     }
     if meta.get("labels"):
         new_meta["labels"] = dict(meta["labels"])
-    if meta.get("ownerReferences"):
+    if meta.owner_references:
         new_meta["ownerReferences"] = copy.deepcopy(meta["ownerReferences"])
     body = {
         "apiVersion": job.get("apiVersion") or f"{c.PYTORCHJOB_GROUP}/{c.PYTORCHJOB_VERSION}",
