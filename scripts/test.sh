@@ -4,6 +4,8 @@
 #
 #   scripts/test.sh                 everything (what CI runs)
 #   scripts/test.sh -m "not e2e"    extra arguments go to pytest
+#   scripts/test.sh --stress ...    the stress check instead (scripts/stress.sh: a CPU hog
+#                                   on every core, shuffled order; not CI's timed path)
 #
 # Needs root (the image build and the e2e's operator-from-the-image) and free disk: about
 # 8 GiB for the checkout and a new .venv, 4 GiB in $TMPDIR (checked first).
@@ -12,6 +14,10 @@
 # runs the operator from it (CKPT_E2E_OPERATOR=process: from the venv; docs/testing.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ "${1:-}" == --stress ]]; then
+  shift
+  exec scripts/stress.sh "$@"
+fi
 
 stage() { printf '\n\033[1;34m==> %s\033[0m\n' "$*"; }
 t0=$(date +%s)
