@@ -286,7 +286,8 @@ def _agree_worker(rank: int, world: int, port: int, steps: int, q: Any) -> None:
     import torch.distributed as dist
 
     from ckpt_agent.decide.scheduler import AdaptiveScheduler
-    from ckpt_agent.runtime.dist.agreement import Comm, DecisionAgreement, LocalSignals
+    from ckpt_agent.runtime.dist.agreement import DecisionAgreement, LocalSignals
+    from ckpt_agent.runtime.dist.comm import Comm
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -1,7 +1,7 @@
 """Checking one rank's published part of a checkpoint (torch-free).
 
 Used by the coordinator of the two-phase commit before it publishes ``COMMIT``:
-:class:`ckpt_agent.runtime.dist.agreement.TwoPhaseCommit` in the trainers and
+:class:`ckpt_agent.runtime.dist.commit.TwoPhaseCommit` in the trainers and
 :mod:`ckpt_agent.flash.sidecar` in the persisting sidecar (which never imports torch).
 """
 

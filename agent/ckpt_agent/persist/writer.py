@@ -279,7 +279,7 @@ class CheckpointWriter:
 
     Multi-rank: every rank calls :meth:`write_rank`; the coordinator verifies
     the rank manifests and calls :meth:`commit` with all the parts
-    (:class:`ckpt_agent.runtime.dist.agreement.TwoPhaseCommit`, :mod:`ckpt_agent.flash.sidecar`).
+    (:class:`ckpt_agent.runtime.dist.commit.TwoPhaseCommit`, :mod:`ckpt_agent.flash.sidecar`).
     One call at a time per writer.
     """
 

@@ -59,7 +59,7 @@ from ckpt_agent.records import Tier
 from ckpt_agent.runtime.core.capture import StateCapture, encode_train_config
 from ckpt_agent.runtime.core.context import Engine, Ranks, Stats
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter
-from ckpt_agent.runtime.dist.agreement import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
+from ckpt_agent.runtime.dist.comm import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
 from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint

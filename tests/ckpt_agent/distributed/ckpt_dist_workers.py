@@ -330,7 +330,8 @@ def fsdp_save(rank: int, world: int, out: Path, steps: int) -> None:
     from ckpt_agent.records import Tier
     from ckpt_agent.runtime.core.serialization import library_versions
     from ckpt_agent.runtime.core.sharded import plan_save
-    from ckpt_agent.runtime.dist.agreement import Comm, TwoPhaseCommit
+    from ckpt_agent.runtime.dist.comm import Comm
+    from ckpt_agent.runtime.dist.commit import TwoPhaseCommit
     from ckpt_agent.runtime.save.snapshot import HostArena, take_snapshot
 
     model, opt = _fsdp_model(world)

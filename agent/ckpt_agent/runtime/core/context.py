@@ -85,7 +85,7 @@ class Ranks:
     world_size: int
     distributed: bool
     """Several ranks with torch.distributed: agreed decisions, every rank writes its part,
-    two-phase commit (:mod:`ckpt_agent.runtime.dist.agreement`). Without an initialized process
+    two-phase commit (:mod:`ckpt_agent.runtime.dist.commit`). Without an initialized process
     group, rank 0 writes the (replicated) state alone."""
     sharded: bool
     """FSDP2/DTensor state: every rank writes its own shards, planned by DCP

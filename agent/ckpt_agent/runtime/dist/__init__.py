@@ -1,4 +1,5 @@
-"""Several ranks: the agent's own agreement and two-phase commit over a
-:class:`~ckpt_agent.runtime.dist.agreement.Comm`, and the
+"""Several ranks: pickle-free collectives (:mod:`~ckpt_agent.runtime.dist.comm`), the
+per-step agreement (:mod:`~ckpt_agent.runtime.dist.agreement`), the two-phase commit
+(:mod:`~ckpt_agent.runtime.dist.commit`) and the
 :class:`~ckpt_agent.runtime.dist.rank_group.RankGroup` that runs them for the checkpointer.
 """

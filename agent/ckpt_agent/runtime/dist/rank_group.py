@@ -18,7 +18,8 @@ from ckpt_agent.errors import CheckpointError, ResumeError
 from ckpt_agent.format.manifest import lineage_from_json, lineage_to_json
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.core.context import Engine
-from ckpt_agent.runtime.dist.agreement import Agreed, Comm, DecisionAgreement, LocalSignals
+from ckpt_agent.runtime.dist.agreement import Agreed, DecisionAgreement, LocalSignals
+from ckpt_agent.runtime.dist.comm import Comm
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint, ResumeRequest
 

@@ -23,7 +23,7 @@ from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.serialization import library_versions
-from ckpt_agent.runtime.dist.agreement import TwoPhaseCommit
+from ckpt_agent.runtime.dist.commit import TwoPhaseCommit
 from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint

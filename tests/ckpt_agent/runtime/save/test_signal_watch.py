@@ -16,7 +16,8 @@ from ckpt_agent.flash.sidecar.drain import Drain
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import Tier
-from ckpt_agent.runtime.dist.agreement import DecisionAgreement, LocalComm, LocalSignals
+from ckpt_agent.runtime.dist.agreement import DecisionAgreement, LocalSignals
+from ckpt_agent.runtime.dist.comm import LocalComm
 from ckpt_agent.runtime.save.signals import SignalWatch
 
 from ..test_checkpointer import Trainer, _events, _started
