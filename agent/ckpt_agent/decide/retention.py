@@ -40,7 +40,8 @@ Rules, in order of precedence:
 5. Corrupted checkpoints are deleted; expired ones (released earlier) are
    listed in ``delete`` again so that an interrupted deletion is retried.
 
-Delete in :attr:`RetentionPlan.deletion_order` (newest first): a crash half
+"Newest" is by resume lineage, then step (:func:`_order_key`). Delete in
+:attr:`RetentionPlan.deletion_order` (newest first): a crash half
 way never leaves a surviving checkpoint whose dependency is already gone.
 """
 
@@ -99,8 +100,12 @@ class RetentionPlan:
     """Inconsistencies found (missing dependencies, duplicate ids)."""
 
 
-def _order_key(r: CheckpointRecord) -> tuple[int, float, str]:
-    return (r.step, r.created_at, r.id)
+def _order_key(r: CheckpointRecord) -> tuple[int, int, float, str]:
+    """Oldest to newest: by resume lineage first (a rewind's new lineage is newer than every
+    step of the one it left, whatever their numbers), then step. Writers refuse a step
+    that is not after the run's last (``StepOrderError``), so within a lineage step order
+    is time order: a lower-numbered checkpoint never counts as older than it is."""
+    return (r.lineage.epoch, r.step, r.created_at, r.id)
 
 
 def _closure(roots: Iterable[str], by_id: dict[str, CheckpointRecord]) -> dict[str, str]:
