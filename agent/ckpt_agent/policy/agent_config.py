@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
@@ -75,6 +76,20 @@ ENV_JOB_NAME = "CKPT_JOB_NAME"
 ENV_JOB_UID = "CKPT_JOB_UID"
 
 
+def default_storage_url() -> str:
+    """Where checkpoints go when nothing says (a local run without ``CKPT_STORAGE_URL``):
+    ``$XDG_DATA_HOME/ckpt-operator/checkpoints``, by default
+    ``~/.local/share/ckpt-operator/checkpoints`` — a folder the user can write to (the
+    former default, ``/var/lib/ckpt``, is root's)."""
+    base = os.environ.get("XDG_DATA_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".local" / "share")
+        except RuntimeError:  # no home directory (a bare container user)
+            base = str(Path(tempfile.gettempdir()))
+    return Path(base, "ckpt-operator", "checkpoints").absolute().as_uri()
+
+
 class S3Options(CamelModel):
     """S3 connection settings the agent needs (bucket and prefix live in the URL)."""
 
@@ -96,8 +111,9 @@ class AgentConfig(CamelModel):
 
     run_id: str = "local"
     """Stable identity of the training run across restarts (storage folder name)."""
-    storage_url: str = "file:///var/lib/ckpt"
-    """Storage root."""
+    storage_url: str = Field(default_factory=default_storage_url)
+    """Storage root (default: :func:`default_storage_url`, a folder the user can write to;
+    the operator always sets it from the policy)."""
     s3: S3Options | None = None
     """S3 settings when ``storage_url`` is ``s3://``."""
     pvc_name: str | None = None

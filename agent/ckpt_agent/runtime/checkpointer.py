@@ -45,6 +45,7 @@ services), :mod:`~ckpt_agent.runtime.core.capture` (what a snapshot holds), a
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -53,10 +54,15 @@ import torch
 
 from ckpt_agent.decide.scheduler import AdaptiveScheduler, Decision
 from ckpt_agent.errors import CheckpointError, PersistError, ResumeError, StepOrderError
+from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import Tier
-from ckpt_agent.runtime.core.capture import StateCapture, encode_train_config
+from ckpt_agent.runtime.core.capture import (
+    StateCapture,
+    encode_train_config,
+    require_state_dicts,
+)
 from ckpt_agent.runtime.core.context import Engine, Ranks, Stats
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter
 from ckpt_agent.runtime.dist.comm import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
@@ -80,6 +86,14 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def _note(message: str) -> None:
+    """An INFO line for people; on stderr too while logging is not configured (a local
+    run would otherwise never see where its checkpoints went)."""
+    log.info("%s", message)
+    if not logging.getLogger().hasHandlers():
+        print(f"ckpt_agent: {message}", file=sys.stderr)
 
 
 def make_persister(
@@ -169,6 +183,7 @@ class Checkpointer:
     ) -> None:
         config = config if config is not None else AgentConfig.from_env()
         encode_train_config(train_config)  # fails before anything is opened
+        require_state_dicts(optimizer, lr_scheduler, grad_scaler)
         ranks = Ranks.resolve(rank, world_size, model)
         if backpressure not in ("defer", "wait"):
             raise ValueError("backpressure must be 'defer' or 'wait'")
@@ -260,6 +275,7 @@ class Checkpointer:
         self._resume = resume
         self._last_step = resume.step - 1 if resume.step > 0 else None
         seconds = time.perf_counter() - t0
+        self._report_start(resume, from_shm=shm is not None, seconds=seconds)
         e.event("start", **resume.event_fields(), seconds=round(seconds, 4))
         e.metrics.recovered(resume.action, seconds)
         self._persister.start(resume)
@@ -412,6 +428,28 @@ class Checkpointer:
 
     def summary(self) -> dict[str, Any]:
         return self._engine.summary()
+
+    def _report_start(self, resume: ResumePoint, *, from_shm: bool, seconds: float) -> None:
+        """One line (rank 0): what the resume restored, or that the run starts fresh; and
+        where the checkpoints go."""
+        e = self._engine
+        if not e.ranks.coordinator:
+            return
+        where = f"checkpoints of run {e.run_id!r} go to {e.config.storage_url}"
+        if resume.checkpoint_id is None:
+            _note(f"no checkpoint to resume: fresh start; {where} (CKPT_STORAGE_URL, CKPT_RUN_ID)")
+            return
+        try:
+            tier, step = parse_checkpoint_id(resume.checkpoint_id)
+            what = f"step {step}, tier {tier.value}"
+        except ValueError:
+            what = "step ?"
+        source = "shared memory (in-place restart)" if from_shm else e.storage.url
+        exact = "" if resume.exact else ", not bit-exact"
+        _note(
+            f"resumed {resume.checkpoint_id} ({what}, from {source}, {resume.action}{exact}) "
+            f"in {seconds:.2f} s: training continues at step {resume.step}; {where}"
+        )
 
     def _check_step_order(self, step: int) -> None:
         last = self._last_step

@@ -20,7 +20,7 @@ from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.serialization import capture_rng
 from ckpt_agent.runtime.core.sharded import plan_save, sharded_state
 
-__all__ = ["TRAIN_CONFIG_FILE", "StateCapture", "encode_train_config"]
+__all__ = ["TRAIN_CONFIG_FILE", "StateCapture", "encode_train_config", "require_state_dicts"]
 
 TRAIN_CONFIG_FILE = "train_config.json"
 
@@ -33,6 +33,25 @@ def encode_train_config(train_config: dict[str, Any] | None) -> bytes | None:
         return json.dumps(train_config, sort_keys=True, indent=2, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise TypeError(f"train_config must be JSON-serializable: {e}") from None
+
+
+def require_state_dicts(optimizer: Any, lr_scheduler: Any, grad_scaler: Any) -> None:
+    """Refuse, before anything is opened, an object that cannot be saved and restored."""
+    for name, obj in (
+        ("optimizer", optimizer),
+        ("lr_scheduler", lr_scheduler),
+        ("grad_scaler", grad_scaler),
+    ):
+        if obj is not None and not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"{name}={type(obj).__name__}(...) has no state_dict()/load_state_dict(), so "
+                "it cannot be saved and restored: give it those two methods (torch's "
+                f"optimizers and schedulers have them), or pass {name}=None (then it is "
+                "not checkpointed and a resume starts it afresh)"
+            )
 
 
 class StateCapture:

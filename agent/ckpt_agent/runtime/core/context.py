@@ -12,9 +12,11 @@ the pipeline's counters are what :meth:`Checkpointer.summary` reports.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -43,7 +45,9 @@ from ckpt_agent.runtime.core.tensorboard import ScalarWriter, TensorBoard
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
 
-__all__ = ["Engine", "Ranks", "Stats"]
+__all__ = ["OWNER_PID", "Engine", "Ranks", "Stats", "sweep_stale_work_dirs"]
+
+log = logging.getLogger(__name__)
 
 #: Anomalies kept for retention (the newest).
 _ANOMALIES_KEPT = 100
@@ -120,6 +124,54 @@ def _has_dtensors(model: torch.nn.Module) -> bool:
     return any(is_dtensor(v) for v in model.state_dict().values())
 
 
+OWNER_PID = "owner.pid"
+"""In a temporary work dir: the pid of the process that made it."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _in_use(folder: Path, ignore_pid: int | None = None) -> bool:
+    """A live process owns ``folder``: its maker (``owner.pid``) or a local persister it
+    started (``sidecar.rank<r>.pid``, which may outlive a crashed trainer)."""
+    for f in (folder / OWNER_PID, *folder.glob("sidecar.rank*.pid")):
+        try:
+            pid = int(f.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if pid != ignore_pid and _alive(pid):
+            return True
+    return False
+
+
+def sweep_stale_work_dirs(run_id: str, tmp: Path | None = None) -> list[Path]:
+    """Remove this user's temporary work dirs of ``run_id`` left by processes that died
+    (a crash's restart makes a new one); returns those removed. Folders without an
+    ``owner.pid`` (made by another version) are left alone."""
+    removed: list[Path] = []
+    root = tmp if tmp is not None else Path(tempfile.gettempdir())
+    for d in root.glob(f"ckpt-{run_id}-*"):
+        try:
+            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if not (d / OWNER_PID).is_file() or _in_use(d):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    if removed:
+        log.info("removed %d work dirs of run %s left by processes that died", len(removed), run_id)
+    return removed
+
+
 class Engine:
     """The services and shared state of one checkpointer (opened here, closed by :meth:`close`)."""
 
@@ -135,7 +187,14 @@ class Engine:
         self.config = config
         self.run_id = validate_run_id(config.run_id)
         self.ranks = ranks
-        self.work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix=f"ckpt-{self.run_id}-"))
+        self.own_work_dir = not config.work_dir
+        """The work dir is a temporary one made here: removed by :meth:`close`."""
+        if config.work_dir:
+            self.work_dir = Path(config.work_dir)
+        else:
+            sweep_stale_work_dirs(self.run_id)
+            self.work_dir = Path(tempfile.mkdtemp(prefix=f"ckpt-{self.run_id}-"))
+            (self.work_dir / OWNER_PID).write_text(f"{os.getpid()}\n")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         rank = ranks.rank
         self.metrics = Metrics()
@@ -300,3 +359,5 @@ class Engine:
         self.metrics.close()
         self.storage.on_write_latency = None
         self.parts.close()
+        if self.own_work_dir and not _in_use(self.work_dir, os.getpid()):
+            shutil.rmtree(self.work_dir, ignore_errors=True)

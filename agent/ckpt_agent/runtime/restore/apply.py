@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpt_agent.decide.recovery import PlanStep
-from ckpt_agent.errors import ResumeError
+from ckpt_agent.errors import CandidateRejectedError, RejectionKind, ResumeError
 from ckpt_agent.records import Lineage
 from ckpt_agent.runtime.core.capture import TRAIN_CONFIG_FILE, StateCapture
 from ckpt_agent.runtime.core.context import Engine
@@ -181,7 +181,15 @@ class Applier:
             if obj is None:
                 continue
             if name in sections:
-                obj.load_state_dict(_as_dict(state.section(name), name))
+                saved = _as_dict(state.section(name), name)
+                keys = (_group_keys(saved.get("param_groups")), _group_keys(obj_groups(obj)))
+                try:
+                    obj.load_state_dict(saved)
+                except Exception as err:  # what changed, before load_state_dict touched it
+                    why = _mismatch(name, obj, sorted(saved), keys, err)
+                    raise CandidateRejectedError(
+                        source_id, RejectionKind.INCOMPATIBLE, why
+                    ) from err
             else:
                 warnings.append(f"{name} state is not in {source_id} (lightweight checkpoint)")
         sched = state.section("scheduler")
@@ -230,3 +238,41 @@ def _train_config(state: LoadedState, warnings: list[str]) -> dict[str, Any] | N
         warnings.append("train_config.json in the checkpoint is not valid JSON")
         return None
     return parsed if isinstance(parsed, dict) else None
+
+
+def obj_groups(obj: object) -> object:
+    """An optimizer's live ``param_groups`` (None for anything else)."""
+    return getattr(obj, "param_groups", None)
+
+
+def _group_keys(groups: object) -> frozenset[str] | None:
+    """The hyperparameter names of the first param group (an optimizer's signature)."""
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        return frozenset(str(k) for k in groups[0] if k != "params")
+    return None
+
+
+def _mismatch(
+    name: str,
+    live: object,
+    saved_keys: list[str],
+    groups: tuple[frozenset[str] | None, frozenset[str] | None],
+    err: Exception,
+) -> str:
+    """Why a saved optimizer / LR scheduler / grad scaler state does not fit the live one:
+    what changed, and what to do."""
+    kind = type(live).__name__
+    changed = ""
+    have, want = groups
+    if name == "optimizer" and have is not None and want is not None and have != want:
+        changed = (
+            f"; its hyperparameters differ — only in the checkpoint: {sorted(have - want)}, "
+            f"only in the live {kind}: {sorted(want - have)} (another optimizer type?)"
+        )
+    elif name != "optimizer":
+        changed = f"; the checkpoint's {name} has {saved_keys[:8]}"
+    return (
+        f"its {name} state does not fit the live {kind} ({type(err).__name__}: {err}){changed}. "
+        f"Resume with the {name} the checkpoint was saved with, or start the changed "
+        "experiment under its own run id (CKPT_RUN_ID)"
+    )

@@ -256,6 +256,7 @@ class Restorer:
                 f"checkpoints exist for run {run_id!r} but none is usable{within}: {plan.reason}; "
                 + "; ".join(f"{k}: {v}" for k, v in list(plan.skipped.items())[:6])
                 + " — use `ckpt recover --manual --step N --force` to choose one"
+                + _collision_hint(run_id, self.engine.storage.url)
             )
         while True:  # a candidate that fails while being applied is rejected: walk on
             chosen, failed = walk(plan, lambda cid: attempts.get(cid) is not None)
@@ -268,6 +269,7 @@ class Restorer:
                     + "; ".join(
                         f"{cid}: {attempts.why(cid)}" for cid in tried if cid in attempts.rejected
                     )
+                    + _collision_hint(run_id, self.engine.storage.url)
                 )
             cand = attempts.get(chosen.checkpoint_id)
             assert cand is not None
@@ -322,3 +324,11 @@ class Restorer:
         )
         self.weights_from = weights.record.id if weights is not None else None
         return point
+
+
+def _collision_hint(run_id: str, url: str) -> str:
+    """What to do when another experiment's checkpoints are in the way."""
+    return (
+        f". If these are another experiment's checkpoints (two runs share run id {run_id!r} "
+        f"on {url}), give this one its own: set CKPT_RUN_ID (or AgentConfig.run_id)"
+    )
