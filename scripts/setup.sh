@@ -2,8 +2,10 @@
 # Install everything this project needs on a fresh machine (idempotent, cached).
 #
 #   scripts/setup.sh            Python venv (.venv) with the project and its dev tools
-#   scripts/setup.sh --tools    ... and the Go-built control plane / S3 server / promtool
-#                               binaries, and headless Chromium (apt) for the report test
+#   scripts/setup.sh --tools    ... and every Go-built tool (control plane, kwok, helm, the
+#                               Kubeflow operators, JobSet, MinIO, Toxiproxy, promtool;
+#                               two at a time, e2e/build-tools.sh), and headless Chromium
+#                               (apt) for the report test
 #   scripts/setup.sh --images   ... and the operator image (scripts/build-images.sh: buildah)
 #
 # Needs: python3.11+ and Go >= 1.26 (both on this project's machines). Everything
@@ -22,7 +24,7 @@ for a in "$@"; do
   case "$a" in
     --tools) want_tools=1 ;;
     --images) want_images=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) die "unknown option $a (try --help)" ;;
   esac
 done
@@ -64,8 +66,8 @@ if [ "$want_tools" = 1 ]; then
       log "warning: could not install chromium (apt-get install chromium); the browser test will skip"
     fi
   fi
-  log "building/reusing Go tools (kube-apiserver, etcd, kwok, helm, training-operator, minio, toxiproxy, promtool)"
-  log "a cold build takes a long time on 2 cores; later runs reuse ~/.cache/ckpt-operator/tools"
+  log "building/reusing the Go tools ($(e2e/build-tools.sh --list | tr '\n' ' ' | sed 's/ $//'))"
+  log "a cold build takes long on 2 cores (an estimate follows); later runs reuse ~/.cache/ckpt-operator/tools"
   e2e/build-tools.sh
 fi
 
