@@ -61,3 +61,18 @@ RESTORE_READ_BACKOFF_S: Final = 0.5
 CHUNK_READ_ATTEMPTS: Final = 3
 #: Pause before a chunk's first re-read (doubled each time).
 CHUNK_READ_BACKOFF_S: Final = 0.2
+
+#: Timeout of the agent's own gloo process groups (the per-step agreement and the two-phase
+#: commit): a rank that died or hung fails the collective, and the save, after this long.
+#: ``Checkpointer(dist_timeout_s=...)`` overrides it.
+DIST_TIMEOUT_S: Final = 600.0
+
+#: Flash checkpoints: how long a local persister process may take to start (it imports no
+#: torch: about a second).
+SHM_PERSISTER_START_TIMEOUT_S: Final = 30.0
+#: Before resuming: how long the trainer waits for a persister to handle the complete
+#: snapshots a dead trainer left in shared memory.
+SHM_FLUSH_TIMEOUT_S: Final = 120.0
+#: ``close()`` without a timeout: how long the shared-memory persister waits for its local
+#: persister process to finish.
+SHM_CLOSE_TIMEOUT_S: Final = 300.0

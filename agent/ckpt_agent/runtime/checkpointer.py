@@ -65,7 +65,6 @@ from ckpt_agent.runtime.core.capture import (
 )
 from ckpt_agent.runtime.core.context import Engine, Ranks, Stats
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter
-from ckpt_agent.runtime.dist.comm import DEFAULT_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S
 from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint
@@ -141,7 +140,8 @@ class Checkpointer:
         gc_grace_s: age under which an unreferenced blob is kept by the automatic
             GC (default 0 for a single writer, an hour with several ranks).
         dist_timeout_s: timeout of the agent's own gloo groups (agreement, two-phase
-            commit): a rank that hangs longer fails the save instead of blocking forever.
+            commit): a rank that hangs longer fails the save instead of blocking forever
+            (None: :data:`~ckpt_agent.tuning.DIST_TIMEOUT_S`, read when the groups are made).
         summary_writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with
             ``add_scalar``) that gets ``checkpoint/score``, ``checkpoint/interval`` and
             ``checkpoint/tier`` every step, next to your own curves; never closed here.
@@ -178,7 +178,7 @@ class Checkpointer:
         on_persist_error: Literal["raise", "warn", "auto"] = "auto",
         preallocate: bool = True,
         gc_grace_s: float | None = None,
-        dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
+        dist_timeout_s: float | None = None,
         summary_writer: ScalarWriter | None = None,
     ) -> None:
         config = config if config is not None else AgentConfig.from_env()

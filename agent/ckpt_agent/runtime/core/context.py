@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ckpt_agent import tuning
 from ckpt_agent.decide.scheduler import (
     AdaptiveScheduler,
     Decision,
@@ -43,7 +44,6 @@ from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Lineage, Tier
 from ckpt_agent.runtime.core.sharded import is_dtensor
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter, TensorBoard
 from ckpt_agent.storage.base import Storage
-from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
 
 __all__ = ["OWNER_PID", "Engine", "Ranks", "Stats", "sweep_stale_work_dirs"]
 
@@ -343,7 +343,7 @@ class Engine:
             self.scheduler.set_mtbf(self.config.mtbf_seconds)
 
     def _on_write_latency(self, seconds: float) -> None:
-        if self.storage.last_write_bytes <= LATENCY_SAMPLE_MAX_BYTES:
+        if self.storage.last_write_bytes <= tuning.LATENCY_SAMPLE_MAX_BYTES:
             self.write_latency_ms = seconds * 1000.0
 
     # ------------------------------------------------------------------ closing

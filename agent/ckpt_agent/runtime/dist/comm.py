@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 
+from ckpt_agent import tuning
 from ckpt_agent.errors import DistributedError
 from ckpt_agent.records import Json
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Comm", "LocalComm", "encode_json"]
-
-#: Default timeout of the agent's own process groups (a hung rank fails the save after it).
-DEFAULT_TIMEOUT_S = 600.0
+__all__ = ["Comm", "LocalComm", "encode_json"]
 
 
 class Comm:
@@ -38,8 +36,9 @@ class Comm:
         self.world_size = world_size
 
     @classmethod
-    def new_group(cls, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Comm:
-        """A new gloo group over the default world (collective: every rank calls it)."""
+    def new_group(cls, *, timeout_s: float | None = None) -> Comm:
+        """A new gloo group over the default world (collective: every rank calls it);
+        ``timeout_s`` None: :data:`~ckpt_agent.tuning.DIST_TIMEOUT_S`."""
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -47,7 +46,8 @@ class Comm:
                 "torch.distributed is not initialized: call init_process_group() before "
                 "creating a Checkpointer with world_size > 1"
             )
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=tuning.DIST_TIMEOUT_S if timeout_s is None else timeout_s)
+        )
         return cls(group, dist.get_rank(), dist.get_world_size())
 
     # ------------------------------------------------------------------ primitives

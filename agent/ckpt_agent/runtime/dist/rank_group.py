@@ -29,7 +29,7 @@ __all__ = ["RankGroup"]
 class RankGroup:
     """The agent's process groups and what the checkpointer does with them (collective calls)."""
 
-    def __init__(self, engine: Engine, timeout_s: float) -> None:
+    def __init__(self, engine: Engine, timeout_s: float | None) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
         self._control: Comm | None = None

@@ -30,6 +30,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from ckpt_agent import tuning
 from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
 from ckpt_agent.format.layout import heartbeat_key
 from ckpt_agent.persist.writer import TensorSource
@@ -37,7 +38,6 @@ from ckpt_agent.records import Json, Tier
 from ckpt_agent.runtime.core.devices import synchronize_copies
 from ckpt_agent.runtime.core.serialization import LiveArray, flatten, raw_bytes
 from ckpt_agent.storage.base import Storage
-from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
 __all__ = [
     "APPROX_KEYS",
@@ -98,8 +98,8 @@ class Snapshot:
 
 def _page_aligned_bytes(nbytes: int) -> np.ndarray:
     """``nbytes`` uninitialised bytes starting on a page boundary (``DIRECT_IO_ALIGN``)."""
-    raw = np.empty(nbytes + DIRECT_IO_ALIGN, dtype=np.uint8)
-    skip = -raw.ctypes.data % DIRECT_IO_ALIGN
+    raw = np.empty(nbytes + tuning.DIRECT_IO_ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % tuning.DIRECT_IO_ALIGN
     return raw[skip : skip + nbytes]
 
 
@@ -107,7 +107,7 @@ def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Te
     """An empty host buffer; page-aligned when large (its chunks can then be written to
     storage with ``O_DIRECT``, :class:`ckpt_agent.storage.fs_writer.DirectIO`)."""
     nbytes = shape.numel() * dtype.itemsize
-    if nbytes < DIRECT_IO_MIN_BYTES or pin:
+    if nbytes < tuning.DIRECT_IO_MIN_BYTES or pin:
         # Pinned memory is page-aligned already (and CUDA's host allocator rounds sizes up
         # to a power of two: padding a 1 GiB buffer by a page would pin 2 GiB).
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
@@ -117,7 +117,7 @@ def host_tensor(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Te
 def host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """:func:`host_tensor` for a NumPy array."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < DIRECT_IO_MIN_BYTES:
+    if nbytes < tuning.DIRECT_IO_MIN_BYTES:
         return np.empty(shape, dtype=dtype)
     return _page_aligned_bytes(nbytes).view(dtype).reshape(shape)
 

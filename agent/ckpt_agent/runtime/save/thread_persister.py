@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from ckpt_agent import tuning
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
@@ -34,7 +35,6 @@ from ckpt_agent.runtime.save.snapshot import (
     Snapshot,
     take_snapshot,
 )
-from ckpt_agent.tuning import VALIDATION_BACKLOG
 
 __all__ = ["ThreadPersister"]
 
@@ -93,7 +93,7 @@ class ThreadPersister:
             self._post = BackgroundWorker(
                 f"ckpt-validate-{ranks.rank}",
                 self._finalize,
-                capacity=VALIDATION_BACKLOG,
+                capacity=tuning.VALIDATION_BACKLOG,
                 describe=lambda j: f"validating {j.checkpoint_id}",
             )
 
@@ -227,7 +227,7 @@ class ThreadPersister:
         )
         if self._post is None:
             return  # validation, retention and GC are rank 0's
-        self._post.wait_below(VALIDATION_BACKLOG)
+        self._post.wait_below(tuning.VALIDATION_BACKLOG)
         self._post.submit(
             FinalizeJob(
                 checkpoint_id=meta.checkpoint_id,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ckpt_agent import tuning
 from ckpt_agent.decide.inplace import InplaceChoice, ShmOffer, all_usable, choose_inplace
 from ckpt_agent.errors import CandidateRejectedError, CheckpointFormatError
 from ckpt_agent.flash.checksums import RecordedHashes
@@ -49,7 +50,6 @@ from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import Candidate, ResumePoint
 from ckpt_agent.storage.memory import populate
-from ckpt_agent.tuning import CHUNK_BYTES
 
 __all__ = ["InPlaceRestore", "ShmCopy", "copy_snapshot", "shm_offers"]
 
@@ -147,8 +147,8 @@ def _copy_regions(snap: ShmSnapshot) -> list[torch.Tensor]:
         buf = torch.empty(hi - lo, dtype=torch.uint8)
         out.append(buf)
         dst = buf.numpy()
-        for start in range(0, hi - lo, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, hi - lo - start)
+        for start in range(0, hi - lo, tuning.CHUNK_BYTES):
+            n = min(tuning.CHUNK_BYTES, hi - lo - start)
             src = np.frombuffer(snap.view, dtype=np.uint8, count=n, offset=lo + start)
             pieces.append((dst[start : start + n], src))
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from ckpt_agent import tuning
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.flash.protocol import PersistedMark, read_file
@@ -31,9 +32,6 @@ from ckpt_agent.runtime.shm.in_place import InPlaceRestore
 from ckpt_agent.runtime.shm.target import FlashTarget
 
 __all__ = ["ShmPersister"]
-
-#: How long :meth:`ShmPersister.close` waits for a local persister by default.
-CLOSE_TIMEOUT_S = 300.0
 
 
 class ShmPersister:
@@ -77,7 +75,7 @@ class ShmPersister:
 
     def close(self, timeout: float | None) -> None:
         self._settle()
-        if not self.flash.close(timeout if timeout is not None else CLOSE_TIMEOUT_S):
+        if not self.flash.close(timeout if timeout is not None else tuning.SHM_CLOSE_TIMEOUT_S):
             self._errors.append(
                 JobError(
                     "persisting (local persister)",

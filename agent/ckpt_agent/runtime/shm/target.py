@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from ckpt_agent import tuning
 from ckpt_agent.flash.protocol import DEFAULT_SLOTS, Descriptor, PersistedMark, read_health
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.policy.agent_config import AgentConfig
@@ -34,12 +35,6 @@ from ckpt_agent.runtime.shm.writer import ShmWriter
 __all__ = ["FlashTarget"]
 
 log = logging.getLogger(__name__)
-
-#: How long a local persister may take to start (it imports no torch: about a second).
-PERSISTER_START_TIMEOUT_S = 30.0
-#: How long :meth:`FlashTarget.start` waits for a persister to handle snapshots a
-#: previous trainer left behind.
-DEFAULT_FLUSH_TIMEOUT_S = 120.0
 
 
 class FlashTarget:
@@ -89,12 +84,12 @@ class FlashTarget:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def flush_previous(self, timeout: float = DEFAULT_FLUSH_TIMEOUT_S) -> PersistedMark | None:
+    def flush_previous(self, timeout: float | None = None) -> PersistedMark | None:
         """Before resuming: let a persister handle complete snapshots a dead trainer left.
 
-        Starts the local persister first when there is none (local mode).
-        Returns the persister's newest mark (None if there was nothing to do
-        or it did not finish in time).
+        Starts the local persister first when there is none (local mode). ``timeout``
+        (None: :data:`~ckpt_agent.tuning.SHM_FLUSH_TIMEOUT_S`). Returns the persister's
+        newest mark (None if there was nothing to do or it did not finish in time).
         """
         r = self.reader
         latest = r.latest()
@@ -105,7 +100,7 @@ class FlashTarget:
             return mark  # a live trainer owns the area (the writer will refuse to start)
         if not r.persister_alive() and self.local_persister:
             self._spawn()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (tuning.SHM_FLUSH_TIMEOUT_S if timeout is None else timeout)
         while time.monotonic() < deadline:
             mark = r.persisted()
             if mark is not None and mark.seq >= latest.seq:
@@ -133,7 +128,7 @@ class FlashTarget:
         no_proc = self.proc is None or self.proc.poll() is not None
         if self.local_persister and no_proc and not self.writer.persister_alive():
             self._spawn()
-            self.wait_persister(PERSISTER_START_TIMEOUT_S)
+            self.wait_persister(tuning.SHM_PERSISTER_START_TIMEOUT_S)
 
     def wait_persister(self, timeout: float) -> bool:
         """Wait until a persister serves this area (it holds ``persister.lock``)."""
