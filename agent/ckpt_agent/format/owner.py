@@ -137,6 +137,7 @@ def check_owner(storage: Storage, run_id: str, owner: RunOwner, *, claim: bool) 
     if found is not None and found.namespace != owner.namespace:
         raise RunOwnershipError(
             f"run {run_id} belongs to namespace {found.namespace}, not {owner.namespace}: "
-            "give this job its own run id (remove or change its ckpt.dev/run-id annotation)"
+            "give this job its own run id (remove or change its ckpt.dev/run-id annotation; "
+            "outside the operator: CKPT_RUN_ID)"
         )
     return found or owner

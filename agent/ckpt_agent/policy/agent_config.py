@@ -76,6 +76,10 @@ ENV_JOB_NAME = "CKPT_JOB_NAME"
 ENV_JOB_UID = "CKPT_JOB_UID"
 
 
+DEFAULT_RUN_ID = "local"
+"""The run id when nothing sets one (a local run without ``CKPT_RUN_ID``)."""
+
+
 def default_storage_url() -> str:
     """Where checkpoints go when nothing says (a local run without ``CKPT_STORAGE_URL``):
     ``$XDG_DATA_HOME/ckpt-operator/checkpoints``, by default
@@ -109,7 +113,7 @@ class S3Options(CamelModel):
 class AgentConfig(CamelModel):
     """Everything the in-pod agent needs to run."""
 
-    run_id: str = "local"
+    run_id: str = DEFAULT_RUN_ID
     """Stable identity of the training run across restarts (storage folder name)."""
     storage_url: str = Field(default_factory=default_storage_url)
     """Storage root (default: :func:`default_storage_url`, a folder the user can write to;

@@ -56,7 +56,7 @@ from ckpt_agent.decide.scheduler import AdaptiveScheduler, Decision
 from ckpt_agent.errors import CheckpointError, PersistError, ResumeError, StepOrderError
 from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.metrics import Metrics
-from ckpt_agent.policy.agent_config import AgentConfig
+from ckpt_agent.policy.agent_config import DEFAULT_RUN_ID, AgentConfig
 from ckpt_agent.records import Tier
 from ckpt_agent.runtime.core.capture import (
     StateCapture,
@@ -450,6 +450,12 @@ class Checkpointer:
             f"resumed {resume.checkpoint_id} ({what}, from {source}, {resume.action}{exact}) "
             f"in {seconds:.2f} s: training continues at step {resume.step}; {where}"
         )
+        if e.run_id == DEFAULT_RUN_ID and not e.config.resume_from:
+            log.warning(
+                "resumed run %r, the default run id: if this is a new experiment, it just "
+                "continued another one's checkpoints; give it its own run id (CKPT_RUN_ID)",
+                e.run_id,
+            )
 
     def _check_step_order(self, step: int) -> None:
         last = self._last_step

@@ -143,3 +143,19 @@ def test_the_example_config_in_the_readme_is_the_example_file_and_loads() -> Non
     assert cfg.run_id == "mnist-lr3e-4" and cfg.tiers.full.every_steps == 100
     assert cfg.retention.routine_keep == 2
     assert AgentConfig.from_env({"CKPT_CONFIG": str(example), "CKPT_RUN_ID": "b"}).run_id == "b"
+
+
+def test_resuming_the_default_run_id_warns_it_may_be_another_experiment(
+    ck_config: ConfigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = ck_config(runId="local")
+    model = _model()
+    with Checkpointer(cfg, model=model) as ckpt:
+        ckpt.start()
+        ckpt.step(0, 1.0)
+        ckpt.save_now("first experiment")
+    caplog.clear()
+    with Checkpointer(cfg, model=_model()) as ckpt:
+        assert ckpt.start().step == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("default run id" in m and "CKPT_RUN_ID" in m for m in warned), warned
