@@ -26,7 +26,10 @@ from ckpt_operator.adapters.kube import ConflictError, NotFoundError
 from ckpt_operator.adapters.metrics import Metrics
 from ckpt_operator.adapters.sources import VerificationFailedError
 from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.kinds.registry import PYTORCHJOB, TRAINJOB, JobKind, kind_of
+from ckpt_operator.kinds.kind import JobKind
+from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
+from ckpt_operator.kinds.registry import kind_of
+from ckpt_operator.kinds.trainjob import TRAINJOB
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.config import OperatorConfig
 

@@ -61,8 +61,7 @@ from ckpt_operator.behaviours.disruption import signal_node, signal_pod
 from ckpt_operator.behaviours.policies import reconcile_policy
 from ckpt_operator.behaviours.recovery import observe_job, recover_job
 from ckpt_operator.behaviours.retention import reconcile_retention
-from ckpt_operator.kinds.registry import TRAINJOB
-from ckpt_operator.kinds.trainjob import add_inject_patch, jobset_trainjob, pod_ended_at
+from ckpt_operator.kinds.trainjob import TRAINJOB, add_inject_patch, jobset_trainjob, pod_ended_at
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import meta_of
 

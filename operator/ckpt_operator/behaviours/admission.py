@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_operator.behaviours.deps import Deps, cached_job, cached_policy
-from ckpt_operator.kinds.registry import TRAINJOB, owner_of
+from ckpt_operator.kinds.registry import owner_of
 from ckpt_operator.kinds.trainjob import (
+    TRAINJOB,
     has_inject_patch,
     pod_attempt,
     runtime_ref,

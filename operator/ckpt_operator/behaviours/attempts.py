@@ -26,8 +26,8 @@ from ckpt_operator.behaviours.restart_steps import (
     report_plan,
     report_rebuild,
 )
-from ckpt_operator.kinds.registry import TRAINJOB
 from ckpt_operator.kinds.trainjob import (
+    TRAINJOB,
     has_inject_patch,
     jobset_restarts,
     jobset_trainjob,

@@ -14,7 +14,10 @@ from ckpt_operator.adapters.kube import KubeApi, NotFoundError
 from ckpt_operator.adapters.metrics import Metrics
 from ckpt_operator.adapters.sources import SourceFactory
 from ckpt_operator.behaviours.state import AgentAnswers, NodeSignals, RefusedAttempts, ReportedPods
-from ckpt_operator.kinds.registry import KINDS, PYTORCHJOB, TRAINJOB, JobKind, kind_of
+from ckpt_operator.kinds.kind import JobKind
+from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
+from ckpt_operator.kinds.registry import KINDS, kind_of
+from ckpt_operator.kinds.trainjob import TRAINJOB
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.config import OperatorConfig

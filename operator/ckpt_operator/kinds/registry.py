@@ -10,7 +10,7 @@ from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
 from ckpt_operator.kinds.trainjob import TRAINJOB
 from ckpt_operator.model.jobs import owner_job_name
 
-__all__ = ["KINDS", "PYTORCHJOB", "TRAINJOB", "JobKind", "kind_of", "owner_of"]
+__all__ = ["KINDS", "kind_of", "owner_of"]
 
 KINDS: Final = (PYTORCHJOB, TRAINJOB)
 

@@ -35,7 +35,9 @@ from enum import StrEnum
 from typing import Any
 
 from ckpt_agent.policy.agent_config import ENV_METRICS_PORT
-from ckpt_operator.kinds.registry import PYTORCHJOB, JobKind, owner_of
+from ckpt_operator.kinds.kind import JobKind
+from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
+from ckpt_operator.kinds.registry import owner_of
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import parse_time

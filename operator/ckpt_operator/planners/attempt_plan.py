@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.policy import RecoverySpec
-from ckpt_operator.kinds.registry import TRAINJOB
-from ckpt_operator.kinds.trainjob import planned_attempt, pod_attempt
+from ckpt_operator.kinds.trainjob import TRAINJOB, planned_attempt, pod_attempt
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import JobFacts, format_time, job_facts, parse_time

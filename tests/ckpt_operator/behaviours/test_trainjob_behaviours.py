@@ -39,8 +39,7 @@ from ckpt_operator.behaviours.attempts import (
     recover_trainjob,
 )
 from ckpt_operator.behaviours.deps import list_all_jobs
-from ckpt_operator.kinds.registry import TRAINJOB
-from ckpt_operator.kinds.trainjob import has_inject_patch
+from ckpt_operator.kinds.trainjob import TRAINJOB, has_inject_patch
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.jobs import format_time, parse_time
 from tests.ckpt_operator.conftest import FAILED_AT

@@ -18,9 +18,11 @@ import pytest
 
 from ckpt_agent.policy import RecoverySpec
 from ckpt_agent.records import CheckpointRecord
-from ckpt_operator.kinds.registry import KINDS, PYTORCHJOB, TRAINJOB, kind_of, owner_of
+from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
+from ckpt_operator.kinds.registry import KINDS, kind_of, owner_of
 from ckpt_operator.kinds.trainjob import (
     RESTART_PROBE_S,
+    TRAINJOB,
     add_inject_patch,
     has_inject_patch,
     jobset_restarts,
