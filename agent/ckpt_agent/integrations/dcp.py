@@ -725,8 +725,12 @@ class DcpReader(StorageReader):
                     None if offset is None else tuple(_ints(offset, ckpt_id)),
                 )
                 where.setdefault(key, _ItemAt(rank, i))
-        sec = _section(manifests[0])
-        md = metadata_from_json(sec.get("metadata"), f"{ckpt_id} DCP metadata")
+        holders = [m for m in manifests.values() if "metadata" in _section(m)]
+        if len(holders) != 1:
+            raise CheckpointFormatError(
+                f"{ckpt_id}: {len(holders)} rank manifests hold DCP's metadata (one must)"
+            )
+        md = metadata_from_json(_section(holders[0]).get("metadata"), f"{ckpt_id} DCP metadata")
         for fqn, v in md.state_dict_metadata.items():
             keys = (
                 [(fqn, tuple(int(o) for o in c.offsets)) for c in v.chunks]
