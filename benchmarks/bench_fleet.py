@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "e2e"))
 
 from ckpt_agent.format.layout import validation_key  # noqa: E402
-from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord  # noqa: E402
+from ckpt_agent.format.manifest import CheckpointMeta  # noqa: E402
+from ckpt_agent.format.verdict import ValidationVerdict  # noqa: E402
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource  # noqa: E402
 from ckpt_agent.records import CheckpointStatus, Tier  # noqa: E402
 from ckpt_agent.storage import Storage, open_storage  # noqa: E402
@@ -415,7 +416,7 @@ class S3Checkpoints:
             tensors = [TensorSource("weights", "uint8", (len(weights),), memoryview(weights))]
             rank = writer.write_rank(meta, 0, {"step": step}, tensors)
             done = writer.commit(meta, [rank])
-            record = ValidationRecord(
+            record = ValidationVerdict(
                 meta.checkpoint_id, done.manifest_hash, CheckpointStatus.VALID
             )
             self.storage.commit(validation_key(run_id, meta.checkpoint_id), record.to_bytes())

@@ -18,7 +18,8 @@ import random
 from dataclasses import dataclass
 
 from ckpt_agent.decide.signals import GradientLayer
-from ckpt_agent.decide.simulate import REFINED, Comparison, Costs, compare
+from ckpt_agent.decide.sim_policies import REFINED
+from ckpt_agent.decide.simulate import Comparison, Costs, compare
 from ckpt_agent.decide.traces import (
     LLAMA3_MTBF_S,
     Curves,
@@ -27,7 +28,7 @@ from ckpt_agent.decide.traces import (
     poisson_trace,
     training_curves,
 )
-from ckpt_agent.policy.models import GradientLayerSpec
+from ckpt_agent.policy.scheduler_models import GradientLayerSpec
 
 __all__ = [
     "GRADIENT_RULES",

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_agent.policy.models import RiskSpec
+from ckpt_agent.policy.scheduler_models import RiskSpec
 
 __all__ = ["Hazard", "HazardModel"]
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.decide.signals import ewma, finite
-from ckpt_agent.policy.models import PulseTierSpec, SchedulerSpec, Tier
+from ckpt_agent.policy.models import PulseTierSpec, Tier
+from ckpt_agent.policy.scheduler_models import SchedulerSpec
 
 __all__ = ["INTERVAL_RULES", "CostModel", "SaveCost", "bound_interval", "pulse_interval"]
 

@@ -9,7 +9,7 @@ and ``statistics``, so the same code runs in the trainer, in the operator and
 in table tests.
 
 :class:`AdaptiveScheduler` composes the parts, each with its own rules
-(every number is a field of :class:`~ckpt_agent.policy.models.SchedulerSpec`
+(every number is a field of :class:`~ckpt_agent.policy.scheduler_models.SchedulerSpec`
 or :class:`~ckpt_agent.policy.models.TiersSpec`):
 
 * :mod:`ckpt_agent.decide.signals`: the loss (weight 0.4), gradient (0.35) and
@@ -83,7 +83,8 @@ from ckpt_agent.decide.signals import (
     finite,
 )
 from ckpt_agent.decide.tiers import TierCounters, tier_rank
-from ckpt_agent.policy.models import SchedulerSpec, Tier, TiersSpec
+from ckpt_agent.policy.models import Tier, TiersSpec
+from ckpt_agent.policy.scheduler_models import SchedulerSpec
 
 __all__ = [
     "ANOMALY_KINDS",

@@ -3,7 +3,7 @@
 Each layer folds one step's signal into a small state and says whether it
 *fires*; :class:`~ckpt_agent.decide.scheduler.AdaptiveScheduler` sums the
 weights of the fired layers into the score. Every number is a field of
-:class:`~ckpt_agent.policy.models.SchedulerSpec`.
+:class:`~ckpt_agent.policy.scheduler_models.SchedulerSpec`.
 
 * **Loss layer** (weight 0.4): the loss is mapped to ``x = log10(max(loss, 0) + eps)``;
   the slope is a recursive EWMA of its per-step differences,
@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_agent.policy.models import GradientLayerSpec, LossLayerSpec, SystemLayerSpec
+from ckpt_agent.policy.scheduler_models import GradientLayerSpec, LossLayerSpec, SystemLayerSpec
 
 __all__ = ["GradientLayer", "LossLayer", "SystemLayer", "SystemSignals", "ewma", "finite"]
 

@@ -49,15 +49,15 @@ stale region, a page from another snapshot, a flipped bit (any single-word
 change always changes both sums) — but not a forgery, which needs write
 access to the pod's memory, i.e. the pod itself. Storage keeps SHA-256.
 
-This module is the protocol (records, layout, locks; torch-free); the checksums are
-:mod:`ckpt_agent.flash.checksums`. The persister's
+This module is the protocol (records, layout, locks; torch-free); one rank's area
+(paths, slot locks and headers, shared reads) is :mod:`ckpt_agent.flash.area`, the
+checksums are :mod:`ckpt_agent.flash.checksums`. The persister's
 side is :mod:`ckpt_agent.flash.reader`, the trainer's (which copies torch
 tensors) :mod:`ckpt_agent.runtime.shm.writer`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import json
@@ -70,9 +70,8 @@ from pathlib import Path
 from typing import Final
 
 from ckpt_agent.errors import CheckpointFormatError, ShmError
-from ckpt_agent.flash.checksums import FAST_SCHEME, HASH_CHUNK_BYTES, RecordedHashes
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE, validate_run_id
-from ckpt_agent.records import Json, Tier, checkpoint_id, rank_name
+from ckpt_agent.records import Json, Tier, checkpoint_id
 from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
 __all__ = [
@@ -84,15 +83,12 @@ __all__ = [
     "MARK_HISTORY",
     "Descriptor",
     "PersistedMark",
-    "ShmArea",
     "ShmError",
     "ShmTensor",
     "align",
     "atomic_write",
-    "hold_lock",
     "place",
     "read_file",
-    "read_header",
     "read_health",
     "try_flock",
     "write_health",
@@ -380,162 +376,3 @@ def read_health(root: str | Path, run_id: str) -> dict[str, Json] | None:
     except ValueError:
         return None
     return d if isinstance(d, dict) and d.get("format") == FORMAT_HEALTH else None
-
-
-# --------------------------------------------------------------------------- area
-
-
-class ShmArea:
-    """Paths and shared reads of one rank's area."""
-
-    def __init__(
-        self, root: str | Path, run_id: str, rank: int, *, slots: int = DEFAULT_SLOTS
-    ) -> None:
-        if slots < 1:
-            raise ValueError("slots must be >= 1")
-        self.root = Path(root)
-        self.run_id = validate_run_id(run_id)
-        self.rank = rank
-        self.slots = slots
-        self.dir = self.root / self.run_id / rank_name(rank)
-
-    @staticmethod
-    def ranks(root: str | Path, run_id: str) -> list[int]:
-        """Ranks that have an area under ``root`` for ``run_id``."""
-        base = Path(root) / validate_run_id(run_id)
-        out = []
-        with contextlib.suppress(FileNotFoundError):
-            for p in base.iterdir():
-                name = p.name
-                if p.is_dir() and name.startswith("rank_") and name[5:].isdigit():
-                    out.append(int(name[5:]))
-        return sorted(out)
-
-    def data_path(self, slot: int) -> Path:
-        return self.dir / f"slot_{slot}.data"
-
-    def desc_path(self, slot: int) -> Path:
-        return self.dir / f"slot_{slot}.json"
-
-    def hashes_path(self, slot: int) -> Path:
-        return self.dir / f"slot_{slot}.hashes.json"
-
-    @property
-    def persisted_path(self) -> Path:
-        return self.dir / "persisted.json"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.dir / "persister-metrics.json"
-
-    def descriptor(self, slot: int) -> Descriptor | None:
-        raw = read_file(self.desc_path(slot))
-        if raw is None:
-            return None
-        try:
-            d = Descriptor.from_bytes(raw, f"{self.desc_path(slot)}")
-        except CheckpointFormatError:
-            return None
-        if d.slot != slot or d.run_id != self.run_id or d.rank != self.rank:
-            return None
-        return d
-
-    def complete(self) -> list[Descriptor]:
-        """Complete snapshots (descriptor present), oldest first."""
-        out = []
-        for i in self._slot_ids():
-            d = self.descriptor(i)
-            if d is not None:
-                out.append(d)
-        return sorted(out, key=lambda d: d.seq)
-
-    def latest(self) -> Descriptor | None:
-        c = self.complete()
-        return c[-1] if c else None
-
-    def _slot_ids(self) -> list[int]:
-        ids = set(range(self.slots))
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.dir.iterdir():
-                n = p.name
-                if n.startswith("slot_") and n.endswith(".data") and n[5:-5].isdigit():
-                    ids.add(int(n[5:-5]))
-        return sorted(ids)
-
-    def persisted(self) -> PersistedMark | None:
-        raw = read_file(self.persisted_path)
-        if raw is None:
-            return None
-        try:
-            return PersistedMark.from_bytes(raw)
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def _lock_alive(self, name: str) -> bool:
-        """Whether some process holds the exclusive lock ``name`` (it is alive)."""
-        path = self.dir / name
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            if try_flock(fd, fcntl.LOCK_SH):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                return False
-            return True
-        finally:
-            os.close(fd)
-
-    def trainer_alive(self) -> bool:
-        return self._lock_alive("trainer.lock")
-
-    def persister_alive(self) -> bool:
-        return self._lock_alive("persister.lock")
-
-    def hashes(self, slot: int, seq: int) -> RecordedHashes | None:
-        """The persister's per-chunk hashes of slot ``slot`` when they are for ``seq``."""
-        raw = read_file(self.hashes_path(slot))
-        if raw is None:
-            return None
-        try:
-            d = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(d, dict) or d.get("format") != FORMAT_HASHES or d.get("seq") != seq:
-            return None
-        if d.get("chunk_bytes") != HASH_CHUNK_BYTES:
-            return None
-        sha = _hash_lists(d.get("tensors"))
-        if sha is None:
-            return None
-        fast = d.get("fast")
-        fast_lists = (
-            _hash_lists(fast.get("tensors"))
-            if isinstance(fast, dict) and fast.get("scheme") == FAST_SCHEME
-            else None
-        )
-        return RecordedHashes(sha, fast_lists)
-
-
-def _hash_lists(t: object) -> dict[str, list[str]] | None:
-    if not isinstance(t, dict) or not all(isinstance(v, list) for v in t.values()):
-        return None
-    return {str(k): [str(h) for h in v] for k, v in t.items()}
-
-
-def hold_lock(path: Path) -> int:
-    """Open (create) ``path`` and take its exclusive lock, non-blocking; -1 when held elsewhere."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    if try_flock(fd, fcntl.LOCK_EX):
-        return fd
-    os.close(fd)
-    return -1
-
-
-def read_header(view: memoryview) -> tuple[int, int, int] | None:
-    if len(view) < HEADER.size:
-        return None
-    magic, a, b, size = HEADER.unpack_from(view, 0)
-    if magic != MAGIC:
-        return None
-    return int(a), int(b), int(size)

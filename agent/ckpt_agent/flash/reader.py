@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_agent.errors import ShmError
+from ckpt_agent.flash.area import ShmArea, hold_lock, read_header
 from ckpt_agent.flash.checksums import (
     FAST_SCHEME,
     HASH_CHUNK_BYTES,
@@ -33,10 +34,7 @@ from ckpt_agent.flash.protocol import (
     VERSION,
     Descriptor,
     PersistedMark,
-    ShmArea,
     atomic_write,
-    hold_lock,
-    read_header,
     try_flock,
 )
 

@@ -29,7 +29,8 @@ from typing import Final
 
 from ckpt_agent.format.chunkread import Scratch, check_inline, read_chunk
 from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
-from ckpt_agent.format.manifest import BlobEntry, RankManifest, TensorEntry
+from ckpt_agent.format.entries import BlobEntry, TensorEntry
+from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.storage.base import Storage
 
 __all__ = ["RESTORE_WORKERS_MAX", "Target", "read_into", "restore_workers"]

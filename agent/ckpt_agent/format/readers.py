@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from ckpt_agent.format.chunkread import Scratch, check_inline, read_chunk
 from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
+from ckpt_agent.format.entries import TensorEntry
 from ckpt_agent.format.layout import (
     COMMIT_MAX_BYTES,
     MANIFEST_MAX_BYTES,
@@ -23,7 +24,8 @@ from ckpt_agent.format.layout import (
     sha256_hex,
     validation_key,
 )
-from ckpt_agent.format.manifest import CommitManifest, RankManifest, TensorEntry, ValidationRecord
+from ckpt_agent.format.manifest import CommitManifest, RankManifest
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.storage.base import NotFoundError, Storage
 
 __all__ = [
@@ -128,11 +130,11 @@ def read_capped(storage: Storage, key: str, limit: int) -> bytes:
     return raw
 
 
-def read_validation(storage: Storage, run_id: str, ckpt_id: str) -> ValidationRecord | None:
+def read_validation(storage: Storage, run_id: str, ckpt_id: str) -> ValidationVerdict | None:
     """The validator's verdict, or None when there is none or it is unreadable (not trusted)."""
     key = validation_key(run_id, ckpt_id)
     try:
-        return ValidationRecord.from_bytes(read_capped(storage, key, VALIDATION_MAX_BYTES), key)
+        return ValidationVerdict.from_bytes(read_capped(storage, key, VALIDATION_MAX_BYTES), key)
     except NotFoundError:
         return None
     except ValueError:  # CheckpointFormatError included

@@ -23,8 +23,9 @@ from typing import Final, TypeGuard
 
 from ckpt_agent.errors import CheckpointFormatError, JsonTreeError
 from ckpt_agent.format import jsontree
+from ckpt_agent.format.entries import TensorEntry
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE
-from ckpt_agent.format.manifest import RankManifest, TensorEntry
+from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.records import Json
 
 __all__ = [

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from ckpt_agent.errors import RetryableError, one_line
+from ckpt_agent.format.entries import BlobEntry
 from ckpt_agent.format.layout import blob_key, sha256_hex
-from ckpt_agent.format.manifest import BlobEntry
 from ckpt_agent.format.readers import read_commit, read_rank_manifest
 from ckpt_agent.storage.base import NotFoundError, Storage, StorageError
 

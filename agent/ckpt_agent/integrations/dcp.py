@@ -95,9 +95,10 @@ from ckpt_agent.format.layout import (
     validation_key,
 )
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, RankRef, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, RankRef
 from ckpt_agent.format.readers import read_commit, read_rank_manifest
 from ckpt_agent.format.statecheck import check_state
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.persist.builder import PersistBuilder, PersistParts
 from ckpt_agent.persist.finalize import FinalizeJob
@@ -886,7 +887,7 @@ class DcpReader(StorageReader):
         log.error("ALERT DCP checkpoint %s is CORRUPTED: %s", ckpt_id, reason)
         try:
             committed = read_commit(self.storage, self.run_id, ckpt_id)
-            rec = ValidationRecord(
+            rec = ValidationVerdict(
                 checkpoint_id=ckpt_id,
                 commit_sha256=committed.manifest_hash,
                 status=CheckpointStatus.CORRUPTED,

@@ -14,7 +14,7 @@ sidecar (:mod:`ckpt_agent.flash.sidecar`).
 
 :meth:`FinalizePipeline.finalize` load-checks every rank's part (rank 0's shapes
 against ``expected``), records the verdict next to the checkpoint
-(``ValidationRecord``) and in the catalog, counts it in the metrics, emits
+(``ValidationVerdict``) and in the catalog, counts it in the metrics, emits
 ``validated``/``corrupted``, drops (and deletes) blobs that fail their hash, then
 applies the retention policy and collects unreferenced blobs (``retention``
 event). Torch-free.

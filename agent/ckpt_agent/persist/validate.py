@@ -39,10 +39,10 @@ from typing import Any
 from ckpt_agent.errors import IntegrityError, one_line
 from ckpt_agent.format.codec import Shuffler
 from ckpt_agent.format.layout import blob_key, sha256_hex, validation_key
-from ckpt_agent.format.manifest import ValidationRecord
 from ckpt_agent.format.readers import check_tensor_bytes, read_commit, read_rank_manifest
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
 from ckpt_agent.format.statecheck import check_state
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus, Json
 from ckpt_agent.storage import open_storage
@@ -375,7 +375,7 @@ class Validator:
         """Write the verdict next to the COMMIT (only if the COMMIT is still the one judged)."""
         if not outcome.manifest_hash:
             return
-        rec = ValidationRecord(
+        rec = ValidationVerdict(
             checkpoint_id=outcome.checkpoint_id,
             commit_sha256=outcome.manifest_hash,
             status=outcome.status,

@@ -44,17 +44,16 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckpt_agent.format.chunkread import BLOCK_BYTES
 from ckpt_agent.format.codec import (
     CODEC_NONE,
     PY_SHUFFLER,
     Shuffler,
 )
+from ckpt_agent.format.entries import BlobEntry, TensorEntry
 from ckpt_agent.format.layout import (
-    BLAKE3,
     CHUNK_MAX_BYTES,
     DTYPE_ITEMSIZE,
     blob_key,
@@ -65,14 +64,13 @@ from ckpt_agent.format.layout import (
     validation_key,
 )
 from ckpt_agent.format.manifest import (
-    BlobEntry,
     CheckpointMeta,
     CommitManifest,
     RankManifest,
     RankRef,
-    TensorEntry,
     library_versions,
 )
+from ckpt_agent.persist.chunk_tasks import ChunkRun, StoredChunk, raw_hashes
 from ckpt_agent.persist.encoding import BlobEncoder, CodecPolicy, Encoded, WriteMeter
 from ckpt_agent.records import Json, rank_name
 from ckpt_agent.storage.base import Storage
@@ -201,79 +199,6 @@ class WrittenCheckpoint:
         }
 
 
-def _raw_hashes(part: memoryview) -> tuple[str, str | None]:
-    """A chunk's SHA-256 (its identity) and BLAKE3 (the restore's fast check; None without
-    the package), both over each block (:data:`BLOCK_BYTES`, the reader's too) while it
-    is in the CPU cache."""
-    sha, b3 = hashlib.sha256(), None if BLAKE3 is None else BLAKE3()
-    for start in range(0, len(part), BLOCK_BYTES):
-        block = part[start : start + BLOCK_BYTES]
-        sha.update(block)
-        if b3 is not None:
-            b3.update(block)
-    return sha.hexdigest(), None if b3 is None else b3.hexdigest()
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """What one chunk's hash/encode task did."""
-
-    entry: BlobEntry | None
-    """The blob that holds the chunk (None: the same bytes as chunk ``same_as``)."""
-    same_as: int = -1
-    upload: Future[tuple[bool, float]] | None = None
-    """Its write: (written now — else already in storage —, seconds); None: re-used."""
-    hash_s: float = 0.0
-    encode_s: float = 0.0
-
-
-class _RankWrite:
-    """One :meth:`CheckpointWriter.write_rank` call's chunks in flight (persister thread)."""
-
-    def __init__(self, uploads_ahead: int) -> None:
-        self.futures: list[Future[_Stored]] = []
-        self.claims: dict[str, int] = {}
-        """raw SHA-256 → the chunk that writes it (a repeat within the checkpoint waits)."""
-        self.lock = threading.Lock()
-        self.slots = threading.BoundedSemaphore(uploads_ahead)
-        """Encoded chunks handed to the upload pool and not yet written (back-pressure)."""
-        self.failed = threading.Event()
-        """An upload failed: submit nothing more."""
-        self.done = 0
-        """Chunks from the front whose task has been waited for."""
-        self.error: BaseException | None = None
-
-    def _keep(self, e: BaseException) -> None:
-        self.error = self.error or e
-
-    def wait_front(self) -> None:
-        """Wait for the oldest unfinished chunk task; keep the first failure."""
-        fut = self.futures[self.done]
-        self.done += 1
-        try:
-            fut.result()
-        except BaseException as e:
-            self._keep(e)
-
-    def drain(self) -> None:
-        """Wait for every chunk task, then every upload (no task may outlive the call:
-        they read the caller's buffers); raise the first failure."""
-        while self.done < len(self.futures):
-            self.wait_front()
-        for fut in self.futures:
-            if fut.exception() is not None:
-                continue
-            upload = fut.result().upload
-            if upload is None:
-                continue
-            try:
-                upload.result()
-            except BaseException as e:
-                self._keep(e)
-        if self.error is not None:
-            raise self.error
-
-
 class CheckpointWriter:
     """Writes one rank's part of checkpoints, and commits them.
 
@@ -343,7 +268,7 @@ class CheckpointWriter:
         self.storage.delete(commit_key(self.run_id, ckpt_id))
         self.storage.delete(validation_key(self.run_id, ckpt_id))
         out = WrittenRank(manifest=None, ref=None)  # type: ignore[arg-type]
-        run = _RankWrite(self.parallel_writes)
+        run = ChunkRun(self.parallel_writes)
         planned: list[tuple[str, TensorEntry, list[int]]] = []
         sources = [*tensors]
         sources += [
@@ -411,7 +336,7 @@ class CheckpointWriter:
         return out
 
     def _plan_tensor(
-        self, src: TensorSource, run: _RankWrite, out: WrittenRank
+        self, src: TensorSource, run: ChunkRun, out: WrittenRank
     ) -> tuple[TensorEntry, list[int]]:
         """The tensor's entry (chunks filled in later) and its chunks' task numbers."""
         nbytes = len(src.data)
@@ -450,22 +375,22 @@ class CheckpointWriter:
             )
         return self._io_pool
 
-    def _store(self, run: _RankWrite, slot: int, part: memoryview, dtype: str) -> _Stored:
+    def _store(self, run: ChunkRun, slot: int, part: memoryview, dtype: str) -> StoredChunk:
         """One chunk: hash; re-use, or encode and hand to the upload pool (a CPU thread)."""
         t0 = time.perf_counter()
-        raw_sha, raw_b3 = _raw_hashes(part)
+        raw_sha, raw_b3 = raw_hashes(part)
         hash_s = time.perf_counter() - t0
         with run.lock:
             first = run.claims.setdefault(raw_sha, slot)
         if first != slot:  # a repeat within this checkpoint
-            return _Stored(None, same_as=first, hash_s=hash_s)
+            return StoredChunk(None, same_as=first, hash_s=hash_s)
         known = self.index.get(raw_sha)
         if known is not None and not self.storage.exists(blob_key(self.run_id, known.digest)):
             # Deleted since it was indexed (retention + GC elsewhere): write it again.
             self.index.forget({known.digest})
             known = None
         if known is not None:
-            return _Stored(known, hash_s=hash_s)
+            return StoredChunk(known, hash_s=hash_s)
         enc = self.encoder.encode(part, dtype)
         t1 = time.perf_counter()
         digest = raw_sha if enc.spec.codec == CODEC_NONE else hashlib.sha256(enc.stored).hexdigest()
@@ -484,9 +409,9 @@ class CheckpointWriter:
         except BaseException:
             run.slots.release()
             raise
-        return _Stored(entry, upload=upload, hash_s=hash_s, encode_s=enc.seconds)
+        return StoredChunk(entry, upload=upload, hash_s=hash_s, encode_s=enc.seconds)
 
-    def _upload(self, run: _RankWrite, key: str, enc: Encoded) -> tuple[bool, float]:
+    def _upload(self, run: ChunkRun, key: str, enc: Encoded) -> tuple[bool, float]:
         """Write one blob unless it exists (content-addressed: same bytes already there)."""
         t0 = time.perf_counter()
         try:
@@ -501,14 +426,14 @@ class CheckpointWriter:
         return written, time.perf_counter() - t0
 
     @staticmethod
-    def _blob_of(stored: Sequence[_Stored], slot: int) -> BlobEntry:
+    def _blob_of(stored: Sequence[StoredChunk], slot: int) -> BlobEntry:
         s = stored[slot]
         entry = s.entry if s.entry is not None else stored[s.same_as].entry
         assert entry is not None  # a claimed chunk always has its blob
         return entry
 
     @staticmethod
-    def _account(stored: Sequence[_Stored], out: WrittenRank) -> dict[str, float]:
+    def _account(stored: Sequence[StoredChunk], out: WrittenRank) -> dict[str, float]:
         """Counts into ``out``; the summed per-thread timings."""
         totals = {"hash_s": 0.0, "encode_s": 0.0, "write_s": 0.0}
         for s in stored:

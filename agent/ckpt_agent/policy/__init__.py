@@ -13,25 +13,27 @@ from ckpt_agent.policy.models import (
     CompressionSpec,
     Condition,
     FullTierSpec,
-    GradientLayerSpec,
     HeartbeatTierSpec,
     LocalStorageSpec,
-    LossLayerSpec,
     PulseTierSpec,
     RecoverySpec,
     RetentionSpec,
-    RiskSpec,
     S3StorageSpec,
-    SchedulerSpec,
     SecretKeyRef,
     ServerSideEncryptionSpec,
     SSEMode,
     StorageSpec,
     StorageType,
-    SystemLayerSpec,
     Tier,
     TiersSpec,
     ValidationSpec,
+)
+from ckpt_agent.policy.scheduler_models import (
+    GradientLayerSpec,
+    LossLayerSpec,
+    RiskSpec,
+    SchedulerSpec,
+    SystemLayerSpec,
 )
 
 __all__ = [

@@ -49,7 +49,6 @@ from ckpt_agent.policy.models import (
     RecoverySpec,
     RetentionSpec,
     S3StorageSpec,
-    SchedulerSpec,
     SecretKeyRef,
     ServerSideEncryptionSpec,
     StorageSpec,
@@ -57,6 +56,7 @@ from ckpt_agent.policy.models import (
     TiersSpec,
     ValidationSpec,
 )
+from ckpt_agent.policy.scheduler_models import SchedulerSpec
 
 ENV_CONFIG = "CKPT_CONFIG"
 ENV_RUN_ID = "CKPT_RUN_ID"

@@ -50,12 +50,11 @@ import mmap
 import os
 import stat as stat_mod
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
-from ckpt_agent.errors import UnsafePathError
 from ckpt_agent.storage.base import (
     TEMP_PREFIX,
     NotFoundError,
@@ -71,10 +70,10 @@ from ckpt_agent.storage.confined import (
     ConfinedTree,
     check_regular,
     close_all,
-    kind_of,
     link_text,
     unsafe,
 )
+from ckpt_agent.storage.fs_delete import delete_tree, prune, unlink_entry
 from ckpt_agent.storage.fs_writer import DirectIO, FileWriter
 from ckpt_agent.storage.memory import populate
 from ckpt_agent.storage.options import StorageOptions
@@ -411,9 +410,12 @@ class LocalStorage(Storage):
         except NotFoundError:
             return
         try:
-            if self._unlink(fds[-1], parts[-1], self.root.joinpath(*parts)) and self.options.fsync:
+            if (
+                unlink_entry(self._tree, fds[-1], parts[-1], self.root.joinpath(*parts))
+                and self.options.fsync
+            ):
                 self._tree.fsync_fd(fds[-1], self.root.joinpath(*parts[:-1]))
-            _prune(fds, parts[:-1])
+            prune(fds, parts[:-1])
         finally:
             close_all(fds)
 
@@ -426,81 +428,11 @@ class LocalStorage(Storage):
         except NotFoundError:
             return 0
         try:
-            n = self._delete_tree(fds[-1], parts, name_prefix)
-            _prune(fds, parts)
+            n = delete_tree(self._tree, fds[-1], parts, name_prefix, fsync=self.options.fsync)
+            prune(fds, parts)
         finally:
             close_all(fds)
         return n
-
-    def _delete_tree(self, fd: int, parts: builtins.list[str], name_prefix: str) -> int:
-        """Delete the objects in folder ``fd`` whose names start with ``name_prefix``, at
-        any depth, and the folders left empty; links are removed, never followed."""
-        directory = self.root.joinpath(*parts)
-        n = 0
-        removed = False
-        try:
-            names = sorted(os.listdir(fd))
-        except OSError as e:
-            raise self._tree.error(e, "listing", directory) from e
-        for name in names:
-            if not name.startswith(name_prefix) or name.startswith(TEMP_PREFIX):
-                continue
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise self._tree.error(e, "stat", directory / name) from e
-            if not stat_mod.S_ISDIR(st.st_mode):
-                if self._unlink(fd, name, directory / name):
-                    removed = True
-                    n += stat_mod.S_ISREG(st.st_mode)
-                continue
-            try:
-                sub, _ = self._tree.subdir(fd, name, directory / name)
-            except NotFoundError:
-                continue
-            except UnsafePathError:  # became a link after the stat: remove the link
-                removed |= self._unlink(fd, name, directory / name)
-                continue
-            try:
-                n += self._delete_tree(sub, [*parts, name], "")
-            finally:
-                os.close(sub)
-            with contextlib.suppress(OSError):
-                os.rmdir(name, dir_fd=fd)
-                removed = True
-        if removed and self.options.fsync:
-            self._tree.fsync_fd(fd, directory)
-        return n
-
-    def _unlink(self, fd: int, name: str, path: Path) -> bool:
-        """Remove the entry ``name`` of folder ``fd`` (a link itself, never its target)."""
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            os.unlink(name, dir_fd=fd)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return False
-        except OSError as e:
-            raise self._tree.error(e, "deleting", path) from e
-        if not stat_mod.S_ISREG(st.st_mode):
-            log.warning(
-                "removed %s, a %s planted in the store (not an object; a link's target is "
-                "left alone)",
-                path,
-                kind_of(st.st_mode),
-            )
-        return True
-
-
-def _prune(fds: Sequence[int], parts: Sequence[str]) -> None:
-    """Remove the now-empty folders ``parts`` (``fds`` is their chain from the root),
-    deepest first, up to (not including) the root."""
-    for i in range(len(parts) - 1, -1, -1):
-        try:
-            os.rmdir(parts[i], dir_fd=fds[i])
-        except OSError:
-            return
 
 
 def _collapse(items: Iterator[ObjectInfo], prefix: str, delimiter: str) -> Iterator[ObjectInfo]:

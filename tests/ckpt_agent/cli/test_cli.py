@@ -17,8 +17,9 @@ from ckpt_agent.cli import common
 from ckpt_agent.cli.main import app, recover_app
 from ckpt_agent.format.layout import audit_key, blob_key, recover_request_key, validation_key
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.readers import read_checkpoint
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
 from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
@@ -60,7 +61,7 @@ def _populate(store: LocalStorage, steps: tuple[int, ...] = (10, 20, 30)) -> lis
         cid = checkpoint_id(Tier.PULSE, step)
         store.commit(
             validation_key(RUN, cid),
-            ValidationRecord(cid, done.manifest_hash, CheckpointStatus.VALID).to_bytes(),
+            ValidationVerdict(cid, done.manifest_hash, CheckpointStatus.VALID).to_bytes(),
         )
         ids.append(cid)
         prev = done.manifest_hash

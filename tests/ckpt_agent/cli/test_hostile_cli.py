@@ -35,7 +35,8 @@ from ckpt_agent.format.layout import (
     rank_manifest_key,
     validation_key,
 )
-from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.housekeeping import append_audit, read_audit_tail
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
 from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
@@ -63,7 +64,7 @@ def _commit(store: LocalStorage, step: int, *, anomaly: str | None = None, key: 
     rank = writer.write_rank(meta, 0, state, [TensorSource("model/w", "float32", (4096,), data)])
     done = writer.commit(meta, [rank])
     cid = checkpoint_id(Tier.PULSE, step)
-    verdict = ValidationRecord(cid, done.manifest_hash, CheckpointStatus.VALID)
+    verdict = ValidationVerdict(cid, done.manifest_hash, CheckpointStatus.VALID)
     store.commit(validation_key(RUN, cid), verdict.to_bytes())
     return cid
 
@@ -96,7 +97,7 @@ def _assert_defused(out: str) -> None:
 def _set_verdict(store: LocalStorage, cid: str, status: CheckpointStatus, reason: str) -> None:
     commit_hash = json.loads(store.read(validation_key(RUN, cid)))["commit_sha256"]
     store.commit(
-        validation_key(RUN, cid), ValidationRecord(cid, commit_hash, status, reason).to_bytes()
+        validation_key(RUN, cid), ValidationVerdict(cid, commit_hash, status, reason).to_bytes()
     )
 
 

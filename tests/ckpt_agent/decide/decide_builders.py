@@ -13,17 +13,13 @@ from collections.abc import Iterable, Sequence
 
 from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
-from ckpt_agent.policy.models import (
-    FullTierSpec,
+from ckpt_agent.policy.models import FullTierSpec, HeartbeatTierSpec, PulseTierSpec, Tier, TiersSpec
+from ckpt_agent.policy.scheduler_models import (
     GradientLayerSpec,
-    HeartbeatTierSpec,
     LossLayerSpec,
-    PulseTierSpec,
     RiskSpec,
     SchedulerSpec,
     SystemLayerSpec,
-    Tier,
-    TiersSpec,
 )
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 

@@ -10,7 +10,8 @@ from decide_builders import make, measured
 from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
 from ckpt_agent.decide.signals import SystemSignals
-from ckpt_agent.policy.models import PulseTierSpec, RiskSpec, Tier
+from ckpt_agent.policy.models import PulseTierSpec, Tier
+from ckpt_agent.policy.scheduler_models import RiskSpec
 
 # --------------------------------------------------------------------------- interval
 

@@ -22,7 +22,8 @@ from decide_builders import (
 from ckpt_agent.decide.decision import Decision, SaveOutcome, SaveResult, merge_decisions
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
 from ckpt_agent.decide.signals import SystemSignals
-from ckpt_agent.policy.models import HeartbeatTierSpec, RiskSpec, Tier
+from ckpt_agent.policy.models import HeartbeatTierSpec, Tier
+from ckpt_agent.policy.scheduler_models import RiskSpec
 
 # --------------------------------------------------------------------------- NaN / inf
 

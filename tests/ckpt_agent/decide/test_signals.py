@@ -9,13 +9,8 @@ import pytest
 from decide_builders import BASELINE, GRAD, N, feed, loss_fired, make, one_anomaly
 
 from ckpt_agent.decide.signals import SystemSignals
-from ckpt_agent.policy.models import (
-    GradientLayerSpec,
-    LossLayerSpec,
-    PulseTierSpec,
-    SystemLayerSpec,
-    Tier,
-)
+from ckpt_agent.policy.models import PulseTierSpec, Tier
+from ckpt_agent.policy.scheduler_models import GradientLayerSpec, LossLayerSpec, SystemLayerSpec
 
 # --------------------------------------------------------------------------- loss layer
 

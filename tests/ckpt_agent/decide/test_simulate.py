@@ -13,16 +13,11 @@ from typer.testing import CliRunner
 from ckpt_agent.cli.main import app
 from ckpt_agent.decide.benchmark import Case, gradient_false_positives, run_case, verdict
 from ckpt_agent.decide.decision import Decision, SaveOutcome
-from ckpt_agent.decide.simulate import (
-    Costs,
-    FixedPolicy,
-    OraclePolicy,
-    SeedScheduler,
-    replay,
-    replay_fixed,
-)
+from ckpt_agent.decide.sim_policies import FixedPolicy, OraclePolicy, SeedScheduler
+from ckpt_agent.decide.simulate import Costs, replay, replay_fixed
 from ckpt_agent.decide.traces import Alert, Trace, parse_trace, poisson_trace, training_curves
-from ckpt_agent.policy.models import RiskSpec, SchedulerSpec, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.policy.scheduler_models import RiskSpec, SchedulerSpec
 
 CURVES = training_curves(40_000, seed=1)
 

@@ -6,16 +6,11 @@ import pytest
 
 from ckpt_agent.decide.decision import SaveOutcome
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
-from ckpt_agent.decide.simulate import Costs, FixedPolicy, replay, replay_fixed
+from ckpt_agent.decide.sim_policies import FixedPolicy
+from ckpt_agent.decide.simulate import Costs, replay, replay_fixed
 from ckpt_agent.decide.traces import poisson_trace, training_curves
-from ckpt_agent.policy.models import (
-    FullTierSpec,
-    PulseTierSpec,
-    RiskSpec,
-    SchedulerSpec,
-    Tier,
-    TiersSpec,
-)
+from ckpt_agent.policy.models import FullTierSpec, PulseTierSpec, Tier, TiersSpec
+from ckpt_agent.policy.scheduler_models import RiskSpec, SchedulerSpec
 
 CURVES = training_curves(40_000, seed=1)
 

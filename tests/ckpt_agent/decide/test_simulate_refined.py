@@ -7,23 +7,7 @@ import math
 import pytest
 
 from ckpt_agent.decide.benchmark import Case, gradient_spikes_caught, run_case, verdict
-from ckpt_agent.decide.mtbf import estimate_mtbf
-from ckpt_agent.decide.scheduler import AdaptiveScheduler
-from ckpt_agent.decide.simulate import REFINED, RefinedPolicy
-from ckpt_agent.policy.models import RiskSpec, SchedulerSpec
-
-
-def test_the_refined_policy_starts_at_the_prior_and_refines_at_each_restart() -> None:
-    policy = RefinedPolicy("r", lambda: AdaptiveScheduler(SchedulerSpec(), start_time=0.0))
-    assert policy.scheduler.mtbf_seconds == RiskSpec().mtbf_seconds == 86_400
-    policy.decide(1, 1000.0, 1.0, 1.0, None)
-    policy.restore(None)  # the first failure, at 1,000 s: a fresh start
-    assert policy.scheduler.mtbf_seconds == pytest.approx(estimate_mtbf(86_400, 1, 1000.0))
-    snap = policy.snapshot()
-    policy.decide(2, 4000.0, 1.0, 1.0, None)
-    policy.restore(snap)  # the second, at 4,000 s: resumed from a save, then refined
-    assert policy.scheduler.mtbf_seconds == pytest.approx(estimate_mtbf(86_400, 2, 4000.0))
-    assert policy.scheduler.mtbf_seconds == pytest.approx((86_400 + 4000) / 3)
+from ckpt_agent.decide.sim_policies import REFINED
 
 
 def test_the_refined_row_is_compared_at_its_own_io() -> None:

@@ -7,7 +7,8 @@ from decide_builders import feed, make, measured, tiers_of
 
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
 from ckpt_agent.decide.tiers import tier_rank
-from ckpt_agent.policy.models import HeartbeatTierSpec, LossLayerSpec, PulseTierSpec, Tier
+from ckpt_agent.policy.models import HeartbeatTierSpec, PulseTierSpec, Tier
+from ckpt_agent.policy.scheduler_models import LossLayerSpec
 
 # --------------------------------------------------------------------------- tiers
 

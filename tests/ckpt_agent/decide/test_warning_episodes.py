@@ -12,7 +12,8 @@ from decide_builders import make
 from ckpt_agent.decide.decision import Decision
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
 from ckpt_agent.decide.signals import SystemSignals
-from ckpt_agent.policy.models import RiskSpec, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.policy.scheduler_models import RiskSpec
 
 STEP_S = 2.0
 """Seconds per step in these tables."""

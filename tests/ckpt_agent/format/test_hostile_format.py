@@ -25,6 +25,7 @@ from ckpt_agent.cli.main import app
 from ckpt_agent.errors import CheckpointFormatError, CodecError, JsonTreeError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.codec import CodecSpec, decode
+from ckpt_agent.format.entries import BlobEntry, TensorEntry
 from ckpt_agent.format.layout import (
     CHUNK_MAX_BYTES,
     COMMIT_MAX_BYTES,
@@ -37,14 +38,9 @@ from ckpt_agent.format.layout import (
     validation_key,
 )
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import (
-    BlobEntry,
-    CheckpointMeta,
-    CommitManifest,
-    TensorEntry,
-    ValidationRecord,
-)
+from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.format.readers import read_checkpoint, read_commit
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
@@ -65,7 +61,7 @@ def _save(store: LocalStorage, step: int, data: bytes, **kw: object) -> str:
         meta, [w.write_rank(meta, 0, {"model": {"w": {"__tensor__": "model/w"}}}, [src])]
     )
     cid = checkpoint_id(Tier.PULSE, step)
-    verdict = ValidationRecord(cid, done.manifest_hash, CheckpointStatus.VALID)
+    verdict = ValidationVerdict(cid, done.manifest_hash, CheckpointStatus.VALID)
     store.commit(validation_key(RUN, cid), verdict.to_bytes())
     return cid
 

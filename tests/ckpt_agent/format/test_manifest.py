@@ -33,9 +33,10 @@ from ckpt_agent.format.layout import (
     validation_key,
 )
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
 from ckpt_agent.format.schema import digest_field
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.records import CheckpointStatus, Lineage, Tier, checkpoint_id
@@ -215,13 +216,13 @@ def test_tensor_bytes_read_through_any_backend_view(
         assert len(empty) == 0
 
 
-def test_validation_record_sets_status_only_for_the_judged_commit(ck_store: LocalStorage) -> None:
+def test_validation_verdict_sets_status_only_for_the_judged_commit(ck_store: LocalStorage) -> None:
     _, h1 = _write(ck_store, 10, {"model/w": _floats(3000, 1)})
     cid = checkpoint_id(Tier.PULSE, 10)
-    rec = ValidationRecord(cid, h1, CheckpointStatus.VALID, validated_at=1.0)
+    rec = ValidationVerdict(cid, h1, CheckpointStatus.VALID, validated_at=1.0)
     ck_store.commit(validation_key(RUN, cid), rec.to_bytes())
     assert list_checkpoints(ck_store, RUN)[0].status == CheckpointStatus.VALID
-    stale = ValidationRecord(cid, "0" * 64, CheckpointStatus.VALID)
+    stale = ValidationVerdict(cid, "0" * 64, CheckpointStatus.VALID)
     ck_store.commit(validation_key(RUN, cid), stale.to_bytes())
     assert list_checkpoints(ck_store, RUN)[0].status == CheckpointStatus.PENDING
 

@@ -21,8 +21,9 @@ from ckpt_agent.errors import IntegrityError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.chunkread import Scratch, raw_check, read_chunk
 from ckpt_agent.format.codec import CodecSpec
+from ckpt_agent.format.entries import BlobEntry
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE, blob_key, sha256_hex
-from ckpt_agent.format.manifest import BlobEntry, CheckpointMeta, RankManifest
+from ckpt_agent.format.manifest import CheckpointMeta, RankManifest
 from ckpt_agent.format.parallel_read import Target, read_into, restore_workers
 from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER

@@ -9,8 +9,9 @@ from pathlib import Path
 from ckpt_agent.decide.retention import plan_retention
 from ckpt_agent.format.layout import blob_key, commit_key, rank_manifest_key, validation_key
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.readers import read_checkpoint
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.catalog import BUSY_TIMEOUT_MS, Catalog
 from ckpt_agent.persist.housekeeping import apply_retention, delete_checkpoint, gc_blobs
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
@@ -43,7 +44,7 @@ def _write(
     cid = checkpoint_id(Tier.PULSE, step)
     store.commit(
         validation_key(RUN, cid),
-        ValidationRecord(cid, done.manifest_hash, CheckpointStatus.VALID).to_bytes(),
+        ValidationVerdict(cid, done.manifest_hash, CheckpointStatus.VALID).to_bytes(),
     )
     return cid
 

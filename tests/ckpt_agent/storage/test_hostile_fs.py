@@ -25,8 +25,9 @@ from ckpt_agent.decide.retention import RetentionPlan
 from ckpt_agent.errors import NotFoundError, UnsafePathError
 from ckpt_agent.format.layout import blob_key, blobs_prefix, checkpoint_prefix, validation_key
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.readers import read_checkpoint
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import apply_retention, delete_checkpoint, gc_blobs
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
@@ -92,7 +93,7 @@ def populate(store: LocalStorage, steps: tuple[int, ...] = (10, 20, 30)) -> list
         )
         prev = writer.commit(meta, [rank]).manifest_hash
         cid = checkpoint_id(Tier.PULSE, step)
-        verdict = ValidationRecord(cid, prev, CheckpointStatus.VALID)
+        verdict = ValidationVerdict(cid, prev, CheckpointStatus.VALID)
         store.commit(validation_key(RUN, cid), verdict.to_bytes())
     return [checkpoint_id(Tier.PULSE, step) for step in steps]
 

@@ -12,7 +12,8 @@ import pytest
 
 from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
 from ckpt_agent.format.layout import commit_key, heartbeat_key, validation_key
-from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointStatus, Tier
@@ -42,7 +43,9 @@ def write(writer: CheckpointWriter, step: int, tier: Tier, payload: bytes, prev:
     done = writer.commit(meta, [rank])
     writer.storage.commit(
         validation_key(RUN, meta.checkpoint_id),
-        ValidationRecord(meta.checkpoint_id, done.manifest_hash, CheckpointStatus.VALID).to_bytes(),
+        ValidationVerdict(
+            meta.checkpoint_id, done.manifest_hash, CheckpointStatus.VALID
+        ).to_bytes(),
     )
     return done.manifest_hash
 

@@ -19,8 +19,9 @@ import pytest
 
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.layout import validation_key
-from ckpt_agent.format.manifest import CheckpointMeta, ValidationRecord
+from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.owner import RunOwner, claim_owner, owner_key, read_owner
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.records import CheckpointStatus, Tier
@@ -76,7 +77,7 @@ def _checkpoints(storage: LocalStorage, run_id: str) -> None:
         data = memoryview(step.to_bytes(8, "little"))
         rank = writer.write_rank(meta, 0, {"step": step}, [TensorSource("w", "uint8", (8,), data)])
         prev = writer.commit(meta, [rank]).manifest_hash
-        verdict = ValidationRecord(meta.checkpoint_id, prev, CheckpointStatus.VALID)
+        verdict = ValidationVerdict(meta.checkpoint_id, prev, CheckpointStatus.VALID)
         storage.commit(validation_key(run_id, meta.checkpoint_id), verdict.to_bytes())
 
 

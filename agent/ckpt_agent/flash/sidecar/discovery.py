@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_agent.flash.protocol import Descriptor, ShmArea
+from ckpt_agent.flash.area import ShmArea
+from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.persist.finalize import EventSink

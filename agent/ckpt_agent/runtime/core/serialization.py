@@ -30,8 +30,9 @@ import torch
 
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format import jsontree
+from ckpt_agent.format.entries import TensorEntry
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE
-from ckpt_agent.format.manifest import RankManifest, TensorEntry
+from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.manifest import library_versions as format_library_versions
 from ckpt_agent.format.parallel_read import Target, read_into
 from ckpt_agent.format.readers import read_tensor_bytes

@@ -32,8 +32,8 @@ from ckpt_agent.format.layout import (
     validation_key,
 )
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import ValidationRecord
 from ckpt_agent.format.readers import read_capped
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.housekeeping import append_audit, who
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.runtime.core.context import Engine
@@ -105,7 +105,7 @@ def record_verdict(
         try:
             e.storage.commit(
                 validation_key(e.run_id, rec.id),
-                ValidationRecord(
+                ValidationVerdict(
                     checkpoint_id=rec.id,
                     commit_sha256=mh,
                     status=status,
@@ -137,7 +137,7 @@ def retire_newer(e: Engine, step: int, resumed_from: str) -> None:
         reason = f"superseded: the run resumed from {resumed_from} (step {step})"
         e.storage.commit(
             validation_key(e.run_id, r.id),
-            ValidationRecord(
+            ValidationVerdict(
                 checkpoint_id=r.id,
                 commit_sha256=r.manifest_hash,
                 status=CheckpointStatus.EXPIRED,

@@ -41,7 +41,8 @@ from ckpt_agent.errors import CandidateRejectedError, CheckpointFormatError
 from ckpt_agent.flash.checksums import RecordedHashes
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader, ShmSnapshot, verify_views
-from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, TensorEntry, lineage_from_json
+from ckpt_agent.format.entries import TensorEntry
+from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, lineage_from_json
 from ckpt_agent.format.parallel_read import restore_workers
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json
 from ckpt_agent.runtime.core.context import Engine

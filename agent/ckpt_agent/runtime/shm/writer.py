@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ckpt_agent.errors import ShmError
+from ckpt_agent.flash.area import ShmArea, hold_lock
 from ckpt_agent.flash.protocol import (
     DEFAULT_SLOTS,
     HEADER,
@@ -28,11 +29,9 @@ from ckpt_agent.flash.protocol import (
     MAGIC,
     Descriptor,
     PersistedMark,
-    ShmArea,
     ShmTensor,
     align,
     atomic_write,
-    hold_lock,
     place,
     try_flock,
 )

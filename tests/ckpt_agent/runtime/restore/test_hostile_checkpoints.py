@@ -37,8 +37,8 @@ from ckpt_agent.format.layout import (
     validation_key,
 )
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.manifest import ValidationRecord
 from ckpt_agent.format.readers import read_checkpoint
+from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.validate import Validator, load_check
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.policy.models import ValidationSpec
@@ -137,7 +137,7 @@ def run(ck_config: Callable[..., AgentConfig]) -> Run:
 def publish_commit(store: LocalStorage, cid: str, raw: bytes) -> None:
     """Replace the COMMIT and bless it with a ``valid`` verdict bound to its hash."""
     store.commit(commit_key(RUN, cid), raw)
-    verdict = ValidationRecord(cid, sha256_hex(raw), CheckpointStatus.VALID, validated_at=1.0)
+    verdict = ValidationVerdict(cid, sha256_hex(raw), CheckpointStatus.VALID, validated_at=1.0)
     store.commit(validation_key(RUN, cid), verdict.to_bytes())
 
 

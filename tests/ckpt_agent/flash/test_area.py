@@ -1,0 +1,51 @@
+"""One rank's shared-memory area (flash.area): paths, the slot lock, the header, liveness."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ckpt_agent.flash.area import ShmArea, hold_lock, read_header
+from ckpt_agent.flash.protocol import HEADER, MAGIC
+
+
+def test_paths_are_the_protocols_layout(tmp_path: Path) -> None:
+    area = ShmArea(tmp_path, "run-1", 3)
+    assert area.dir == tmp_path / "run-1" / "rank_00003"
+    assert area.data_path(1).name == "slot_1.data"
+    assert area.desc_path(1).name == "slot_1.json"
+    assert area.persisted_path.name == "persisted.json"
+    with pytest.raises(ValueError):
+        ShmArea(tmp_path, "run-1", 0, slots=0)
+
+
+def test_an_empty_area_has_no_snapshot_and_no_live_sides(tmp_path: Path) -> None:
+    area = ShmArea(tmp_path, "run-1", 0)
+    assert area.complete() == [] and area.latest() is None and area.persisted() is None
+    assert not area.trainer_alive() and not area.persister_alive()
+    assert ShmArea.ranks(tmp_path, "run-1") == []
+
+
+def test_hold_lock_is_exclusive(tmp_path: Path) -> None:
+    path = tmp_path / "trainer.lock"
+    fd = hold_lock(path)
+    assert fd >= 0
+    try:
+        # flock locks belong to the open file description: a second open is refused
+        assert hold_lock(path) == -1
+    finally:
+        os.close(fd)
+    again = hold_lock(path)
+    assert again >= 0
+    os.close(again)
+
+
+def test_read_header_needs_the_magic_and_the_whole_header() -> None:
+    buf = bytearray(HEADER.size)
+    HEADER.pack_into(buf, 0, MAGIC, 7, 7, 4096)
+    assert read_header(memoryview(buf)) == (7, 7, 4096)
+    assert read_header(memoryview(buf)[: HEADER.size - 1]) is None
+    HEADER.pack_into(buf, 0, b"NOTSHM!!", 7, 7, 4096)
+    assert read_header(memoryview(buf)) is None
