@@ -80,6 +80,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckpt_agent.decide.lineage import choose, pins_in_force, superseded
 from ckpt_agent.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -105,7 +106,14 @@ from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenRank
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json, Tier, checkpoint_id
+from ckpt_agent.records import (
+    CheckpointRecord,
+    CheckpointStatus,
+    Json,
+    Lineage,
+    Tier,
+    checkpoint_id,
+)
 from ckpt_agent.runtime.core.serialization import (
     LiveArray,
     dtype_name,
@@ -363,6 +371,7 @@ class DcpWriter(StorageWriter):
         self._plan: _PlanData | None = None
         self._written: WrittenRank | None = None
         self._prev_hash: str | None = None
+        self._lineage = Lineage()
         self._newest: int | None = None
         """Newest step of the run in storage (coordinator; listed on its first save)."""
         self._parts: PersistParts | None = None
@@ -525,6 +534,33 @@ class DcpWriter(StorageWriter):
 
     # ------------------------------------------------------------------ ours
 
+    def resumed_from(self, reader: DcpReader) -> None:
+        """The run continues from what ``reader`` loaded (every rank, after the load):
+        its next checkpoints carry the load's lineage and hash chain, and the checkpoints
+        past the loaded step — an abandoned branch, after the operator's pin rewound the
+        run — are marked expired (by rank 0), so they are neither resumed nor in the way
+        of the steps that follow."""
+        rec = reader.resumed
+        if rec is None:
+            raise ValueError("resumed_from: the reader has loaded nothing yet")
+        self._lineage = reader.lineage
+        self._prev_hash = rec.manifest_hash
+        self._newest = None  # listed again at the next save
+        if _rank() != 0:
+            return
+        listed = list_checkpoints(self.storage, self.run_id, include_heartbeat=False)
+        for r in superseded(listed, rec.step):
+            reason = f"superseded: the run resumed from {rec.id} (step {rec.step})"
+            verdict = ValidationRecord(
+                checkpoint_id=r.id,
+                commit_sha256=r.manifest_hash,
+                status=CheckpointStatus.EXPIRED,
+                reason=reason,
+                validated_at=time.time(),
+            )
+            self.storage.commit(validation_key(self.run_id, r.id), verdict.to_bytes())
+            log.info("DCP checkpoint %s %s", r.id, reason)
+
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the validations (and retention) of every committed checkpoint; raises
         the first failure."""
@@ -568,6 +604,7 @@ class DcpWriter(StorageWriter):
             prev_hash=pd.prev_hash,
             sections=(SECTION,),
             versions=library_versions(),
+            lineage=self._lineage,
         )
 
     def _check_step(self, step: int) -> None:
@@ -628,6 +665,12 @@ class DcpWriter(StorageWriter):
 
         with self._lock:
             self._pending.append(self._finalizer.submit(run))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _cpu_tensor(data: object) -> torch.Tensor:
@@ -692,6 +735,11 @@ class DcpReader(StorageReader):
         self.excluded: set[str] = set()
         """Checkpoints found corrupted by this reader (never chosen again)."""
         self.loaded: str | None = None
+        self.resumed: CheckpointRecord | None = None
+        """The record of the checkpoint chosen (its step, hash, lineage)."""
+        self.lineage = Lineage()
+        """The lineage the checkpoints of a run continuing from this load carry
+        (:meth:`DcpWriter.resumed_from`)."""
         self._manifests: dict[int, RankManifest] = {}
         self._where: dict[tuple[str, tuple[int, ...] | None], _ItemAt] = {}
         self.started = time.perf_counter()
@@ -847,6 +895,7 @@ class DcpReader(StorageReader):
             for r in list_checkpoints(self.storage, self.run_id, include_heartbeat=False)
             if r.has_weights
         ]
+        by_id = {r.id: r for r in records}
         if self._requested is not None:
             want = [r for r in records if r.step == self._requested]
             if not want:
@@ -857,20 +906,44 @@ class DcpReader(StorageReader):
             rec = want[-1]
             if rec.status in (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED):
                 raise CorruptedCheckpointError(rec.id, f"is {rec.status.value}")
-            return rec.id
-        for rec in sorted(records, key=lambda r: (r.step, r.created_at), reverse=True):
+            return self._resume(rec, None)
+        cfg = self.config
+        pins = pins_in_force(None, cfg.resume_from, cfg.resume_weights, cfg.resume_pin)
+        choice = choose(records, pins)
+        if choice.apply is not None:  # the operator's pin, not applied yet: exactly it
+            pin = choice.apply
+            rec_or_none = by_id.get(pin.checkpoint_id)
+            if rec_or_none is None or pin.weights_from is not None:
+                raise CheckpointNotFoundError(
+                    f"{pin.key}: run {self.run_id!r} on {self.storage.url} has no DCP "
+                    f"checkpoint {pin.checkpoint_id} to resume from"
+                )
+            if rec_or_none.status in (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED):
+                raise CorruptedCheckpointError(pin.checkpoint_id, f"is {rec_or_none.status.value}")
+            return self._resume(rec_or_none, choice.lineage)
+        for rec in sorted(records, key=lambda r: (r.lineage.epoch, r.step), reverse=True):
             if rec.id in self.excluded or rec.status not in (
                 CheckpointStatus.VALID,
                 CheckpointStatus.PENDING,
             ):
                 continue
+            if choice.candidates is not None and rec.id not in choice.candidates:
+                continue
             if rec.status == CheckpointStatus.PENDING and not self._verify(rec):
                 continue
-            return rec.id
+            return self._resume(rec, None)
         raise CheckpointNotFoundError(
             f"run {self.run_id!r} on {self.storage.url} has no valid checkpoint "
             f"({len(records)} listed)"
         )
+
+    def _resume(self, rec: CheckpointRecord, lineage: Lineage | None) -> str:
+        """Remember what a writer continuing from this load needs: the checkpoint, and the
+        lineage its next checkpoints carry (a pin's new one, else the checkpoint's own)."""
+        base = lineage if lineage is not None else rec.lineage
+        self.resumed = rec
+        self.lineage = Lineage(epoch=base.epoch, pins=base.pins, parent=rec.id)
+        return rec.id
 
     def _verify(self, rec: CheckpointRecord) -> bool:
         """A pending checkpoint (its validation did not finish): check every byte here."""
@@ -922,10 +995,16 @@ def load_latest(
     planner: LoadPlanner | None = None,
     process_group: Any = None,
     attempts: int = 3,
+    writer: DcpWriter | None = None,
 ) -> str:
     """``dcp.load`` the newest valid checkpoint; when a piece of it fails its hash (on any
     rank), it is marked corrupted and the previous valid one is loaded instead. Returns the
-    checkpoint id loaded. Collective, like ``dcp.load``."""
+    checkpoint id loaded. Collective, like ``dcp.load``. With ``writer``, the run continues
+    from it (:meth:`DcpWriter.resumed_from`): pass the writer of the saves that follow.
+
+    Without an explicit ``checkpoint_id`` the operator's resume pin (``CKPT_RESUME_FROM``)
+    is applied once, exactly; after that (an in-place restart of the pinned job) the pin's
+    lineage continues from its newest valid checkpoint (:mod:`ckpt_agent.decide.lineage`)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -944,6 +1023,8 @@ def load_latest(
                 no_dist=single,
             )
         assert reader.loaded is not None
+        if writer is not None:
+            writer.resumed_from(reader)
         return reader.loaded
 
     for _ in range(max(1, attempts) - 1):
