@@ -206,7 +206,7 @@ def codec_mix(cfg: AgentConfig) -> dict[str, int]:
 
 def restore(cfg: AgentConfig, model: nn.Module, opt: torch.optim.Optimizer) -> float:
     t0 = time.perf_counter()
-    ckpt = Checkpointer(cfg, model=model, optimizer=opt, preallocate=False)
+    ckpt = Checkpointer(cfg, model=model, optimizer=opt)  # the defaults a user gets
     point = ckpt.start()
     elapsed = time.perf_counter() - t0
     assert point.resumed

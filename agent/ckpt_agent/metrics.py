@@ -48,6 +48,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Final
@@ -62,6 +63,8 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
+
+from ckpt_agent.background import lower_thread_priority
 
 __all__ = [
     "DecisionLog",
@@ -416,33 +419,76 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-class DecisionLog:
-    """Append-only JSON Lines file (one object per scheduler decision or engine event)."""
+_LOG_QUEUE_MAX = 4096
+"""Queued lines at which :meth:`DecisionLog.write` writes them itself (bounded memory)."""
 
-    def __init__(self, path: str | Path) -> None:
+
+class DecisionLog:
+    """Append-only JSON Lines file (one object per scheduler decision or engine event).
+
+    With ``background`` (the training process's log) :meth:`write` only queues the
+    object — or a callable returning it, built later — and a thread of its own
+    serializes and writes the queue every ``interval`` seconds: the training thread
+    pays neither the JSON nor the I/O. :meth:`flush` writes the queue at once (every
+    engine event does); lines keep the order of their :meth:`write`.
+    """
+
+    def __init__(
+        self, path: str | Path, *, background: bool = False, interval: float = 0.5
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._f: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._queue: deque[dict[str, Any] | Callable[[], dict[str, Any]]] = deque()
         self.lines = 0
+        self._background = background
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, args=(interval,), name="ckpt-decision-log", daemon=True
+            )
+            self._thread.start()
 
-    def write(self, obj: dict[str, Any]) -> None:
-        line = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-        with self._lock:
-            if self._f is None:
-                return
-            self._f.write(line + "\n")
-            self.lines += 1
-            if self.lines % 64 == 0:
-                self._f.flush()
+    def write(self, obj: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+        self._queue.append(obj)
+        if not self._background or len(self._queue) >= _LOG_QUEUE_MAX:
+            with self._lock:
+                self._drain(flush=False)
 
     def flush(self) -> None:
         with self._lock:
-            if self._f is not None:
+            self._drain(flush=True)
+
+    def _drain(self, *, flush: bool) -> None:
+        """Write the queued lines (the lock held)."""
+        queue = self._queue
+        while queue:
+            item = queue.popleft()
+            if self._f is None:
+                continue
+            obj = item() if callable(item) else item
+            self._f.write(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str))
+            self._f.write("\n")
+            self.lines += 1
+            if self.lines % 64 == 0:
                 self._f.flush()
+        if flush and self._f is not None:
+            self._f.flush()
+
+    def _run(self, interval: float) -> None:
+        lower_thread_priority()
+        while not self._stop.wait(interval):
+            if self._queue:
+                self.flush()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
         with self._lock:
+            self._drain(flush=True)
             if self._f is not None:
                 self._f.close()
                 self._f = None

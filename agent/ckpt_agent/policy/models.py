@@ -107,6 +107,9 @@ class HeartbeatTierSpec(CamelModel):
     """Write heartbeats at all."""
     every_steps: PositiveInt = 1
     """Write a heartbeat every N steps."""
+    flush_interval_seconds: Annotated[float, Field(gt=0.0, le=60.0)] = 0.25
+    """At most one heartbeat write (one fsync) per this many seconds; the newest heartbeat
+    is durable at most this long (plus one write) after its step."""
 
 
 class PulseTierSpec(CamelModel):

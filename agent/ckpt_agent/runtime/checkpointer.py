@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
+from ckpt_agent.background import lower_thread_priority
 from ckpt_agent.decide.scheduler import AdaptiveScheduler, Decision
 from ckpt_agent.errors import CheckpointError, PersistError, ResumeError, StepOrderError
 from ckpt_agent.format.layout import parse_checkpoint_id
@@ -68,9 +70,10 @@ from ckpt_agent.runtime.core.tensorboard import ScalarWriter
 from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint
+from ckpt_agent.runtime.save.heartbeat import Heartbeats
 from ckpt_agent.runtime.save.persister import Persister
 from ckpt_agent.runtime.save.saving import SavePath
-from ckpt_agent.runtime.save.signals import Heartbeats, SignalWatch
+from ckpt_agent.runtime.save.signals import SignalWatch
 from ckpt_agent.runtime.save.thread_persister import ThreadPersister
 from ckpt_agent.runtime.shm.persister import ShmPersister
 from ckpt_agent.storage.base import Storage
@@ -107,6 +110,15 @@ def make_persister(
     return ThreadPersister(engine, capture, group, approximate_threshold=approximate_threshold)
 
 
+def _prepare_buffers(work: Callable[[], None]) -> None:
+    """Run a persister's buffer preparation (a failure only means the first save allocates)."""
+    lower_thread_priority()
+    try:
+        work()
+    except Exception:
+        log.warning("preallocating the snapshot buffers failed", exc_info=True)
+
+
 class Checkpointer:
     """Adaptive, tiered, low-stall checkpointing for one training process (see module doc).
 
@@ -135,8 +147,9 @@ class Checkpointer:
             retried by the next save, permanent ones raise, and so do retryable ones
             after :data:`~ckpt_agent.tuning.PERSIST_OUTAGE_TOLERANCE_S` without a
             commit), ``raise`` (every failure raises once) or ``warn`` (log only).
-        preallocate: allocate and touch the host buffers in :meth:`start`, so the
-            first save stalls no more than the others.
+        preallocate: allocate and touch the host buffers once :meth:`start` has restored
+            the state (on a background thread: off the restart's critical path; joined
+            before the first snapshot), so the first save stalls no more than the others.
         gc_grace_s: age under which an unreferenced blob is kept by the automatic
             GC (default 0 for a single writer, an hour with several ranks).
         dist_timeout_s: timeout of the agent's own gloo groups (agreement, two-phase
@@ -207,6 +220,8 @@ class Checkpointer:
         self._saver = SavePath(engine, capture, persister, backpressure, on_persist_error)
         self._signals = SignalWatch(config.signal_file)
         self._heartbeats: Heartbeats | None = None
+        self._preparing: threading.Thread | None = None
+        """Allocates and touches the snapshot buffers after :meth:`start` returned."""
         self._resume: ResumePoint | None = None
         self._last_step: int | None = None
         self._started = False
@@ -282,7 +297,12 @@ class Checkpointer:
         if e.config.tiers.heartbeat.enabled:
             self._heartbeats = Heartbeats(e, self._capture, resume_step=resume.step)
         if self.preallocate and e.ranks.writes and not e.ranks.sharded:
-            self._persister.prepare(self._last_step if self._last_step is not None else 0)
+            work = self._persister.prepare(self._last_step if self._last_step is not None else 0)
+            if work is not None:  # off the critical path: joined before the first snapshot
+                self._preparing = threading.Thread(
+                    target=_prepare_buffers, args=(work,), name="ckpt-prepare", daemon=True
+                )
+                self._preparing.start()
         self._signals.arm()
         if self.handle_sigterm:
             self._signals.install_sigterm()
@@ -300,6 +320,7 @@ class Checkpointer:
         except BaseException as err:
             error = err
         self._closed = True
+        self._wait_prepared()
         self._persister.close(timeout)
         self._engine.close_writers()
         if self._heartbeats is not None:
@@ -366,6 +387,7 @@ class Checkpointer:
             if self._heartbeats is not None:
                 self._heartbeats.put(step)
             if decision.tier in (Tier.PULSE, Tier.FULL) and e.ranks.writes:
+                self._wait_prepared()
                 self._saver.save(decision, busy=busy, force=stop)
         if stop:
             self._on_sigterm(step, agreed=True)
@@ -399,6 +421,7 @@ class Checkpointer:
         self._engine.event("save_now", step=step, tier=decision.tier, reason=reason)
         if self._heartbeats is not None:
             self._heartbeats.put(step)
+        self._wait_prepared()
         ckpt_id = self._saver.save(decision, force=True)
         if wait:
             self._persister.wait_persisted()
@@ -477,6 +500,12 @@ class Checkpointer:
             f"start().step ({last + 1}). A new experiment needs its own run id: set "
             "CKPT_RUN_ID (or AgentConfig.run_id)."
         )
+
+    def _wait_prepared(self) -> None:
+        """The buffers' preparation is over (before a snapshot uses them)."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
 
     def _check_running(self) -> None:
         if not self._started:

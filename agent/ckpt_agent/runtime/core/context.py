@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,8 @@ class Engine:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         rank = ranks.rank
         self.metrics = Metrics()
-        self.decisions = DecisionLog(self.work_dir / f"decisions.rank{rank}.jsonl")
+        self.decisions = DecisionLog(self.work_dir / f"decisions.rank{rank}.jsonl", background=True)
+        """Written by its own thread: a decision costs the training thread one queue append."""
         # ranks of one pod share the work dir: one catalog file each (rank 0 keeps the usual name)
         name = "catalog.sqlite" if rank == 0 else f"catalog.rank{rank}.sqlite"
         self.store_lock = threading.Lock()
@@ -243,23 +245,27 @@ class Engine:
 
     def record_decision(self, decision: Decision, *, loss: float | None = None) -> None:
         """The scheduler's decision of one step (and its loss): log, gauges, TensorBoard,
-        anomalies."""
-        step = decision.step
-        logged = {"event": "decision", "time": time.time(), **decision.to_dict()}
+        anomalies. The log line, the gauges and the scalars are done by the log's thread
+        (:meth:`_decision_line`): the training thread only queues the decision."""
+        self.decisions.write(partial(self._decision_line, decision, time.time(), loss))
+        if decision.anomaly is None:
+            return
+        resolved = decision.step + self.config.tiers.pulse.base_interval
+        with self._anomaly_lock:
+            self._anomalies.append(
+                AnomalyEvent(step=decision.step, kind=decision.anomaly, resolved_step=resolved)
+            )
+            del self._anomalies[:-_ANOMALIES_KEPT]
+
+    def _decision_line(self, decision: Decision, at: float, loss: float | None) -> dict[str, Any]:
+        """The decision's log line; updates the gauges and TensorBoard on the way."""
+        logged = {"event": "decision", "time": at, **decision.to_dict()}
         if loss is not None:
             logged["loss"] = loss if math.isfinite(loss) else str(loss)
-        self.decisions.write(logged)
         self.metrics.score.set(decision.score)
         self.metrics.interval.set(decision.interval)
         self.tensorboard.scalars(decision)
-        if decision.anomaly is None:
-            return
-        resolved = step + self.config.tiers.pulse.base_interval
-        with self._anomaly_lock:
-            self._anomalies.append(
-                AnomalyEvent(step=step, kind=decision.anomaly, resolved_step=resolved)
-            )
-            del self._anomalies[:-_ANOMALIES_KEPT]
+        return logged
 
     def _anomalies_for(self, records: Sequence[CheckpointRecord]) -> list[AnomalyEvent]:
         """The anomalies this run's scheduler saw (retention protects checkpoints before them)."""

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 from ckpt_agent.format import jsontree
+from ckpt_agent.format.heartbeat import Heartbeat
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE, TENSOR_MAX_DIMS
 from ckpt_agent.format.statecheck import scalar_value
 from ckpt_agent.records import Json
-from ckpt_agent.runtime.core.serialization import dtype_name, torch_dtype
+from ckpt_agent.runtime.core.serialization import dtype_name, rng_from_packed, torch_dtype
 
-__all__ = ["decode_inline", "encode_inline"]
+__all__ = ["decode_inline", "encode_inline", "heartbeat_state"]
 
 
 def _leaf(v: object, path: str) -> Json | None:
@@ -96,3 +97,10 @@ def _resolve(tag: str, payload: Json, path: str) -> object:
 def decode_inline(tree: Json) -> object:
     """Inverse of :func:`encode_inline`."""
     return jsontree.decode(tree, _resolve)
+
+
+def heartbeat_state(hb: Heartbeat) -> tuple[object, object]:
+    """A heartbeat's (data position, RNG states) as live values: the RNG from its packed
+    record, or from the tagged JSON of entries written before it."""
+    rng = rng_from_packed(hb.rng_packed) if hb.rng_packed is not None else decode_inline(hb.rng)
+    return decode_inline(hb.data), rng

@@ -31,6 +31,7 @@ import torch
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.entries import TensorEntry
+from ckpt_agent.format.heartbeat import PackedRng
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.manifest import library_versions as format_library_versions
@@ -230,6 +231,34 @@ def capture_rng() -> dict[str, object]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = list(torch.cuda.get_rng_state_all())
     return out
+
+
+def rng_from_packed(packed: PackedRng) -> dict[str, object]:
+    """A heartbeat's packed RNG states in :func:`capture_rng`'s shape (for :func:`restore_rng`)."""
+    out: dict[str, object] = {}
+    if packed.python is not None:
+        version, words, gauss = packed.python
+        out["python"] = {"version": version, "internal": list(words), "gauss_next": gauss}
+    if packed.numpy is not None:
+        name, key, pos, has_gauss, cached = packed.numpy
+        out["numpy"] = {
+            "bit_generator": name,
+            "key": np.frombuffer(key, dtype="<u4").tolist(),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached,
+        }
+    if packed.torch_cpu is not None:
+        out["torch_cpu"] = _uint8(packed.torch_cpu)
+    if packed.cuda:
+        out["cuda"] = [_uint8(b) for b in packed.cuda]
+    return out
+
+
+def _uint8(raw: bytes) -> torch.Tensor:
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def check_rng_live(state: Mapping[str, object]) -> None:

@@ -29,7 +29,7 @@ from ckpt_agent.errors import CandidateRejectedError, RejectionKind, ResumeError
 from ckpt_agent.records import Lineage
 from ckpt_agent.runtime.core.capture import TRAIN_CONFIG_FILE, StateCapture
 from ckpt_agent.runtime.core.context import Engine
-from ckpt_agent.runtime.core.inline import decode_inline
+from ckpt_agent.runtime.core.inline import heartbeat_state
 from ckpt_agent.runtime.core.serialization import LoadedState, restore_rng
 from ckpt_agent.runtime.core.sharded import restore_sharded
 from ckpt_agent.runtime.restore.bookkeeping import retire_newer
@@ -139,8 +139,7 @@ class Applier:
             rng = mine.section("rng")
             if cand.heartbeat is not None:  # heartbeat rebuild: step, data, RNG from the heartbeat
                 step = cand.heartbeat.step
-                data = decode_inline(cand.heartbeat.data)
-                rng = decode_inline(cand.heartbeat.rng)
+                data, rng = heartbeat_state(cand.heartbeat)
                 warnings.append(
                     f"rebuilt from heartbeat at step {step} with weights of step "
                     f"{source.record.step}: not exact"

@@ -173,7 +173,7 @@ class CandidateLoader:
             ring = read_heartbeat(e.storage, e.run_id, e.ranks.rank)
             hb = next((h for h in reversed(ring) if h.step == rec.step), None)
             if hb is not None:
-                check_heartbeat(hb.data, hb.rng)
+                check_heartbeat(hb)
         except Exception as err:  # an unreadable ring is a rejection, never a crash
             kind = RejectionKind.STORAGE if isinstance(err, StorageError) else RejectionKind.FORMAT
             return Rejection(kind, f"heartbeat unreadable: {type(err).__name__}: {err}")

@@ -42,10 +42,11 @@ from ckpt_agent.errors import (
     UnsafePathError,
     one_line,
 )
+from ckpt_agent.format.heartbeat import Heartbeat
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.statecheck import check_state
 from ckpt_agent.runtime.core.capture import StateCapture
-from ckpt_agent.runtime.core.inline import decode_inline
+from ckpt_agent.runtime.core.inline import heartbeat_state
 from ckpt_agent.runtime.core.serialization import LoadedState, check_rng_live
 
 __all__ = [
@@ -203,15 +204,15 @@ def check_loaded(
             _check_object(checkpoint_id, name, loaded.section(name), obj, live_sd)
 
 
-def check_heartbeat(data: object, rng: object) -> tuple[object, object]:
+def check_heartbeat(hb: Heartbeat) -> tuple[object, object]:
     """Decode a heartbeat's data position and RNG state; refuse an RNG state this process
     cannot take."""
-    decoded_rng = decode_inline(rng)
-    if decoded_rng is not None:
-        if not isinstance(decoded_rng, dict):
+    data, rng = heartbeat_state(hb)
+    if rng is not None:
+        if not isinstance(rng, dict):
             raise CheckpointFormatError("the heartbeat's rng is not a mapping")
-        check_rng_live(decoded_rng)
-    return decode_inline(data), decoded_rng
+        check_rng_live(rng)
+    return data, rng
 
 
 def _check_model(saved: object, live: LiveState) -> None:

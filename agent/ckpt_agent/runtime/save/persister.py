@@ -11,6 +11,7 @@ Two implementations, chosen once when the checkpointer is built
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from ckpt_agent.decide.scheduler import Decision
@@ -34,8 +35,12 @@ class Persister(Protocol):
     def start(self, resume: ResumePoint) -> None:
         """Start the background work (after the resume)."""
 
-    def prepare(self, step: int) -> None:
-        """Allocate and touch the snapshot buffers once, outside the training loop."""
+    def prepare(self, step: int) -> Callable[[], None] | None:
+        """Allocate and touch the snapshot buffers once, outside the training loop.
+
+        Called on the training thread (it reads what the state looks like); the work it
+        returns — allocating and touching the buffers — runs on a background thread and
+        is finished before the first snapshot (None: nothing left to do)."""
 
     @property
     def busy(self) -> bool:

@@ -8,8 +8,7 @@ is an emergency checkpoint; a node warning is one too, and holds
 higher failure hazard, a shorter pulse interval) until the operator clears it.
 When asked, it installs a SIGTERM handler that only sets a flag — the training
 thread acts on it at the next step.
-:class:`Heartbeats` writes the heartbeat ring (step, data position, RNG) in
-the background (:class:`~ckpt_agent.runtime.save.snapshot.HeartbeatWriter`).
+The L0 heartbeat is :mod:`ckpt_agent.runtime.save.heartbeat`.
 """
 
 from __future__ import annotations
@@ -18,21 +17,14 @@ import logging
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ckpt_agent.errors import CheckpointFormatError, StorageError
-from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
 from ckpt_agent.format.signal import KIND_CLEAR, KIND_WARNING, Signal, parse_signal
-from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
-from ckpt_agent.runtime.core.inline import encode_inline
-from ckpt_agent.runtime.core.serialization import capture_rng
-from ckpt_agent.runtime.save.snapshot import HeartbeatWriter
 
-__all__ = ["Heartbeats", "SignalWatch"]
+__all__ = ["SignalWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -122,36 +114,3 @@ class SignalWatch:
         if self._old_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_handler)
             self._old_handler = None
-
-
-class Heartbeats:
-    """This rank's heartbeat ring: step, data position and RNG at every due heartbeat."""
-
-    def __init__(self, engine: Engine, capture: StateCapture, *, resume_step: int) -> None:
-        """Continue the stored ring; entries past ``resume_step - 1`` (an abandoned branch) go."""
-        self.capture = capture
-        self.writer = HeartbeatWriter(engine.storage, engine.run_id, engine.ranks.rank)
-        try:
-            ring = read_heartbeat(engine.storage, engine.run_id, engine.ranks.rank)
-        except (CheckpointFormatError, StorageError):
-            ring = []
-        self.writer.seed(ring, resume_step - 1)
-
-    def put(self, step: int) -> None:
-        data = self.capture.data_state()
-        epoch = data.get("epoch") if isinstance(data, dict) else None
-        self.writer.put(
-            Heartbeat(
-                step=step,
-                time=time.time(),
-                epoch=epoch if isinstance(epoch, int) else None,
-                data=encode_inline(data),
-                rng=encode_inline(capture_rng()),
-            )
-        )
-
-    def flush(self, timeout: float | None) -> None:
-        self.writer.flush(timeout)
-
-    def close(self, timeout: float | None) -> None:
-        self.writer.close(timeout)

@@ -12,8 +12,9 @@ use (back-pressure).
 
 :class:`BackgroundWorker` runs jobs on one thread, in order, with a bounded
 queue; an exception is kept and handed back exactly once
-(:meth:`BackgroundWorker.take_errors`). :class:`HeartbeatWriter` writes the
-L0 ring with "latest wins" coalescing, so a slow store never blocks a step.
+(:meth:`BackgroundWorker.take_errors`); its thread runs at background priority
+(:func:`ckpt_agent.background.lower_thread_priority`). The L0 heartbeat is
+:mod:`ckpt_agent.runtime.save.heartbeat`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -31,18 +31,15 @@ import numpy as np
 import torch
 
 from ckpt_agent import tuning
-from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
-from ckpt_agent.format.layout import heartbeat_key
+from ckpt_agent.background import lower_thread_priority
 from ckpt_agent.persist.writer import TensorSource
 from ckpt_agent.records import Json, Tier
 from ckpt_agent.runtime.core.devices import synchronize_copies
 from ckpt_agent.runtime.core.serialization import LiveArray, flatten, raw_bytes
-from ckpt_agent.storage.base import Storage
 
 __all__ = [
     "APPROX_KEYS",
     "BackgroundWorker",
-    "HeartbeatWriter",
     "HostArena",
     "Snapshot",
     "SnapshotItem",
@@ -160,6 +157,18 @@ class HostArena:
             self._filled.discard(live.name)
             self.allocations += 1
         return buf, live.name in self._filled
+
+    def reserve(self, arrays: Sequence[LiveArray]) -> None:
+        """Allocate and touch (zero) the buffers for ``arrays`` without copying them: reads
+        only their shapes, dtypes and devices, so it may run beside the training thread
+        (never beside a snapshot)."""
+        for live in arrays:
+            buf, filled = self._buffer(live)
+            if not filled:
+                if isinstance(buf, np.ndarray):
+                    buf.fill(0)
+                else:
+                    buf.zero_()
 
     def copy_in(self, live: LiveArray, approx_threshold: float | None = None) -> SnapshotItem:
         buf, filled = self._buffer(live)
@@ -321,6 +330,7 @@ class BackgroundWorker(Generic[J]):
         return errs
 
     def _run(self) -> None:
+        lower_thread_priority()  # the threads its pools start inherit it
         while True:
             job = self._queue.get()
             if job is None:
@@ -346,89 +356,3 @@ class BackgroundWorker(Generic[J]):
         self._queue.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-
-class HeartbeatWriter:
-    """Writes the L0 heartbeat ring in the background; only the newest pending entry is kept."""
-
-    def __init__(self, storage: Storage, run_id: str, rank: int, *, ring: int = 4) -> None:
-        self._storage = storage
-        self._run_id = run_id
-        self._rank = rank
-        self._ring: deque[Heartbeat] = deque(maxlen=ring)
-        self._pending: Heartbeat | None = None
-        self._cond = threading.Condition()
-        self._closed = False
-        self._busy = False
-        self.written = 0
-        self.coalesced = 0
-        self.failures = 0
-        self.last_error: BaseException | None = None
-        self.last_bytes = 0
-        self._thread = threading.Thread(
-            target=self._run, name=f"ckpt-heartbeat-{rank}", daemon=True
-        )
-        self._thread.start()
-
-    def seed(self, entries: list[Heartbeat], upto_step: int) -> None:
-        """Continue an existing ring; entries past ``upto_step`` belong to an abandoned
-        branch and are removed from storage right away (so nobody reads them as progress)."""
-        keep = [e for e in entries if e.step <= upto_step]
-        with self._cond:
-            self._ring.clear()
-            self._ring.extend(keep)
-        if len(keep) != len(entries):
-            key = heartbeat_key(self._run_id, self._rank)
-            if keep:
-                self._storage.commit(key, encode_heartbeats(self._run_id, self._rank, keep))
-            else:
-                self._storage.delete(key)
-
-    def put(self, hb: Heartbeat) -> None:
-        with self._cond:
-            if self._pending is not None:
-                self.coalesced += 1
-            self._pending = hb
-            self._cond.notify_all()
-
-    def flush(self, timeout: float | None = 30.0) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending is not None or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
-                if self._pending is None:
-                    return
-                hb, self._pending = self._pending, None
-                self._ring.append(hb)
-                entries = list(self._ring)
-                self._busy = True
-            try:
-                data = encode_heartbeats(self._run_id, self._rank, entries)
-                self._storage.commit(heartbeat_key(self._run_id, self._rank), data)
-                self.written += 1
-                self.last_bytes = len(data)
-            except Exception as e:
-                self.failures += 1
-                self.last_error = e
-                log.warning("heartbeat write failed: %s", e)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def close(self, timeout: float | None = 30.0) -> None:
-        self.flush(timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)

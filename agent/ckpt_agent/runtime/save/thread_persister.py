@@ -13,17 +13,19 @@ catalog, retention, blob GC).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from ckpt_agent import tuning
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.persist.finalize import FinalizeJob
-from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
-from ckpt_agent.runtime.core.serialization import library_versions
+from ckpt_agent.runtime.core.serialization import LiveArray, flatten, library_versions
 from ckpt_agent.runtime.dist.commit import TwoPhaseCommit
 from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
@@ -97,9 +99,16 @@ class ThreadPersister:
                 describe=lambda j: f"validating {j.checkpoint_id}",
             )
 
-    def prepare(self, step: int) -> None:
+    def prepare(self, step: int) -> Callable[[], None] | None:
+        # fresh containers of references (state_dict()), walked later: only their shapes
         sections = self.capture.sections(lightweight=False, step=step)
-        take_snapshot(step, Tier.FULL, sections, self.arena)
+        return partial(self._reserve, sections)
+
+    def _reserve(self, sections: dict[str, object]) -> None:
+        live: dict[str, LiveArray] = {}
+        for name, value in sections.items():
+            flatten(value, name, live)
+        self.arena.reserve(list(live.values()))
 
     def close(self, timeout: float | None) -> None:
         if self._worker is not None:

@@ -14,6 +14,7 @@ checked shared-memory snapshots, on every rank alike (:meth:`ShmPersister.resume
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ckpt_agent import tuning
 from ckpt_agent.decide.retention import classify
@@ -69,9 +70,10 @@ class ShmPersister:
             self._resume_step = resume.checkpoint_step
         self.flash.start()  # the persister (sidecar / subprocess) validates and records
 
-    def prepare(self, step: int) -> None:
+    def prepare(self, step: int) -> Callable[[], None] | None:
         sections = self.capture.sections(lightweight=False, step=step)
         self.flash.prepare(sections, len(self.capture.train_config_bytes or b""))
+        return None
 
     def close(self, timeout: float | None) -> None:
         self._settle()

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from ckpt_agent.format.heartbeat import Heartbeat, read_heartbeat
 from ckpt_agent.records import Tier
 from ckpt_agent.runtime.save.snapshot import (
     BackgroundWorker,
-    HeartbeatWriter,
     HostArena,
     take_snapshot,
 )
-from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.tuning import DIRECT_IO_ALIGN
 
 
@@ -153,25 +149,6 @@ def test_worker_capacity_is_back_pressure() -> None:
     assert w.wait_idle(10)
     assert w.submit(3)
     w.close(5)
-
-
-def test_heartbeat_writer_coalesces_and_never_blocks(ck_store: LocalStorage) -> None:
-    class Slow(LocalStorage):
-        def commit(self, key: str, data: bytes) -> None:
-            time.sleep(0.05)
-            super().commit(key, data)
-
-    store = Slow(ck_store.root)
-    hb = HeartbeatWriter(store, "run1", 0, ring=3)
-    t0 = time.perf_counter()
-    for step in range(50):
-        hb.put(Heartbeat(step=step, time=0.0, data={"pos": step}))
-    assert time.perf_counter() - t0 < 0.05  # puts do not wait for the store
-    assert hb.flush(10)
-    hb.close()
-    ring = read_heartbeat(store, "run1")
-    assert ring[-1].step == 49 and len(ring) <= 3
-    assert hb.coalesced > 0 and hb.written < 50
 
 
 def test_large_host_buffers_are_page_aligned_for_direct_writes() -> None:
