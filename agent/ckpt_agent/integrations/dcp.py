@@ -551,7 +551,7 @@ class DcpWriter(StorageWriter):
         listed = list_checkpoints(self.storage, self.run_id, include_heartbeat=False)
         for r in superseded(listed, rec.step):
             reason = f"superseded: the run resumed from {rec.id} (step {rec.step})"
-            verdict = ValidationRecord(
+            verdict = ValidationVerdict(
                 checkpoint_id=r.id,
                 commit_sha256=r.manifest_hash,
                 status=CheckpointStatus.EXPIRED,
