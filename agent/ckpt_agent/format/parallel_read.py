@@ -20,13 +20,13 @@ drop). Torch-free.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Final
 
+from ckpt_agent.background import usable_cpus
 from ckpt_agent.format.chunkread import Scratch, check_inline, read_chunk
 from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
 from ckpt_agent.format.entries import BlobEntry, TensorEntry
@@ -56,12 +56,9 @@ class _Task:
 
 
 def restore_workers() -> int:
-    """Reader threads for this process: the CPUs it may run on, at most the maximum."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        n = os.cpu_count() or 1
-    return max(1, min(RESTORE_WORKERS_MAX, n))
+    """Reader threads for this process: the CPUs it may run on (affinity and cgroup quota,
+    :func:`~ckpt_agent.background.usable_cpus`), at most the maximum."""
+    return max(1, min(RESTORE_WORKERS_MAX, usable_cpus()))
 
 
 def _tasks(manifest: RankManifest, targets: Sequence[Target]) -> list[_Task]:

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_agent.background import lower_process_priority
 from ckpt_agent.errors import IntegrityError, one_line
 from ckpt_agent.format.codec import Shuffler
 from ckpt_agent.format.layout import blob_key, sha256_hex, validation_key
@@ -416,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(url: str) -> int:
+    lower_process_priority()  # a background process: the trainer's cores come first
     storage = open_storage(url)
     for line in sys.stdin:
         if not line.strip():

@@ -39,7 +39,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -47,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ckpt_agent.background import usable_cpus
 from ckpt_agent.format.codec import (
     CODEC_NONE,
     PY_SHUFFLER,
@@ -229,7 +229,7 @@ class CheckpointWriter:
             raise ValueError("parallel_writes must be >= 1")
         self.parallel_writes = parallel_writes
         #: Threads that hash and encode (CPU); uploads run on their own ``parallel_writes``.
-        self.cpu_threads = max(1, min(parallel_writes, os.cpu_count() or 1))
+        self.cpu_threads = max(1, min(parallel_writes, usable_cpus()))  # cgroup quota too
         self._pool: ThreadPoolExecutor | None = None
         self._io_pool: ThreadPoolExecutor | None = None
         self.storage = storage
