@@ -85,7 +85,7 @@ def child(name: str, steps: int, threads: int, hidden: int) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        value = float(loss)
+        value = float(loss.detach())
         pos["pos"] = step
         measure_alloc = step >= warmup and step % 50 == 7
         if measure_alloc:

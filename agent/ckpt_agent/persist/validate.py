@@ -106,13 +106,21 @@ class LoadReport:
 
 
 def load_check(
-    storage: Storage, run_id: str, ckpt_id: str, rank: int = 0, shuffler: Shuffler | None = None
+    storage: Storage,
+    run_id: str,
+    ckpt_id: str,
+    rank: int = 0,
+    shuffler: Shuffler | None = None,
+    *,
+    mode: str = "full",
 ) -> LoadReport:
     """Decode every tensor, file and the whole state tree of one rank; never raises for bad data.
 
     The tree is decoded as a restore decodes it (:func:`~ckpt_agent.format.statecheck.check_state`),
     so what ``Checkpointer.start()`` would refuse is not called valid. Memory stays at one
     chunk whatever the manifest declares; a blob referenced many times is decoded once.
+    With ``mode="stored"`` the blobs are re-read and their stored bytes hashed, not decoded
+    (:class:`~ckpt_agent.policy.models.ValidationSpec`).
     """
     shuffler = shuffler or NUMPY_SHUFFLER
     report = LoadReport()
@@ -124,9 +132,12 @@ def load_check(
         seen: set[str] = set()
         for name, entry in (*manifest.tensors.items(), *manifest.files.items()):
             try:
-                check_tensor_bytes(
-                    storage, run_id, manifest, entry, name, seen=seen, shuffler=shuffler
-                )
+                if mode == "stored":
+                    _check_stored(storage, run_id, manifest, entry.chunks, seen)
+                else:
+                    check_tensor_bytes(
+                        storage, run_id, manifest, entry, name, seen=seen, shuffler=shuffler
+                    )
             except IntegrityError:
                 report.bad_blobs.extend(_bad_blobs(storage, run_id, manifest, entry.chunks))
                 raise
@@ -137,6 +148,19 @@ def load_check(
         report.ok = False
         report.error = one_line(e)
     return report
+
+
+def _check_stored(
+    storage: Storage, run_id: str, manifest: Any, chunks: Sequence[str], seen: set[str]
+) -> None:
+    """Every chunk as stored has the manifest's size and hashes to its name."""
+    for digest in chunks:
+        if digest in seen:
+            continue
+        seen.add(digest)
+        with storage.read_view(blob_key(run_id, digest)) as b:
+            if len(b) != manifest.blobs[digest].size or sha256_hex(b) != digest:
+                raise IntegrityError(f"blob {digest[:12]}: stored bytes do not match its hash")
 
 
 def _bad_blobs(storage: Storage, run_id: str, manifest: Any, chunks: Sequence[str]) -> list[str]:
@@ -225,15 +249,18 @@ class LoaderProcess:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def load(self, run_id: str, ckpt_id: str, rank: int, *, timeout: float) -> LoadReport:
+    def load(
+        self, run_id: str, ckpt_id: str, rank: int, *, timeout: float, mode: str = "full"
+    ) -> LoadReport:
         if self._proc is None or self._proc.poll() is not None:
             self._kill()  # a child that died on its own: reap it and close its pipes
             self._proc = self._spawn()
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None
-        request = json.dumps({"run_id": run_id, "checkpoint": ckpt_id, "rank": rank}) + "\n"
+        request = {"run_id": run_id, "checkpoint": ckpt_id, "rank": rank, "mode": mode}
+        line_out = json.dumps(request) + "\n"
         try:
-            proc.stdin.write(request.encode())
+            proc.stdin.write(line_out.encode())
             proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
             self._kill()
@@ -325,14 +352,16 @@ class Validator:
 
     def load(self, ckpt_id: str, rank: int = 0) -> LoadReport:
         if not self.spec.load_in_subprocess:
-            return load_check(self.storage, self.run_id, ckpt_id, rank)
+            return load_check(self.storage, self.run_id, ckpt_id, rank, mode=self.spec.mode)
         return self._load_in_child(ckpt_id, rank)
 
     def _load_in_child(self, ckpt_id: str, rank: int) -> LoadReport:
         with self._child_lock:
             if self._child is None:
                 self._child = LoaderProcess(self.storage.url, env=self.env)
-            return self._child.load(self.run_id, ckpt_id, rank, timeout=self.timeout_s)
+            return self._child.load(
+                self.run_id, ckpt_id, rank, timeout=self.timeout_s, mode=self.spec.mode
+            )
 
     def close(self) -> None:
         """Stop the loader process (if one was started)."""
@@ -347,7 +376,7 @@ class Validator:
         """Load (in a child process by default) and compare with ``expected``."""
         t0 = time.perf_counter()
         where = "load (subprocess)" if self.spec.load_in_subprocess else "load (in-process)"
-        checks = ["hashes", where]
+        checks = ["hashes" if self.spec.mode == "full" else "stored hashes", where]
         report = self.load(ckpt_id, rank)
         outcome = ValidationOutcome(
             checkpoint_id=ckpt_id,
@@ -425,7 +454,11 @@ def _serve(url: str) -> int:
         try:
             req = json.loads(line)
             report = load_check(
-                storage, str(req["run_id"]), str(req["checkpoint"]), int(req.get("rank", 0))
+                storage,
+                str(req["run_id"]),
+                str(req["checkpoint"]),
+                int(req.get("rank", 0)),
+                mode="stored" if req.get("mode") == "stored" else "full",
             )
         except Exception as e:  # a bad request or a broken store: a failed load
             report = LoadReport(ok=False, error=f"{type(e).__name__}: {e}")

@@ -21,12 +21,21 @@ What happens where:
 * **training thread** (inside :meth:`Checkpointer.step`): the scheduler's
   decision; for a pulse/full, the copy of the state into reusable host
   buffers (:mod:`ckpt_agent.runtime.save.snapshot`) — the only stall; the heartbeat's
-  RNG capture.
+  capture into its slot (step, data position, raw RNG states; no I/O); the decision
+  queued for the decision log.
+* **heartbeat thread**: packs and commits the heartbeat ring, at most once per
+  ``heartbeat.flushIntervalSeconds`` (:mod:`ckpt_agent.runtime.save.heartbeat`).
+* **decision-log thread**: the decision log's JSON lines, gauges, TensorBoard scalars.
+* **preparation thread** (after :meth:`Checkpointer.start` returned): allocates and
+  touches the snapshot buffers; joined before the first snapshot.
 * **persister thread**: chunk, hash, de-duplicate, compress, write, fsync,
   publish the manifest and the COMMIT (:mod:`ckpt_agent.persist.writer`).
 * **validator thread**: load the committed checkpoint in a separate process,
   compare shapes, record the verdict, then apply retention and collect
   unreferenced blobs.
+
+Every thread but the training thread, and the validation process, runs at a lower
+CPU and I/O priority (:mod:`ckpt_agent.background`).
 
 A snapshot is never taken while the previous persist still owns the buffers
 (back-pressure, :mod:`~ckpt_agent.runtime.save.saving`). A failed persist is raised

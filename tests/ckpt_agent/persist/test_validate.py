@@ -175,3 +175,35 @@ def test_malicious_blob_cannot_run_code_in_the_loader(
     assert out.valid  # well-formed numbers; nothing was executed
     assert not sentinel.exists()
     assert load_check(ck_store, RUN, checkpoint_id(Tier.PULSE, 1)).ok
+
+
+@pytest.mark.parametrize("subprocess", [False, True])
+def test_stored_mode_hashes_what_storage_returns_without_decoding(
+    ck_store: LocalStorage, monkeypatch: pytest.MonkeyPatch, subprocess: bool
+) -> None:
+    """``validation.mode: stored`` re-reads and hashes every blob as stored, decodes only the
+    tree (not the blobs): a flipped stored byte is still caught, in-process or in the child."""
+    import ckpt_agent.persist.validate as validate
+
+    def no_decode(*args: object, **kwargs: object) -> None:
+        raise AssertionError("stored mode decoded a blob")
+
+    if not subprocess:
+        monkeypatch.setattr(validate, "check_tensor_bytes", no_decode)
+    cid = _write(ck_store)
+    spec = ValidationSpec(load_in_subprocess=subprocess, mode="stored")
+    v = Validator(ck_store, RUN, spec, timeout_s=60)
+    try:
+        out = v.validate(cid, EXPECTED)
+        assert out.valid, out.reason
+        assert out.checks[0] == "stored hashes"
+        _, m = read_checkpoint(ck_store, RUN, cid)
+        digest = m.tensors["model/w"].chunks[1]
+        path = ck_store.root / blob_key(RUN, digest)
+        data = bytearray(path.read_bytes())
+        data[5] ^= 0x01
+        path.write_bytes(bytes(data))
+        bad = v.validate(cid, EXPECTED)
+    finally:
+        v.close()
+    assert bad.status == CheckpointStatus.CORRUPTED and bad.bad_blobs == [digest]
