@@ -327,3 +327,33 @@ def test_sidecar_storage_gets_the_policys_s3_transfer_settings(
         assert opts.endpoint_url == "http://minio:9000" and opts.use_path_style
     finally:
         sidecar.close()
+
+
+def test_a_sigterm_while_the_sidecar_is_being_built_starts_the_drain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a loaded node the sidecar's log exists seconds before its catalog and storage are
+    open; a SIGTERM then (an eviction right after the start) must drain, not kill it."""
+    from ckpt_agent.flash.sidecar import loop
+
+    built = loop.Sidecar.__init__
+    reasons: list[str] = []
+
+    def slow_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-construction
+        built(self, *args, **kwargs)
+
+    def drain(self: Any, reason: str) -> None:
+        reasons.append(reason)
+        self.drain.request(reason)
+
+    monkeypatch.setattr(loop.Sidecar, "__init__", slow_init)
+    monkeypatch.setattr(loop.Sidecar, "request_drain", drain)
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        code = loop.run_sidecar(_config(tmp_path), SidecarOptions(poll_s=0.05, grace_s=5))
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+    assert reasons == ["SIGTERM"]
+    assert code == 0

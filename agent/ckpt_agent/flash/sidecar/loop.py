@@ -16,9 +16,11 @@ import functools
 import logging
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from ckpt_agent.flash.protocol import Descriptor, PersistedMark, atomic_write
@@ -363,9 +365,23 @@ class Sidecar:
 
 
 def run_sidecar(config: AgentConfig, options: SidecarOptions | None = None) -> int:
-    """Run a sidecar until it is done or drained (SIGTERM/SIGINT handled); the exit code."""
+    """Run a sidecar until it is done or drained (SIGTERM/SIGINT handled); the exit code.
+
+    A signal that arrives while the sidecar is still being built (its log exists, its
+    catalog and storage are being opened: seconds on a loaded node) is kept and starts
+    the drain once it is built, instead of killing the process with nothing persisted."""
+    early: list[str] = []
+
+    def keep(signum: int, frame: FrameType | None) -> None:
+        del frame
+        early.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, keep)
+    signal.signal(signal.SIGINT, keep)
     sidecar = Sidecar(config, options)
     sidecar.install_signal_handlers()
+    for reason in early:
+        sidecar.request_drain(reason)
     try:
         return sidecar.run()
     finally:
