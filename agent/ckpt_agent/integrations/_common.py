@@ -62,7 +62,11 @@ class LateState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._held = dict(state)
+        obj = self.current()
+        if obj is not None:
+            obj.load_state_dict(state)
+        else:
+            self._held = dict(state)
 
     def attach(self, obj: Any) -> None:
         """The framework's object now exists: apply the held state (once), save it from now on."""

@@ -54,6 +54,7 @@ from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
 from ckpt_agent.runtime.core.serialization import capture_rng, restore_rng
 
 _tf = require("transformers", "hf", "transformers==5.23.0")
+_TrainerCallback: Any = _tf.TrainerCallback
 
 __all__ = ["CheckpointCallback", "IntegrationError"]
 
@@ -85,7 +86,7 @@ class _TrainerProgress:
         self.restored = dict(saved)
 
 
-class CheckpointCallback(_tf.TrainerCallback):  # type: ignore[misc]
+class CheckpointCallback(_TrainerCallback):  # type: ignore[misc]
     """Checkpoint a ``transformers.Trainer`` with the agent (see the module doc).
 
     Args:
@@ -195,13 +196,11 @@ class CheckpointCallback(_tf.TrainerCallback):  # type: ignore[misc]
         folder.joinpath(_tf.trainer.TRAINER_STATE_NAME).write_text(
             json.dumps(asdict(state), indent=2, sort_keys=True) + "\n"
         )
-        model = trainer.model
-        if isinstance(model, _tf.PreTrainedModel):
-            model.save_pretrained(folder, safe_serialization=True)
-        else:
-            from safetensors.torch import save_model
+        # Every rank writes its own folder (save_pretrained writes on rank 0 only); shared
+        # (tied) tensors once: HF loads it with strict=False and they share storage.
+        from safetensors.torch import save_model
 
-            save_model(model, str(folder / "model.safetensors"))
+        save_model(trainer.model, str(folder / "model.safetensors"))
         return folder
 
     # ------------------------------------------------------------------ hooks
@@ -241,7 +240,8 @@ class CheckpointCallback(_tf.TrainerCallback):  # type: ignore[misc]
                 "in Trainer(optimizers=...)"
             )
         if self._groups is not None:
-            for group, saved in zip(self._optimizer.param_groups, self._groups, strict=True):
+            groups: list[dict[str, Any]] = self._optimizer.param_groups  # type: ignore[union-attr]
+            for group, saved in zip(groups, self._groups, strict=True):
                 group.update(saved)
             self._groups = None
         self._scheduler.attach(kw.get("lr_scheduler"))

@@ -73,7 +73,13 @@ def _hf_setup(out: Path, steps: int, world: int) -> tuple[Any, Any, Any]:
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
     g = torch.Generator().manual_seed(1)
@@ -151,9 +157,7 @@ def hf_naive(out_dir: str, steps: int, world: int) -> None:
         ckpt: Any = None
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.ckpt = Checkpointer(
-                model=kw["model"], optimizer=kw["optimizer"], storage=storage
-            )
+            self.ckpt = Checkpointer(model=kw["model"], optimizer=kw["optimizer"], storage=storage)
             self.ckpt.start()
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
@@ -170,3 +174,76 @@ def hf_naive(out_dir: str, steps: int, world: int) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[Naive()])
     trainer.train()
     _final(out, model, trainer.optimizer, {"global_step": trainer.state.global_step})
+
+
+# ---------------------------------------------------------------- Lightning
+
+
+def pl_train(out_dir: str, steps: int, world: int) -> None:
+    """The three-line integration on a Lightning fit (an MLP with dropout, 3 epochs)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ckpt_agent.integrations.lightning import CheckpointCallback, ResumableSampler
+
+    out = Path(out_dir)
+    pl.seed_everything(0, verbose=False)
+
+    class MLP(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 32),
+                torch.nn.ReLU(),
+                torch.nn.Dropout(0.2),
+                torch.nn.Linear(32, 1),
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    model = MLP()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 8, generator=g)
+    ds = TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+    kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
+
+    class Progress(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            note = f"{float(batch[0][0, 0]).hex()}:{float(outputs['loss']).hex()}:{lr}"
+            _progress(out, trainer.global_step, note)
+            if trainer.global_step == kill_at:
+                os._exit(9)
+
+    loader = DataLoader(
+        ds, batch_size=int(os.environ.get("PL_BATCH", "4")), sampler=ResumableSampler(ds, seed=3)
+    )
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        callbacks=[CheckpointCallback(storage=_storage(out)), Progress()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, loader)
+    _final(
+        out,
+        model,
+        trainer.optimizers[0],
+        {"global_step": trainer.global_step, "epoch": trainer.current_epoch},
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import Child, Zygote, wait_for
+from fw_harness import Child, Zygote, wait_for
 
 from ckpt_e2e.api import free_port
 
@@ -52,8 +52,11 @@ class Run:
                 **extra_env,
             }
             if self.world == 1:
-                children.append(self.zygote.start(self.fn, self.out, str(self.out), self.steps,
-                                                  self.world, env=env))
+                children.append(
+                    self.zygote.start(
+                        self.fn, self.out, str(self.out), self.steps, self.world, env=env
+                    )
+                )
                 break
             env |= {
                 "RANK": str(rank),
@@ -62,9 +65,11 @@ class Run:
                 "LOCAL_WORLD_SIZE": str(self.world),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": "kill-test",  # Lightning: ranks started outside (torchrun)
             }
-            children.append(self.zygote.start(self.fn, self.out, str(self.out), self.steps,
-                                              self.world, env=env))
+            children.append(
+                self.zygote.start(self.fn, self.out, str(self.out), self.steps, self.world, env=env)
+            )
         return children
 
     def finish(self, children: list[Child]) -> None:
@@ -91,19 +96,28 @@ class Run:
         children = self.launch(**env)
         if kind == "step":
             target = min(last + rng.randint(1, 5), self.steps - 1)
-            cond = lambda: bool(len(self.progress()) > len(seen) and max(self.progress()[len(seen):]) >= target)  # noqa: E731
+
+            def cond() -> bool:
+                done = self.progress()[len(seen) :]
+                return bool(done) and max(done) >= target
+
             what = f"step {target}"
         elif kind == "save":
             cond = (self.out / "committing").exists
             what = "during a save"
         else:
-            cond = lambda: commits.exists() and len(commits.read_text().splitlines()) > n_commits  # noqa: E731
+
+            def cond() -> bool:
+                return commits.exists() and len(commits.read_text().splitlines()) > n_commits
+
             what = "right after a commit"
         fired = wait_for(cond, TIMEOUT_S, children)
         for c in children:
             c.kill()
-        done = self.progress()[len(seen):]
-        self.log.append(f"launch {self.launches}: SIGKILL {what} (ran steps {done[:1]}..{done[-1:]})")
+        done = self.progress()[len(seen) :]
+        self.log.append(
+            f"launch {self.launches}: SIGKILL {what} (ran steps {done[:1]}..{done[-1:]})"
+        )
         if not fired:
             errors = "\n".join(c.error() for c in children)
             raise AssertionError(f"kill point {what} never came: {self.log}\n{errors}")
@@ -121,9 +135,9 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
         for k, v in st.items():
             g = go["state"][pid][k]
             assert torch.equal(g, v) if isinstance(v, torch.Tensor) else g == v, (pid, k)
-    for k in want:
+    for k, value in want.items():
         if k not in ("model", "optimizer"):
-            assert got[k] == want[k], k
+            assert got[k] == value, k
 
 
 def killed_run(run: Run, plan: list[str], seed: int) -> dict[str, Any]:

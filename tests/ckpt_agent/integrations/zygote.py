@@ -23,11 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lightning.pytorch  # noqa: E402, F401
-import torch  # noqa: E402
-import transformers  # noqa: E402, F401
-
-import fw_workers  # noqa: E402
+import fw_workers
+import lightning.pytorch  # noqa: F401
+import torch
+import transformers  # noqa: F401
 
 torch.set_num_threads(1)
 
