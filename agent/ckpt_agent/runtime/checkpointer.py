@@ -75,6 +75,7 @@ from ckpt_agent.runtime.core.capture import (
     require_state_dicts,
 )
 from ckpt_agent.runtime.core.context import Engine, Ranks, Stats
+from ckpt_agent.runtime.core.serialization import capture_rng, restore_rng
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter
 from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
@@ -232,6 +233,7 @@ class Checkpointer:
         self._preparing: threading.Thread | None = None
         """Allocates and touches the snapshot buffers after :meth:`start` returned."""
         self._resume: ResumePoint | None = None
+        self._resumed_rng: dict[str, object] | None = None
         self._last_step: int | None = None
         self._started = False
         self._closed = False
@@ -298,6 +300,9 @@ class Checkpointer:
             raise
         self._resume = resume
         self._last_step = resume.step - 1 if resume.step > 0 else None
+        # The restored RNG, held for restore_rng(): a framework draws from it (its seeding,
+        # its data iterators) between start() and the first step it resumes.
+        self._resumed_rng = capture_rng() if resume.resumed else None
         seconds = time.perf_counter() - t0
         self._report_start(resume, from_shm=shm is not None, seconds=seconds)
         e.event("start", **resume.event_fields(), seconds=round(seconds, 4))
@@ -401,6 +406,24 @@ class Checkpointer:
         if stop:
             self._on_sigterm(step, agreed=True)
         return decision
+
+    def restore_rng(self) -> bool:
+        """Put every RNG back to the resumed checkpoint's state, at the point the loop expects it.
+
+        :meth:`start` restores the RNG at once; a framework that seeds or creates data
+        iterators between ``start()`` and the first resumed step (HF ``Trainer``,
+        Lightning) draws from it, and the resume is then silently not bitwise. Call this
+        right before the first resumed step's forward pass (after the data iterator is
+        created): the RNG is set to what it was when the checkpoint was taken. Once per
+        resume; False on a fresh start or a second call (nothing to restore). Per rank.
+        """
+        self._check_running()
+        rng, self._resumed_rng = self._resumed_rng, None
+        if rng is None:
+            return False
+        for warning in restore_rng(rng):
+            log.warning("restore_rng: %s", warning)
+        return True
 
     def wants_grad_norm(self, step: int) -> bool:
         """Whether :meth:`step` uses a gradient norm at ``step`` (skip computing it otherwise)."""
