@@ -78,6 +78,7 @@ from ckpt_agent.runtime.core.context import Engine, Ranks, Stats
 from ckpt_agent.runtime.core.serialization import capture_rng, restore_rng
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter
 from ckpt_agent.runtime.dist.rank_group import RankGroup
+from ckpt_agent.runtime.restore.agreed import agreed_resume_point
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.runtime.save.heartbeat import Heartbeats
@@ -85,7 +86,9 @@ from ckpt_agent.runtime.save.persister import Persister
 from ckpt_agent.runtime.save.saving import SavePath
 from ckpt_agent.runtime.save.signals import SignalWatch
 from ckpt_agent.runtime.save.thread_persister import ThreadPersister
+from ckpt_agent.runtime.shm.in_place import resume_from_memory
 from ckpt_agent.runtime.shm.persister import ShmPersister
+from ckpt_agent.runtime.shm.target import FlashTarget
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import gc_grace_for
 
@@ -227,6 +230,10 @@ class Checkpointer:
         self._persister = persister = make_persister(
             engine, capture, self._group, approximate_threshold
         )
+        self._flash: FlashTarget | None = (
+            persister.flash if isinstance(persister, ShmPersister) else None
+        )
+        """Shared memory: the save side writes it, the start may restore from it."""
         self._saver = SavePath(engine, capture, persister, backpressure, on_persist_error)
         self._signals = SignalWatch(config.signal_file)
         self._heartbeats: Heartbeats | None = None
@@ -282,12 +289,13 @@ class Checkpointer:
             e.check_owner()
             if self._group is not None:
                 self._group.setup()
-            self._persister.flush_previous()
-            shm = self._persister.resume_point(self._restorer)  # collective with several ranks
+            shm = None
+            if self._flash is not None:  # collective with several ranks
+                shm = resume_from_memory(e, self._restorer, self._group, self._flash)
             if shm is not None:
                 resume = shm
             elif self._group is not None:
-                resume = self._group.resume_point(self._restorer)
+                resume = agreed_resume_point(self._restorer, self._group)
             else:
                 resume = self._restorer.resume_point()
         except BaseException as err:
@@ -307,7 +315,7 @@ class Checkpointer:
         self._report_start(resume, from_shm=shm is not None, seconds=seconds)
         e.event("start", **resume.event_fields(), seconds=round(seconds, 4))
         e.metrics.recovered(resume.action, seconds)
-        self._persister.start(resume)
+        self._persister.start(resume.handover())  # the restore side's result, handed over once
         if e.config.tiers.heartbeat.enabled:
             self._heartbeats = Heartbeats(e, self._capture, resume_step=resume.step)
         if self.preallocate and e.ranks.writes and not e.ranks.sharded:

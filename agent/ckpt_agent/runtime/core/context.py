@@ -3,11 +3,16 @@
 :class:`Ranks` says who this process is (rank, world size, whether it writes,
 whether the state is sharded); :class:`Engine` opens and owns the services
 every part uses — storage, catalog, writer, validator and the post-commit
-pipeline (built by :class:`~ckpt_agent.persist.builder.PersistBuilder`),
-scheduler, metrics, the decision log — plus the little mutable state they
-share (the hash chain, the anomalies retention keeps, the write-latency
-sample, the scheduler feedback of the background threads). :class:`Stats` and
-the pipeline's counters are what :meth:`Checkpointer.summary` reports.
+pipeline (built by :class:`~ckpt_agent.persist.builder.PersistBuilder`, or by the
+``persist`` factory a test passes: fakes, no storage or SQLite opened),
+scheduler, metrics, the decision log. Engine holds services only: what the
+threads exchange goes through thread-safe ones (the feedback queue, the anomaly
+log, the write-latency sample, each behind its lock), and :class:`Stats` has one
+writing thread per field. What one persist needs from the previous one (the hash
+chain, the lineage) is the persister's own
+(:class:`~ckpt_agent.runtime.save.chain.HashChain`), handed over once from the
+restore side as a :class:`Handover`. :class:`Stats` and the pipeline's counters
+are what :meth:`Checkpointer.summary` reports.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,14 +44,23 @@ from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.format.layout import validate_run_id
 from ckpt_agent.format.owner import check_owner, owner_from_env
 from ckpt_agent.metrics import DecisionLog, Metrics
-from ckpt_agent.persist.builder import PersistBuilder
+from ckpt_agent.persist.builder import PersistBuilder, PersistParts
+from ckpt_agent.persist.finalize import AnomalySource, EventSink
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Lineage, Tier
 from ckpt_agent.runtime.core.sharded import is_dtensor
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter, TensorBoard
 from ckpt_agent.storage.base import Storage
 
-__all__ = ["OWNER_PID", "Engine", "Ranks", "Stats", "sweep_stale_work_dirs"]
+__all__ = [
+    "OWNER_PID",
+    "Engine",
+    "Handover",
+    "PersistFactory",
+    "Ranks",
+    "Stats",
+    "sweep_stale_work_dirs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +72,12 @@ _STALLS_KEPT = 1000
 
 @dataclass
 class Stats:
-    """Counters of the saving side of one checkpointer (the verdicts are the pipeline's)."""
+    """Counters of the saving side of one checkpointer (the verdicts are the pipeline's).
+
+    Each field has one writing thread: ``saves``, ``stalls``, ``deferred`` and ``waited``
+    the training thread; ``committed`` and the byte counts the thread that learns of a
+    commit (the in-process persister thread, or the training thread taking a shared-memory
+    persister's results in). Others only read them."""
 
     saves: int = 0
     deferred: int = 0
@@ -67,6 +86,24 @@ class Stats:
     bytes_written: int = 0
     bytes_reused: int = 0
     stalls: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What the restore side hands the save side, once: where this rank's chain of
+    checkpoints continues (:meth:`ResumePoint.handover
+    <ckpt_agent.runtime.restore.resume_point.ResumePoint.handover>` →
+    :meth:`Persister.start <ckpt_agent.runtime.save.persister.Persister.start>`).
+    The default is a fresh start."""
+
+    prev_hash: str | None = None
+    """The manifest hash the next checkpoint links to (None: the chain starts here)."""
+    lineage: Lineage = field(default_factory=Lineage)
+    """The resume lineage the run's next checkpoints carry."""
+    checkpoint_step: int | None = None
+    """The step of the checkpoint restored (None: fresh start)."""
+    last_valid_step: int = -1
+    """The newest valid weights checkpoint storage held at the resume (-1: none known)."""
 
 
 def _env_int(name: str) -> int | None:
@@ -125,6 +162,59 @@ def _has_dtensors(model: torch.nn.Module) -> bool:
     return any(is_dtensor(v) for v in model.state_dict().values())
 
 
+class PersistFactory(Protocol):
+    """Builds the persisting parts for an :class:`Engine` (the signature of
+    :meth:`PersistBuilder.build <ckpt_agent.persist.builder.PersistBuilder.build>`)."""
+
+    def __call__(
+        self,
+        catalog_path: str | Path,
+        *,
+        metrics: Metrics,
+        emit: EventSink | None = None,
+        anomalies: AnomalySource | None = None,
+        gc_grace_s: float | None = None,
+        store_lock: threading.Lock | None = None,
+    ) -> PersistParts: ...
+
+
+class _LatencySample:
+    """The newest small write's latency, from whichever thread wrote (storage's hook)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ms: float | None = None
+
+    def put(self, ms: float) -> None:
+        with self._lock:
+            self._ms = ms
+
+    def get(self) -> float | None:
+        with self._lock:
+            return self._ms
+
+
+class _AnomalyLog:
+    """The newest anomalies the scheduler saw (training thread), for retention (validator
+    thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[AnomalyEvent] = []
+
+    def add(self, event: AnomalyEvent) -> None:
+        with self._lock:
+            self._events.append(event)
+            del self._events[:-_ANOMALIES_KEPT]
+
+    def for_retention(self, records: Sequence[CheckpointRecord]) -> list[AnomalyEvent]:
+        """The anomalies this run's scheduler saw (retention protects checkpoints before
+        them)."""
+        del records
+        with self._lock:
+            return list(self._events)
+
+
 OWNER_PID = "owner.pid"
 """In a temporary work dir: the pid of the process that made it."""
 
@@ -174,7 +264,11 @@ def sweep_stale_work_dirs(run_id: str, tmp: Path | None = None) -> list[Path]:
 
 
 class Engine:
-    """The services and shared state of one checkpointer (opened here, closed by :meth:`close`)."""
+    """The services of one checkpointer (opened here, closed by :meth:`close`).
+
+    ``persist`` builds the persisting parts (default: :class:`PersistBuilder` over
+    ``storage`` or the config's URL); a test passes one that returns fakes.
+    """
 
     def __init__(
         self,
@@ -184,6 +278,7 @@ class Engine:
         *,
         gc_grace_s: float,
         summary_writer: ScalarWriter | None = None,
+        persist: PersistFactory | None = None,
     ) -> None:
         self.config = config
         self.run_id = validate_run_id(config.run_id)
@@ -205,11 +300,13 @@ class Engine:
         name = "catalog.sqlite" if rank == 0 else f"catalog.rank{rank}.sqlite"
         self.store_lock = threading.Lock()
         """Held by whoever writes or deletes in the run's storage area (persist, retention)."""
-        self.parts = PersistBuilder(config, storage=storage).build(
+        self._anomalies = _AnomalyLog()
+        build = persist if persist is not None else PersistBuilder(config, storage=storage).build
+        self.parts = build(
             self.work_dir / name,
             metrics=self.metrics,
             emit=self.event,
-            anomalies=self._anomalies_for,
+            anomalies=self._anomalies.for_retention,
             gc_grace_s=gc_grace_s,
             store_lock=self.store_lock,
         )
@@ -221,15 +318,9 @@ class Engine:
         self.scheduler = AdaptiveScheduler(config.scheduler, config.tiers)
         self.apply_run_facts()
         self.stats = Stats()
-        self.prev_hash: str | None = None
-        """The manifest hash of the newest checkpoint (the chain's previous link)."""
-        self.lineage = Lineage()
-        """The resume lineage the next checkpoints carry (set by the resume)."""
         self.feedback: queue.SimpleQueue[SaveOutcome] = queue.SimpleQueue()
         """Persist outcomes of background threads, for the scheduler (training thread)."""
-        self.write_latency_ms: float | None = None
-        self._anomalies: list[AnomalyEvent] = []
-        self._anomaly_lock = threading.Lock()
+        self._latency = _LatencySample()
         self.storage.on_write_latency = self._on_write_latency
 
     # ------------------------------------------------------------------ events and bookings
@@ -251,11 +342,9 @@ class Engine:
         if decision.anomaly is None:
             return
         resolved = decision.step + self.config.tiers.pulse.base_interval
-        with self._anomaly_lock:
-            self._anomalies.append(
-                AnomalyEvent(step=decision.step, kind=decision.anomaly, resolved_step=resolved)
-            )
-            del self._anomalies[:-_ANOMALIES_KEPT]
+        self._anomalies.add(
+            AnomalyEvent(step=decision.step, kind=decision.anomaly, resolved_step=resolved)
+        )
 
     def _decision_line(self, decision: Decision, at: float, loss: float | None) -> dict[str, Any]:
         """The decision's log line; updates the gauges and TensorBoard on the way."""
@@ -266,12 +355,6 @@ class Engine:
         self.metrics.interval.set(decision.interval)
         self.tensorboard.scalars(decision)
         return logged
-
-    def _anomalies_for(self, records: Sequence[CheckpointRecord]) -> list[AnomalyEvent]:
-        """The anomalies this run's scheduler saw (retention protects checkpoints before them)."""
-        del records
-        with self._anomaly_lock:
-            return list(self._anomalies)
 
     def summary(self) -> dict[str, Any]:
         s, f = self.stats, self.finalizer
@@ -322,7 +405,7 @@ class Engine:
     ) -> SystemSignals:
         """The system layer's inputs: GPU errors, the worst write latency seen and the
         operator's node warning while it holds."""
-        latency = self.write_latency_ms
+        latency = self._latency.get()
         if probe_ms is not None:
             latency = probe_ms if latency is None else max(latency, probe_ms)
         return SystemSignals(gpu_errors=gpu, write_latency_ms=latency, node_warning=node_warning)
@@ -350,7 +433,7 @@ class Engine:
 
     def _on_write_latency(self, seconds: float) -> None:
         if self.storage.last_write_bytes <= tuning.LATENCY_SAMPLE_MAX_BYTES:
-            self.write_latency_ms = seconds * 1000.0
+            self._latency.put(seconds * 1000.0)
 
     # ------------------------------------------------------------------ closing
 

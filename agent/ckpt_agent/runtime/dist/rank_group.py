@@ -2,11 +2,11 @@
 
 :class:`RankGroup` creates the agent's own gloo groups (a control group for
 the per-step agreement and broadcasts, a commit group for the two-phase
-commit), runs the per-step agreement, and lets rank 0 choose the resume point
-that every rank then restores (with rank 0's resume lineage). An in-place
-restart from shared memory agrees over the same control group
-(:meth:`RankGroup.gather`, :meth:`RankGroup.broadcast_tensor`;
-:mod:`~ckpt_agent.runtime.shm.in_place`).
+commit), runs the per-step agreement, and carries the restore side's collectives over
+the control group: rank 0's resume choice, which every rank then restores
+(:meth:`RankGroup.broadcast`; :mod:`~ckpt_agent.runtime.restore.agreed`), and the
+in-place restart from shared memory (:meth:`RankGroup.gather`,
+:meth:`RankGroup.broadcast_tensor`; :mod:`~ckpt_agent.runtime.shm.in_place`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ from __future__ import annotations
 import torch
 
 from ckpt_agent.decide.scheduler import SystemSignals
-from ckpt_agent.errors import CheckpointError, ResumeError
-from ckpt_agent.format.manifest import lineage_from_json, lineage_to_json
+from ckpt_agent.errors import CheckpointError
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.dist.agreement import Agreed, DecisionAgreement, LocalSignals
 from ckpt_agent.runtime.dist.comm import Comm
-from ckpt_agent.runtime.restore.restorer import Restorer
-from ckpt_agent.runtime.restore.resume_point import ResumePoint, ResumeRequest
 
 __all__ = ["RankGroup"]
 
@@ -36,11 +33,12 @@ class RankGroup:
         self._commit: Comm | None = None
         self._agreement: DecisionAgreement | None = None
 
-    def setup(self) -> None:
-        """Create the agent's gloo groups (collective, same order on every rank)."""
+    def setup(self, *, control: Comm | None = None, commit: Comm | None = None) -> None:
+        """Create the agent's gloo groups (collective, same order on every rank); or use
+        the ``control`` and ``commit`` groups given (a test's, or a caller's own)."""
         ranks = self.engine.ranks
-        self._control = Comm.new_group(timeout_s=self.timeout_s)
-        self._commit = Comm.new_group(timeout_s=self.timeout_s)
+        self._control = control or Comm.new_group(timeout_s=self.timeout_s)
+        self._commit = commit or Comm.new_group(timeout_s=self.timeout_s)
         if (self._control.rank, self._control.world_size) != (ranks.rank, ranks.world_size):
             raise CheckpointError(
                 f"rank/world size {ranks.rank}/{ranks.world_size} disagree with "
@@ -102,38 +100,3 @@ class RankGroup:
         """Rank 0's tensor into ``t`` on every rank (same shape and dtype everywhere)."""
         assert self._control is not None
         self._control.broadcast_tensor(t)
-
-    def resume_point(self, restorer: Restorer) -> ResumePoint:
-        """Rank 0 walks the ladder; every rank restores exactly its choice."""
-        assert self._control is not None
-        if self.engine.ranks.coordinator:
-            try:
-                point = restorer.resume_point()
-            except BaseException as e:
-                self._control.broadcast_json({"ok": False, "error": f"{type(e).__name__}: {e}"})
-                raise
-            self._control.broadcast_json(
-                {
-                    "ok": True,
-                    "id": point.checkpoint_id,
-                    "action": point.action,
-                    "weights_from": restorer.weights_from,
-                    "reason": point.reason,
-                    "lineage": lineage_to_json(point.lineage),
-                }
-            )
-            return point
-        msg = self._control.broadcast_json(None)
-        if not msg.get("ok"):
-            raise ResumeError(f"rank 0 could not choose a checkpoint: {msg.get('error')}")
-        if not msg.get("id"):
-            return ResumePoint(step=0, reason=str(msg.get("reason") or "fresh start (rank 0)"))
-        weights_from = msg.get("weights_from")
-        return restorer.resume_point(
-            ResumeRequest(
-                checkpoint_id=str(msg["id"]),
-                weights_from=None if weights_from is None else str(weights_from),
-                action=str(msg.get("action") or "resume"),
-                lineage=lineage_from_json(msg.get("lineage"), "rank 0's resume lineage"),
-            )
-        )

@@ -10,8 +10,11 @@
    scheduler's state (:meth:`~Applier._load_objects`), then this rank's RNG and data
    position (:meth:`~Applier._own_part`; from the heartbeat in a rebuild) — a failure
    from here on is a rejection too (the next rung overwrites what was applied);
-3. :meth:`~Applier._continue_run`: the hash chain, lineage and blob index the run's
-   next checkpoints continue from;
+3. :meth:`~Applier._continue_run`: the hash chain link and lineage the run's next
+   checkpoints continue from (returned in the point, for the save side:
+   :meth:`ResumePoint.handover
+   <ckpt_agent.runtime.restore.resume_point.ResumePoint.handover>`), and the blob index
+   seeded (a locked service);
 4. the :class:`~ckpt_agent.runtime.restore.resume_point.ResumePoint`, then checkpoints
    past the resume step retired (:func:`~ckpt_agent.runtime.restore.bookkeeping.retire_newer`).
 """
@@ -77,7 +80,8 @@ class Applier:
         """Load ``cand`` (weights from ``weights`` in a heartbeat rebuild) into the live objects.
 
         The run's next checkpoints carry ``lineage`` (None: the restored checkpoint's own),
-        with this checkpoint as their parent."""
+        with this checkpoint as their parent, and link to its hash: both in the returned
+        point (:attr:`ResumePoint.lineage`, :attr:`ResumePoint.prev_hash`)."""
         warnings: list[str] = []
         source = self._weights_source(cand, weights, live)
         assert source.loaded is not None
@@ -109,6 +113,7 @@ class Applier:
             rejected=tuple(rejected.items()),
             warnings=tuple(warnings),
             lineage=run_lineage,
+            prev_hash=source.manifest_hash or None,
         )
         retire_newer(self.engine, applied.step, cand.record.id)
         return point
@@ -155,14 +160,12 @@ class Applier:
         return _Applied(step=step, data=data, per_rank_exact=per_rank_exact)
 
     def _continue_run(self, cand: Candidate, source: Candidate, lineage: Lineage | None) -> Lineage:
-        """Step 3: the run's next checkpoints chain on the restored one; their lineage."""
-        e = self.engine
+        """Step 3: the lineage the run's next checkpoints carry (they chain on the restored
+        one: :meth:`apply` returns its hash); its blobs seed the writer's index."""
         assert source.loaded is not None
-        e.prev_hash = source.manifest_hash or None
+        self.engine.parts.index.seed(source.loaded.manifest)
         base = lineage if lineage is not None else source.record.lineage
-        e.lineage = replace(base, parent=cand.record.id)
-        e.parts.index.seed(source.loaded.manifest)
-        return e.lineage
+        return replace(base, parent=cand.record.id)
 
     def _load_objects(self, source_id: str, state: LoadedState, warnings: list[str]) -> None:
         """Model, optimizer, LR scheduler, grad scaler and the scheduler's own state."""

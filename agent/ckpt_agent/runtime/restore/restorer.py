@@ -1,7 +1,7 @@
 """Where training continues: choose, check, load and apply a checkpoint (:class:`Restorer`).
 
 :meth:`Restorer.resume_point` is what :meth:`Checkpointer.start` runs (rank 0's
-choice on the other ranks):
+choice on the other ranks, :mod:`~ckpt_agent.runtime.restore.agreed`):
 
 1. rank 0's choice (on the other ranks) is restored exactly;
 2. pending checkpoints newer than the newest valid one are verified (a crash
@@ -19,19 +19,23 @@ Every rejected candidate carries a :class:`Rejection` with its
 is read, decoded, checked (:mod:`~ckpt_agent.runtime.restore.loading`,
 :mod:`~ckpt_agent.runtime.restore.preflight`, before anything is applied) or applied
 (:mod:`~ckpt_agent.runtime.restore.apply`) is a rejection, never a crash; checkpoints past
-the resume step are marked superseded (:meth:`Restorer.restore`); the lineage the new checkpoints
-carry is the engine's ``lineage``. A start that fails leaves its verdicts in the
-termination-message report first (after a failed pin: the ladder's next candidates
-probed too, :func:`~ckpt_agent.runtime.restore.bookkeeping.report_failed_start`). What a
-resume reads and writes in storage besides the checkpoint (``RECOVER.json``, verdicts,
-retirements) is in :mod:`~ckpt_agent.runtime.restore.bookkeeping`; :class:`ResumePoint` and
-the candidate types in :mod:`~ckpt_agent.runtime.restore.resume_point`.
+the resume step are marked superseded (:meth:`Restorer.restore`). What the save side
+continues from — the restored checkpoint's hash, the lineage the new checkpoints carry,
+the newest valid step — is returned in the :class:`ResumePoint`
+(:meth:`ResumePoint.handover`), never written into the engine or its services. A start
+that fails leaves its verdicts in the termination-message report first (after a failed
+pin: the ladder's next candidates probed too,
+:func:`~ckpt_agent.runtime.restore.bookkeeping.report_failed_start`). What a resume reads
+and writes in storage besides the checkpoint (``RECOVER.json``, verdicts, retirements) is
+in :mod:`~ckpt_agent.runtime.restore.bookkeeping`; :class:`ResumePoint` and the candidate
+types in :mod:`~ckpt_agent.runtime.restore.resume_point`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ckpt_agent import tuning
@@ -130,16 +134,22 @@ class Restorer:
 
     def resume_point(self, chosen: ResumeRequest | None = None) -> ResumePoint:
         """Where training continues; ``chosen``: rank 0's choice, restored exactly (on the
-        other ranks)."""
+        other ranks). The point also says what the save side continues from
+        (:meth:`ResumePoint.handover`), with the newest valid weights step storage held."""
         e = self.engine
         records = e.catalog.rebuild_from_storage(e.storage, e.run_id)
         weights = [r for r in records if r.has_weights and r.status == CheckpointStatus.VALID]
+        last_valid = -1
         if weights:
             full = [r.step for r in weights if not r.lightweight]
-            e.finalizer.last_valid_step = max(full) if full else -1
-            e.metrics.last_valid_step.set(e.finalizer.last_valid_step)
+            last_valid = max(full) if full else -1
+            e.metrics.last_valid_step.set(last_valid)
         if e.finalizer.report is not None:  # report in at once: the operator sees the agent
             e.finalizer.report.write(e.run_id, records)
+        return replace(self._choose(records, chosen), last_valid_step=last_valid)
+
+    def _choose(self, records: list[CheckpointRecord], chosen: ResumeRequest | None) -> ResumePoint:
+        e = self.engine
         attempts = _Attempts(self, records)
         # 1. rank 0 chose: exactly that one.
         if chosen is not None:

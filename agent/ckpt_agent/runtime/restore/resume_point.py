@@ -4,12 +4,15 @@ ranks restore exactly (:class:`ResumeRequest`) and the candidates a resume looks
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_agent.errors import RejectionKind
+from ckpt_agent.errors import RejectionKind, ResumeError
 from ckpt_agent.format.heartbeat import Heartbeat
-from ckpt_agent.records import CheckpointRecord, Lineage
+from ckpt_agent.format.manifest import lineage_from_json, lineage_to_json
+from ckpt_agent.records import CheckpointRecord, Json, Lineage
+from ckpt_agent.runtime.core.context import Handover
 from ckpt_agent.runtime.core.serialization import LoadedState
 
 __all__ = ["Candidate", "Rejection", "ResumePoint", "ResumeRequest"]
@@ -40,10 +43,25 @@ class ResumePoint:
     warnings: tuple[str, ...] = ()
     lineage: Lineage = field(default_factory=Lineage)
     """The resume lineage the run's next checkpoints carry."""
+    prev_hash: str | None = None
+    """The manifest hash the run's next checkpoint links to (the restored checkpoint's;
+    None after a fresh start)."""
+    last_valid_step: int = -1
+    """The newest valid weights checkpoint in storage when the resume chose (-1: none)."""
 
     @property
     def resumed(self) -> bool:
         return self.checkpoint_id is not None
+
+    def handover(self) -> Handover:
+        """What the save side continues from (handed over once, :meth:`Persister.start
+        <ckpt_agent.runtime.save.persister.Persister.start>`)."""
+        return Handover(
+            prev_hash=self.prev_hash,
+            lineage=self.lineage,
+            checkpoint_step=self.checkpoint_step,
+            last_valid_step=self.last_valid_step,
+        )
 
     def event_fields(self) -> dict[str, Any]:
         """What the ``start`` event of the decision log says about this resume."""
@@ -71,6 +89,29 @@ class ResumeRequest:
     """Rank 0's :attr:`ResumePoint.action` (``resume``, ``manual``, ...)."""
     lineage: Lineage | None = None
     """Rank 0's resume lineage (None: the restored checkpoint's own)."""
+
+    def to_json(self) -> dict[str, Json]:
+        """The request as rank 0 broadcasts it (:mod:`~ckpt_agent.runtime.restore.agreed`)."""
+        return {
+            "id": self.checkpoint_id,
+            "weights_from": self.weights_from,
+            "action": self.action,
+            "lineage": None if self.lineage is None else lineage_to_json(self.lineage),
+        }
+
+    @classmethod
+    def from_json(cls, msg: Mapping[str, Json]) -> ResumeRequest:
+        cid = msg.get("id")
+        if not isinstance(cid, str) or not cid:
+            raise ResumeError(f"rank 0's resume choice names no checkpoint ({cid!r})")
+        weights = msg.get("weights_from")
+        raw = msg.get("lineage")
+        return cls(
+            checkpoint_id=cid,
+            weights_from=None if weights is None else str(weights),
+            action=str(msg.get("action") or "resume"),
+            lineage=None if raw is None else lineage_from_json(raw, "rank 0's resume lineage"),
+        )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,14 @@ with several ranks through the two-phase commit). On rank 0 a validator
 thread then runs the post-commit pipeline
 (:class:`~ckpt_agent.persist.finalize.FinalizePipeline`: load-check, verdict,
 catalog, retention, blob GC).
+
+Threads and what each owns: the training thread calls every
+:class:`~ckpt_agent.runtime.save.persister.Persister` method and takes the snapshot;
+the persister thread (``ckpt-persist-<rank>``) owns the rank's
+:class:`~ckpt_agent.runtime.save.chain.HashChain` (it builds each manifest from it and
+advances it after the commit) and the ``committed``/byte counters of the engine's stats;
+the validator thread (``ckpt-validate-0``) owns the finalize pipeline's counters
+(seeded once by :meth:`ThreadPersister.start`, before it runs).
 """
 
 from __future__ import annotations
@@ -24,12 +32,11 @@ from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
-from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.core.serialization import LiveArray, flatten, library_versions
 from ckpt_agent.runtime.dist.commit import TwoPhaseCommit
 from ckpt_agent.runtime.dist.rank_group import RankGroup
-from ckpt_agent.runtime.restore.restorer import Restorer
-from ckpt_agent.runtime.restore.resume_point import ResumePoint
+from ckpt_agent.runtime.save.chain import HashChain
 from ckpt_agent.runtime.save.snapshot import (
     BackgroundWorker,
     HostArena,
@@ -65,21 +72,17 @@ class ThreadPersister:
         self.approximate_threshold = approximate_threshold
         self.arena = HostArena()
         self._committer: TwoPhaseCommit | None = None
+        self._chain: HashChain | None = None
+        """The persister thread's (made in :meth:`start`, before that thread exists)."""
         self._worker: BackgroundWorker[_PersistJob] | None = None
         self._post: BackgroundWorker[FinalizeJob] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    def flush_previous(self) -> None:
-        return None
-
-    def resume_point(self, restorer: Restorer) -> ResumePoint | None:
-        del restorer
-        return None
-
-    def start(self, resume: ResumePoint) -> None:
-        del resume
+    def start(self, handover: Handover) -> None:
         ranks = self.engine.ranks
+        self._chain = HashChain(handover)
+        self.engine.finalizer.seed_last_valid_step(handover.last_valid_step)
         if self.group is not None and self.group.commit_comm is not None:
             self._committer = TwoPhaseCommit(self.group.commit_comm, self.engine.parts.writer)
         if not ranks.writes:
@@ -169,7 +172,8 @@ class ThreadPersister:
     # ------------------------------------------------------------------ persister thread
 
     def _persist(self, job: _PersistJob) -> None:
-        e = self.engine
+        e, chain = self.engine, self._chain
+        assert chain is not None
         snap, d = job.snapshot, job.decision
         meta = CheckpointMeta(
             run_id=e.run_id,
@@ -185,10 +189,10 @@ class ThreadPersister:
             lightweight=d.lightweight,
             approximate=snap.approximate,
             emergency=d.emergency,
-            prev_hash=e.prev_hash,
+            prev_hash=chain.prev_hash,
             sections=tuple(snap.tree),
             versions=library_versions(),
-            lineage=e.lineage,
+            lineage=chain.lineage,
         )
         commit: CommitManifest | None
         if self._committer is not None:  # every rank its part; rank 0 commits when all verified
@@ -207,7 +211,7 @@ class ThreadPersister:
             commit = committed.commit
             counts = committed.byte_counts()
         persist_s = time.perf_counter() - job.submitted
-        e.prev_hash = manifest_hash
+        chain.advance(manifest_hash)
         tier = snap.tier.value
         e.metrics.save_latency.labels(tier=tier).observe(persist_s)
         e.metrics.bytes_written.labels(tier=tier).inc(size_bytes)

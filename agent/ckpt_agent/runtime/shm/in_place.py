@@ -23,7 +23,12 @@ control group; none with a single rank):
    whatever was applied.
 
 Exactly once, never a mix: every rank restores the same save from memory, or
-every rank goes to storage.
+every rank goes to storage. :func:`resume_from_memory` is what
+:meth:`Checkpointer.start <ckpt_agent.runtime.checkpointer.Checkpointer.start>` runs with
+shared memory: the snapshots a dead trainer left are persisted first, then the protocol
+above. What the save side continues from (the chain's previous link, the lineage) comes
+back in the :class:`~ckpt_agent.runtime.restore.resume_point.ResumePoint`, nothing is
+written into the engine.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from ckpt_agent.runtime.core.serialization import LoadedState, torch_dtype
 from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import Candidate, ResumePoint
+from ckpt_agent.runtime.shm.target import FlashTarget
 from ckpt_agent.storage.memory import populate
 
 __all__ = ["InPlaceRestore", "ShmCopy", "copy_snapshot", "shm_offers"]
@@ -192,6 +198,23 @@ def _manifest(engine: Engine, desc: Descriptor) -> RankManifest:
 
 def _loaded(engine: Engine, copy: ShmCopy) -> LoadedState:
     return LoadedState(manifest=_manifest(engine, copy.desc), arrays=copy.arrays, files=copy.files)
+
+
+def resume_from_memory(
+    engine: Engine, restorer: Restorer, group: RankGroup | None, target: FlashTarget
+) -> ResumePoint | None:
+    """Before a resume with shared memory: let a persister handle the snapshots a dead
+    trainer left (:meth:`FlashTarget.flush_previous`), then restore every rank from memory
+    when the module doc's rules allow; None on every rank: resume from storage as usual
+    (collective with several ranks)."""
+    target.flush_previous()  # a dead trainer's last snapshot goes first
+    rank = engine.ranks.rank
+    areas = {rank: target.reader}
+    if rank != 0:
+        zero = target.reader_of(0)
+        if zero.dir.is_dir():  # rank 0 on this node: read its shared state here
+            areas[0] = zero
+    return InPlaceRestore(engine, restorer, group, areas).run()
 
 
 class InPlaceRestore:
@@ -406,9 +429,9 @@ class InPlaceRestore:
         except Exception as err:  # the other ranks wait for this rank's answer
             log.warning("applying the shared-memory snapshot failed", exc_info=True)
             return None, f"{type(err).__name__}: {err}"
-        if not committed_hash:
+        if not committed_hash:  # not committed (yet): the next save links where it did
             prev = desc.meta.get("prev_hash")
-            self.engine.prev_hash = str(prev) if prev else None
+            point = replace(point, prev_hash=str(prev) if prev else None)
         reason = (
             f"in-place restart: {desc.checkpoint_id} from shared memory (every rank's copy "
             "checked against the persister's checksums)"

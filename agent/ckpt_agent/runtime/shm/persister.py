@@ -6,9 +6,13 @@ the state into a shared-memory slot (:class:`~ckpt_agent.runtime.shm.target.Flas
 the pod's sidecar — or a local subprocess — writes, validates and records it.
 Its results (persist times, commit hashes, errors: every save's) come back through
 :meth:`ShmPersister.poll`; a local persister's metrics are served by the trainer
-(:meth:`~ckpt_agent.metrics.Metrics.relay`). An in-place restart may resume straight from
-checked shared-memory snapshots, on every rank alike (:meth:`ShmPersister.resume_point`,
-:mod:`~ckpt_agent.runtime.shm.in_place`).
+(:meth:`~ckpt_agent.metrics.Metrics.relay`). Everything here runs on the training
+thread, which therefore owns the rank's :class:`~ckpt_agent.runtime.save.chain.HashChain`:
+each save hands the persister process the chain's previous link and lineage, and
+:meth:`ShmPersister.poll` advances it with the commit hashes that come back. An in-place
+restart from checked shared-memory snapshots is the restore side's
+(:func:`~ckpt_agent.runtime.shm.in_place.resume_from_memory`, over the same
+:attr:`ShmPersister.flash` target).
 """
 
 from __future__ import annotations
@@ -23,13 +27,11 @@ from ckpt_agent.flash.protocol import PersistedMark, read_file
 from ckpt_agent.format.manifest import lineage_to_json
 from ckpt_agent.records import Tier, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
-from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.core.serialization import library_versions
 from ckpt_agent.runtime.dist.rank_group import RankGroup
-from ckpt_agent.runtime.restore.restorer import Restorer
-from ckpt_agent.runtime.restore.resume_point import ResumePoint
+from ckpt_agent.runtime.save.chain import HashChain
 from ckpt_agent.runtime.save.snapshot import JobError
-from ckpt_agent.runtime.shm.in_place import InPlaceRestore
 from ckpt_agent.runtime.shm.target import FlashTarget
 
 __all__ = ["ShmPersister"]
@@ -38,11 +40,19 @@ __all__ = ["ShmPersister"]
 class ShmPersister:
     """The shared-memory :class:`~ckpt_agent.runtime.save.persister.Persister` (module doc)."""
 
-    def __init__(self, engine: Engine, capture: StateCapture, group: RankGroup | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        capture: StateCapture,
+        group: RankGroup | None,
+        *,
+        flash: FlashTarget | None = None,
+    ) -> None:
+        """``flash``: the shared-memory target (default: this rank's, from the config)."""
         self.engine = engine
         self.capture = capture
         self.group = group
-        self.flash = FlashTarget(
+        self.flash = flash or FlashTarget(
             engine.config,
             engine.ranks.rank,
             engine.ranks.live_world_size,
@@ -51,6 +61,8 @@ class ShmPersister:
         self._errors: list[JobError] = []
         self._pending: dict[int, Tier] = {}
         self._resume_step = -1
+        self._chain = HashChain(Handover())
+        """The training thread's (replaced by :meth:`start`)."""
         if self.flash.local_persister:  # no sidecar container: serve the persister's metrics
             path = self.flash.reader.metrics_path
             engine.metrics.relay(lambda: read_file(path))
@@ -62,12 +74,12 @@ class ShmPersister:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def flush_previous(self) -> None:
-        self.flash.flush_previous()  # a dead trainer's last snapshot goes first
-
-    def start(self, resume: ResumePoint) -> None:
-        if resume.checkpoint_step is not None:
-            self._resume_step = resume.checkpoint_step
+    def start(self, handover: Handover) -> None:
+        if handover.checkpoint_step is not None:
+            self._resume_step = handover.checkpoint_step
+        self._chain = HashChain(handover)
+        # the trainer's pipeline never validates here: the seed is what summary() reports
+        self.engine.finalizer.seed_last_valid_step(handover.last_valid_step)
         self.flash.start()  # the persister (sidecar / subprocess) validates and records
 
     def prepare(self, step: int) -> Callable[[], None] | None:
@@ -138,9 +150,9 @@ class ShmPersister:
             "lightweight": decision.lightweight,
             "approximate": False,
             "emergency": decision.emergency,
-            "prev_hash": e.prev_hash,
+            "prev_hash": self._chain.prev_hash,
             "resume_step": self._resume_step,
-            "lineage": lineage_to_json(e.lineage),
+            "lineage": lineage_to_json(self._chain.lineage),
             "versions": library_versions(),
             "token": token,
         }
@@ -190,7 +202,7 @@ class ShmPersister:
         e.stats.bytes_written += mark.size_bytes
         e.feedback.put(SaveOutcome.persisted(tier, mark.persist_s))
         if mark.manifest_hash:
-            e.prev_hash = mark.manifest_hash
+            self._chain.advance(mark.manifest_hash)
         e.metrics.save_latency.labels(tier=tier.value).observe(mark.persist_s)
         e.event(
             "persisted",
@@ -206,18 +218,3 @@ class ShmPersister:
         """Results in, and their persist times to the scheduler right away."""
         self.poll()
         self.engine.drain_feedback()
-
-    # ------------------------------------------------------------------ in-place restart
-
-    def resume_point(self, restorer: Restorer) -> ResumePoint | None:
-        """In-place restart: every rank restores the newest save all ranks hold in shared
-        memory (checked) when it is at least as new as anything in storage; None on every
-        rank: resume from storage as usual (collective with several ranks;
-        :mod:`~ckpt_agent.runtime.shm.in_place`)."""
-        rank = self.engine.ranks.rank
-        areas = {rank: self.flash.reader}
-        if rank != 0:
-            zero = self.flash.reader_of(0)
-            if zero.dir.is_dir():  # rank 0 on this node: read its shared state here
-                areas[0] = zero
-        return InPlaceRestore(self.engine, restorer, self.group, areas).run()

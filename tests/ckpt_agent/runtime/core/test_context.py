@@ -1,0 +1,104 @@
+"""Engine: built from fakes (no storage opened, no SQLite), the services it holds and the
+little they share safely (write latency from any thread, anomalies for retention)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import runtime_fakes as fk
+
+from ckpt_agent.decide.scheduler import Decision, SaveResult
+from ckpt_agent.policy import AgentConfig
+from ckpt_agent.records import Lineage, Tier
+from ckpt_agent.runtime.core.context import Handover
+from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
+
+ConfigFactory = Callable[..., AgentConfig]
+
+
+def test_an_engine_of_fakes_opens_no_storage_and_no_catalog_file(
+    ck_config: ConfigFactory,
+) -> None:
+    cfg = ck_config()
+    engine, fakes = fk.make_engine(cfg)
+    assert engine.storage is fakes.storage and engine.catalog is fakes.catalog
+    assert engine.finalizer is fakes.finalizer
+    assert fakes.wiring["catalog_path"].name == "catalog.sqlite"
+    assert fakes.wiring["store_lock"] is engine.store_lock
+    assert not list(engine.work_dir.rglob("*.sqlite"))
+    engine.close()
+    assert fakes.validator.closed and fakes.catalog.closed
+
+
+def test_the_engine_holds_no_chain_state(ck_config: ConfigFactory) -> None:
+    """What a persist needs from the previous one is the persister's (Handover → its chain),
+    not a field of the shared engine that several threads write."""
+    engine, _ = fk.make_engine(ck_config())
+    for name in ("prev_hash", "lineage", "write_latency_ms"):
+        assert not hasattr(engine, name), name
+
+
+def test_the_handover_of_a_fresh_start() -> None:
+    h = Handover()
+    assert (h.prev_hash, h.lineage, h.checkpoint_step, h.last_valid_step) == (
+        None,
+        Lineage(),
+        None,
+        -1,
+    )
+
+
+def test_write_latency_from_any_thread_reaches_the_system_signals(
+    ck_config: ConfigFactory,
+) -> None:
+    engine, fakes = fk.make_engine(ck_config())
+    assert engine.system_signals(None, None).write_latency_ms is None
+
+    def write(i: int) -> None:
+        fakes.storage.commit(f"run1/x{i}", b"x")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seen = engine.system_signals(None, None).write_latency_ms
+    assert seen is not None and seen >= 0
+    fakes.storage.last_write_bytes = 0
+    hook = fakes.storage.on_write_latency
+    assert hook is not None
+    hook(0.25)
+    assert engine.system_signals(3, 100.0).write_latency_ms == 250.0  # the worst of both
+    assert engine.system_signals(3, 400.0).write_latency_ms == 400.0
+    fakes.storage.last_write_bytes = LATENCY_SAMPLE_MAX_BYTES + 1
+    hook(9.0)  # a large write says nothing about latency
+    assert engine.system_signals(None, None).write_latency_ms == 250.0
+    engine.close()
+    assert fakes.storage.on_write_latency is None
+
+
+def test_anomalies_the_scheduler_saw_are_what_retention_protects(
+    ck_config: ConfigFactory,
+) -> None:
+    engine, fakes = fk.make_engine(ck_config())
+    anomalies = fakes.wiring["anomalies"]
+    assert anomalies([]) == []
+    engine.record_decision(Decision(step=12, save=True, tier=Tier.PULSE, anomaly="loss_spike"))
+    engine.record_decision(Decision(step=13, save=False, tier=None), loss=float("nan"))
+    (event,) = anomalies([])
+    assert (event.step, event.kind) == (12, "loss_spike")
+    assert event.resolved_step == 12 + engine.config.tiers.pulse.base_interval
+
+
+def test_a_booked_snapshot_reaches_the_scheduler_stats_and_summary(
+    ck_config: ConfigFactory,
+) -> None:
+    engine, fakes = fk.make_engine(ck_config())
+    settled = []
+    engine.scheduler.settle = settled.append  # type: ignore[method-assign]
+    engine.book_snapshot(Decision(step=4, save=True, tier=Tier.FULL), 0.125, bytes=10)
+    assert [(o.result, o.step, o.stall_seconds) for o in settled] == [(SaveResult.TAKEN, 4, 0.125)]
+    fakes.finalizer.seed_last_valid_step(3)
+    s = engine.summary()
+    assert (s["saves"], s["stall_max_s"], s["last_valid_step"]) == (1, 0.125, 3)
