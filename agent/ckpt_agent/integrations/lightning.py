@@ -50,7 +50,6 @@ import torch
 from ckpt_agent.integrations._common import IntegrationError, LateState, require
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
-from ckpt_agent.runtime.core.serialization import capture_rng, restore_rng
 
 _pl = require("lightning.pytorch", "lightning", "lightning==2.6.6")
 _Callback: Any = _pl.Callback
@@ -165,7 +164,7 @@ class CheckpointCallback(_Callback):  # type: ignore[misc]
         self.kwargs = checkpointer_kwargs
         self.ckpt: Checkpointer | None = None
         self.resume_point: ResumePoint | None = None
-        self._rng: dict[str, object] | None = None
+        self._rng_pending = False
         self._skip: tuple[int, int] | None = None
         self._epoch_end = False
         self._last_global_step = -1
@@ -204,7 +203,7 @@ class CheckpointCallback(_Callback):  # type: ignore[misc]
         self.resume_point = resume
         if not resume.resumed:
             return
-        self._rng = capture_rng()  # restored by start(); Lightning draws from it before batch 1
+        self._rng_pending = True  # Lightning draws from the RNG before batch 1: put back later
         saved = progress.restored
         if not saved:
             raise IntegrationError(
@@ -244,9 +243,9 @@ class CheckpointCallback(_Callback):  # type: ignore[misc]
         # epoch later after a checkpoint of an epoch's last batch): from here on, in every
         # run, they draw from their own generator.
         _own_generators(trainer.train_dataloader)
-        if self._rng is not None:
-            rng, self._rng = self._rng, None
-            restore_rng(rng)
+        if self._rng_pending and self.ckpt is not None:
+            self._rng_pending = False
+            self.ckpt.restore_rng()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._grad_norm = None

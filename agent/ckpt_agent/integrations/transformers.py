@@ -51,7 +51,6 @@ import torch
 from ckpt_agent.integrations._common import IntegrationError, LateState, require
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
-from ckpt_agent.runtime.core.serialization import capture_rng, restore_rng
 
 _tf = require("transformers", "hf", "transformers==5.23.0")
 _TrainerCallback: Any = _tf.TrainerCallback
@@ -111,7 +110,7 @@ class CheckpointCallback(_TrainerCallback):  # type: ignore[misc]
         self._trainer: Any = None
         self._scheduler = LateState("LR scheduler")
         self._progress: _TrainerProgress | None = None
-        self._rng: dict[str, object] | None = None
+        self._rng_pending = False
         self._resume_dir: Path | None = None
         self._hook: Any = None
         self._losses: list[torch.Tensor] = []
@@ -166,8 +165,8 @@ class CheckpointCallback(_TrainerCallback):  # type: ignore[misc]
         if not resume.resumed:
             return None
         # start() restored the RNG now; HF's next steps (data loaders, its own seeding)
-        # draw from it before the first step: hold the restored state for that step.
-        self._rng = capture_rng()
+        # draw from it before the first step: the agent puts it back for that step.
+        self._rng_pending = True
         # HF's scheduler, built in train(), sets the groups' lr to its step 0: the restored
         # group settings are put back before the scheduler's state (HF's own load order).
         self._groups = [
@@ -249,9 +248,9 @@ class CheckpointCallback(_TrainerCallback):  # type: ignore[misc]
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._flush()
-        if self._rng is not None:  # the first step after a resume: the RNG it started with
-            rng, self._rng = self._rng, None
-            restore_rng(rng)
+        if self._rng_pending and self.ckpt is not None:  # the first step after a resume
+            self._rng_pending = False
+            self.ckpt.restore_rng()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         ckpt = self.ckpt
