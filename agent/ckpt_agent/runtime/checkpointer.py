@@ -241,6 +241,8 @@ class Checkpointer:
         """Allocates and touches the snapshot buffers after :meth:`start` returned."""
         self._resume: ResumePoint | None = None
         self._resumed_rng: dict[str, object] | None = None
+        self._stepped = False
+        """step() was called since start() (the first call's step is checked once)."""
         self._last_step: int | None = None
         self._started = False
         self._closed = False
@@ -522,6 +524,21 @@ class Checkpointer:
 
     def _check_step_order(self, step: int) -> None:
         last = self._last_step
+        if not self._stepped:
+            self._stepped = True
+            expected = self._resume.step if self._resume is not None else 0
+            if step > expected:  # lower: refused below
+                log.warning(
+                    "step(%d) is the first step() after start(), which continues at step %d: "
+                    "pass the index of the optimizer step just finished (0 for the first; a "
+                    "framework's count of finished steps minus one, as "
+                    "ckpt_agent.integrations does) - a checkpoint of step %d resumes at %d, "
+                    "so an off-by-one skips a step at every resume",
+                    step,
+                    expected,
+                    step,
+                    step + 1,
+                )
         if last is None or step > last:
             return
         resumed = (

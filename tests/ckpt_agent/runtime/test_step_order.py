@@ -69,3 +69,29 @@ def test_a_repeated_step_in_one_process_is_refused(
         ckpt.step(2, 1.0)
     ckpt.step(4, 1.0)
     ckpt.close()
+
+
+def test_a_first_step_past_the_resume_point_is_named_in_a_warning(
+    ck_config: ConfigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A framework counts finished steps; passing that count (not minus one) skips a step at
+    every resume. The first step() says so (the integrations pass global_step - 1)."""
+    ckpt = _ckpt(ck_config())
+    ckpt.start()
+    with caplog.at_level("WARNING", logger="ckpt_agent.runtime.checkpointer"):
+        ckpt.step(1, 1.0)
+        ckpt.step(2, 1.0)
+    warned = [r for r in caplog.records if "first step() after start()" in r.getMessage()]
+    assert len(warned) == 1 and "continues at step 0" in warned[0].getMessage()
+    ckpt.close()
+
+
+def test_a_first_step_at_the_resume_point_warns_nothing(
+    ck_config: ConfigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = _ckpt(ck_config())
+    ckpt.start()
+    with caplog.at_level("WARNING", logger="ckpt_agent.runtime.checkpointer"):
+        ckpt.step(0, 1.0)
+    assert not [r for r in caplog.records if "first step()" in r.getMessage()]
+    ckpt.close()
