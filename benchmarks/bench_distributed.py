@@ -90,7 +90,7 @@ def bench_stall(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    from ckpt_agent.records import Tier
+    from ckpt_agent.policy.models import Tier
     from ckpt_agent.runtime.save.snapshot import HostArena, take_snapshot
     from ckpt_agent.runtime.shm.target import FlashTarget
 

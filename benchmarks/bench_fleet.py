@@ -52,8 +52,10 @@ sys.path.insert(0, str(ROOT / "e2e"))
 from ckpt_agent.format.layout import validation_key  # noqa: E402
 from ckpt_agent.format.manifest import CheckpointMeta  # noqa: E402
 from ckpt_agent.format.verdict import ValidationVerdict  # noqa: E402
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource  # noqa: E402
-from ckpt_agent.records import CheckpointStatus, Tier  # noqa: E402
+from ckpt_agent.persist.encoding import CodecPolicy  # noqa: E402
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource  # noqa: E402
+from ckpt_agent.policy.models import Tier  # noqa: E402
+from ckpt_agent.records import CheckpointStatus  # noqa: E402
 from ckpt_agent.storage import Storage, open_storage  # noqa: E402
 from ckpt_e2e import s3servers  # noqa: E402
 from ckpt_e2e.cluster import LocalCluster  # noqa: E402

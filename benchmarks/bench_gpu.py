@@ -48,7 +48,7 @@ from _common import (
 from torch import nn
 
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.checkpointer import Checkpointer
 
 GIB = 1024**3

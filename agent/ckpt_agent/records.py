@@ -20,7 +20,7 @@ __all__ = [
     "Json",
     "Lineage",
     "RetentionClass",
-    "Tier",
+    "Tier",  # still imported from here by ckpt_operator (rooms-operator switches it)
     "checkpoint_id",
 ]
 

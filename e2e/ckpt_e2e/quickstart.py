@@ -32,7 +32,8 @@ from typing import Any
 
 from ckpt_agent.cli.main import main as ckpt_main
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.storage.fs import LocalStorage
 
 from .demo import DEFAULT_OUTPUT, Printer

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.storage import StorageOptions, open_storage
 
 from .cluster import LocalCluster

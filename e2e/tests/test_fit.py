@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_e2e.fit import faults
 from ckpt_e2e.fit.__main__ import main as fit_main
 from ckpt_e2e.fit.campaign import run_campaign

@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 
 from ckpt_agent.format.termination import parse_report
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 from ckpt_e2e.kubelet import PodRun
 from ckpt_e2e.scenario import Scenario
 from ckpt_e2e.training import Training, annotations_of, events, result_path

@@ -16,10 +16,11 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ckpt_agent.errors import ResumeError
 from ckpt_agent.flash.sidecar import SidecarMetrics
 from ckpt_agent.metrics import Metrics, snapshot
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.runtime.checkpointer import Checkpointer, ResumeError
+from ckpt_agent.runtime.checkpointer import Checkpointer
 
 ConfigFactory = Callable[..., AgentConfig]
 

@@ -68,7 +68,8 @@ from ckpt_agent.persist.housekeeping import (
     gc_blobs,
 )
 from ckpt_agent.persist.validate import load_check
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = ["app", "main", "recover_app", "recover_main"]

@@ -31,7 +31,8 @@ from ckpt_agent.format.layout import recover_request_key
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import append_audit, who
 from ckpt_agent.persist.validate import load_check
-from ckpt_agent.records import CheckpointRecord, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.storage import Storage
 
 __all__ = ["recover"]

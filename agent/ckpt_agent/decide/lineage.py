@@ -48,7 +48,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json, Lineage, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json, Lineage
 
 __all__ = [
     "LineageChoice",

@@ -41,16 +41,7 @@ from ckpt_agent.errors import ForceRequiredError, RetryableError
 from ckpt_agent.policy.models import RecoverySpec, Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 
-__all__ = [
-    "Action",
-    "ForceRequiredError",
-    "PlanStep",
-    "RecoveryPlan",
-    "Verdicts",
-    "is_poisoned",
-    "plan_recovery",
-    "walk",
-]
+__all__ = ["Action", "PlanStep", "RecoveryPlan", "Verdicts", "is_poisoned", "plan_recovery", "walk"]
 
 Action = Literal["resume", "rebuild_from_heartbeat", "manual"]
 

@@ -71,10 +71,9 @@ from ckpt_agent.decide.decision import (
     Decision,
     SaveOutcome,
     SaveResult,
-    merge_decisions,
 )
 from ckpt_agent.decide.hazard import Hazard, HazardModel
-from ckpt_agent.decide.intervals import INTERVAL_RULES, CostModel, pulse_interval
+from ckpt_agent.decide.intervals import CostModel, pulse_interval
 from ckpt_agent.decide.signals import (
     GradientLayer,
     LossLayer,
@@ -82,21 +81,11 @@ from ckpt_agent.decide.signals import (
     SystemSignals,
     finite,
 )
-from ckpt_agent.decide.tiers import TierCounters, tier_rank
+from ckpt_agent.decide.tiers import TierCounters
 from ckpt_agent.policy.models import Tier, TiersSpec
 from ckpt_agent.policy.scheduler_models import SchedulerSpec
 
-__all__ = [
-    "ANOMALY_KINDS",
-    "INTERVAL_RULES",
-    "AdaptiveScheduler",
-    "Decision",
-    "SaveOutcome",
-    "SaveResult",
-    "SystemSignals",
-    "merge_decisions",
-    "tier_rank",
-]
+__all__ = ["AdaptiveScheduler"]
 
 STATE_VERSION = 1
 

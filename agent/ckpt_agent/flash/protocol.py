@@ -69,9 +69,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
-from ckpt_agent.errors import CheckpointFormatError, ShmError
+from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE, validate_run_id
-from ckpt_agent.records import Json, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Json, checkpoint_id
 from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES
 
 __all__ = [
@@ -83,7 +84,6 @@ __all__ = [
     "MARK_HISTORY",
     "Descriptor",
     "PersistedMark",
-    "ShmError",
     "ShmTensor",
     "align",
     "atomic_write",

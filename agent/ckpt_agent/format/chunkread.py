@@ -32,11 +32,11 @@ from typing import Final
 import zstandard
 
 from ckpt_agent import tuning
-from ckpt_agent.errors import CodecError, IntegrityError, RetryableStorageError
+from ckpt_agent.errors import CodecError, IntegrityError, NotFoundError, RetryableStorageError
 from ckpt_agent.format.codec import CODEC_NONE, CodecSpec, Shuffler, check_zstd_frame
 from ckpt_agent.format.entries import BlobEntry, TensorEntry
 from ckpt_agent.format.layout import BLAKE3, Hasher, blob_key, sha256_hex
-from ckpt_agent.storage.base import NotFoundError, Storage
+from ckpt_agent.storage.base import Storage
 
 __all__ = [
     "BLOCK_BYTES",

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CODECS",
     "PY_SHUFFLER",
-    "CodecError",
     "CodecSpec",
     "PyShuffler",
     "Shuffler",

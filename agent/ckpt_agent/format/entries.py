@@ -12,8 +12,8 @@ import base64
 import binascii
 from dataclasses import dataclass
 
-from ckpt_agent.errors import CheckpointFormatError
-from ckpt_agent.format.codec import CodecError, CodecSpec
+from ckpt_agent.errors import CheckpointFormatError, CodecError
+from ckpt_agent.format.codec import CodecSpec
 from ckpt_agent.format.layout import (
     BLOB_MAX_BYTES,
     CHUNK_MAX_BYTES,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, NotFoundError
 from ckpt_agent.format.layout import (
     FORMAT_HEARTBEAT,
     FORMAT_VERSION,
@@ -28,7 +28,7 @@ from ckpt_agent.format.layout import (
 )
 from ckpt_agent.format.schema import nonneg_field, required_field
 from ckpt_agent.records import Json
-from ckpt_agent.storage.base import NotFoundError, Storage
+from ckpt_agent.storage.base import Storage
 
 __all__ = ["Heartbeat", "PackedRng", "encode_heartbeats", "read_heartbeat"]
 

@@ -34,16 +34,7 @@ from ckpt_agent.errors import JsonTreeError
 from ckpt_agent.format.layout import JSON_MAX_INT_DIGITS
 from ckpt_agent.records import Json
 
-__all__ = [
-    "EXTENSION_TAGS",
-    "TAGS",
-    "JsonTreeError",
-    "Leaf",
-    "Resolve",
-    "decode",
-    "encode",
-    "walk_refs",
-]
+__all__ = ["EXTENSION_TAGS", "TAGS", "Leaf", "Resolve", "decode", "encode", "walk_refs"]
 
 
 TUPLE: Final = "__tuple__"

@@ -31,7 +31,8 @@ from types import ModuleType
 from typing import Final, Protocol, TypeGuard
 
 from ckpt_agent.errors import CheckpointFormatError
-from ckpt_agent.records import RANK_DIGITS, STEP_DIGITS, Json, Tier, rank_name
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import RANK_DIGITS, STEP_DIGITS, Json, rank_name
 
 _blake3: ModuleType | None
 try:  # the agent's extra; the operator's image has no need for it

@@ -24,7 +24,8 @@ from ckpt_agent.format.layout import (
     steps_prefix,
 )
 from ckpt_agent.format.readers import read_commit, read_validation
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.base import Storage
 
 __all__ = ["list_checkpoints", "list_runs", "newest_heartbeat_record"]

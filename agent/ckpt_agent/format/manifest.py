@@ -32,13 +32,13 @@ from ckpt_agent.format.layout import (
     loads,
 )
 from ckpt_agent.format.schema import digest_field, nonneg_field, optional_field, required_field
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import (
     CheckpointRecord,
     CheckpointStatus,
     Json,
     Lineage,
     RetentionClass,
-    Tier,
     checkpoint_id,
 )
 from ckpt_agent.version import __version__

@@ -7,7 +7,7 @@ Used by the coordinator of the two-phase commit before it publishes ``COMMIT``:
 
 from __future__ import annotations
 
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, NotFoundError
 from ckpt_agent.format.layout import (
     MANIFEST_MAX_BYTES,
     blob_key,
@@ -17,7 +17,7 @@ from ckpt_agent.format.layout import (
 )
 from ckpt_agent.format.manifest import RankManifest, RankRef
 from ckpt_agent.records import rank_name
-from ckpt_agent.storage.base import NotFoundError, Storage
+from ckpt_agent.storage.base import Storage
 
 __all__ = ["part_keys", "verify_part"]
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
+from ckpt_agent.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    NotFoundError,
+)
 from ckpt_agent.format.chunkread import Scratch, check_inline, read_chunk
 from ckpt_agent.format.codec import PY_SHUFFLER, Shuffler
 from ckpt_agent.format.entries import TensorEntry
@@ -26,7 +31,7 @@ from ckpt_agent.format.layout import (
 )
 from ckpt_agent.format.manifest import CommitManifest, RankManifest
 from ckpt_agent.format.verdict import ValidationVerdict
-from ckpt_agent.storage.base import NotFoundError, Storage
+from ckpt_agent.storage.base import Storage
 
 __all__ = [
     "CommittedCheckpoint",

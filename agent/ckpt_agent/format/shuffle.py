@@ -14,7 +14,7 @@ import numpy as np
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer as Buffer
 
-from ckpt_agent.format.codec import CodecError
+from ckpt_agent.errors import CodecError
 
 __all__ = ["NUMPY_SHUFFLER", "NumpyShuffler"]
 

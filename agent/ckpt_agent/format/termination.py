@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.errors import TerminationReportError
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, checkpoint_id
 
 __all__ = [
     "DEFAULT_PATH",

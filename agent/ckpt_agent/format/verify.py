@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from ckpt_agent.errors import RetryableError, one_line
+from ckpt_agent.errors import NotFoundError, RetryableError, StorageError, one_line
 from ckpt_agent.format.entries import BlobEntry
 from ckpt_agent.format.layout import blob_key, sha256_hex
 from ckpt_agent.format.readers import read_commit, read_rank_manifest
-from ckpt_agent.storage.base import NotFoundError, Storage, StorageError
+from ckpt_agent.storage.base import Storage
 
 __all__ = ["Progress", "VerifyResult", "verify_hashes"]
 

@@ -85,6 +85,7 @@ from ckpt_agent.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     IntegrityError,
+    JsonTreeError,
     StepOrderError,
     one_line,
 )
@@ -106,14 +107,8 @@ from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenRank
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.records import (
-    CheckpointRecord,
-    CheckpointStatus,
-    Json,
-    Lineage,
-    Tier,
-    checkpoint_id,
-)
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json, Lineage, checkpoint_id
 from ckpt_agent.runtime.core.serialization import (
     LiveArray,
     dtype_name,
@@ -222,7 +217,7 @@ def metadata_to_json(md: Metadata) -> Json:
                 "version": md.version,
             }
         )
-    except jsontree.JsonTreeError as e:
+    except JsonTreeError as e:
         raise CheckpointFormatError(
             f"DCP metadata cannot be stored as JSON ({e}): a custom planner's planner_data "
             "must be plain values"
@@ -447,7 +442,7 @@ class DcpWriter(StorageWriter):
         live: dict[str, LiveArray] = {}
         try:
             tree = flatten({"items": items}, SECTION, live)
-        except jsontree.JsonTreeError as e:
+        except JsonTreeError as e:
             raise CheckpointFormatError(
                 f"{e} (a DCP checkpoint here stores non-tensor values as JSON, never pickled)"
             ) from None

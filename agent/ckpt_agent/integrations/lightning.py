@@ -49,7 +49,8 @@ import torch
 
 from ckpt_agent.integrations._common import IntegrationError, LateState, require
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
+from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 
 _pl = require("lightning.pytorch", "lightning", "lightning==2.6.6")
 _Callback: Any = _pl.Callback

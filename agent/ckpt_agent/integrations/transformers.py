@@ -50,7 +50,8 @@ import torch
 
 from ckpt_agent.integrations._common import IntegrationError, LateState, require
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
+from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 
 _tf = require("transformers", "hf", "transformers==5.23.0")
 _TrainerCallback: Any = _tf.TrainerCallback

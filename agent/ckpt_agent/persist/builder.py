@@ -27,9 +27,10 @@ from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
 from ckpt_agent.format.termination import TerminationLog
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.persist.catalog import Catalog
+from ckpt_agent.persist.encoding import CodecPolicy
 from ckpt_agent.persist.finalize import AnomalySource, EventSink, FinalizePipeline
 from ckpt_agent.persist.validate import Validator
-from ckpt_agent.persist.writer import BlobIndex, CheckpointWriter, CodecPolicy
+from ckpt_agent.persist.writer import BlobIndex, CheckpointWriter
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.storage import StorageOptions, open_storage
 from ckpt_agent.storage.base import Storage

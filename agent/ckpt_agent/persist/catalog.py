@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, RetentionClass, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, RetentionClass
 from ckpt_agent.storage.base import Storage
 
 __all__ = ["BUSY_TIMEOUT_MS", "Catalog"]

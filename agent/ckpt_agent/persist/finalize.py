@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckpt_agent.decide.retention import RetentionPlan, plan_retention
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.termination import TerminationLog
@@ -39,9 +39,9 @@ from ckpt_agent.persist.catalog import Catalog
 from ckpt_agent.persist.housekeeping import GcResult, ManifestCache, apply_retention, gc_blobs
 from ckpt_agent.persist.validate import TensorMeta, ValidationOutcome, Validator
 from ckpt_agent.persist.writer import BlobIndex
-from ckpt_agent.policy.models import RetentionSpec
-from ckpt_agent.records import AnomalyEvent, CheckpointRecord, CheckpointStatus, Tier
-from ckpt_agent.storage.base import Storage, StorageError
+from ckpt_agent.policy.models import RetentionSpec, Tier
+from ckpt_agent.records import AnomalyEvent, CheckpointRecord, CheckpointStatus
+from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import gc_grace_for
 
 __all__ = [

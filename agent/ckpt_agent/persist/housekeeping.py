@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.decide.retention import RetentionPlan
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, NotFoundError, StorageError
 from ckpt_agent.format.layout import (
     AUDIT_TAIL_BYTES,
     COMMIT,
@@ -38,8 +38,8 @@ from ckpt_agent.format.layout import (
 )
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_capped
-from ckpt_agent.records import Tier
-from ckpt_agent.storage.base import NotFoundError, Storage, StorageError
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = [

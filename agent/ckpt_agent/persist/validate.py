@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.background import lower_process_priority
-from ckpt_agent.errors import IntegrityError, one_line
+from ckpt_agent.errors import IntegrityError, StorageError, one_line
 from ckpt_agent.format.codec import Shuffler
 from ckpt_agent.format.layout import blob_key, sha256_hex, validation_key
 from ckpt_agent.format.readers import check_tensor_bytes, read_commit, read_rank_manifest
@@ -47,7 +47,7 @@ from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus, Json
 from ckpt_agent.storage import open_storage
-from ckpt_agent.storage.base import Storage, StorageError
+from ckpt_agent.storage.base import Storage
 
 __all__ = [
     "LoadReport",

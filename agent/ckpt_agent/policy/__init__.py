@@ -14,16 +14,9 @@ from ckpt_agent.policy.models import (
     Condition,
     FullTierSpec,
     HeartbeatTierSpec,
-    LocalStorageSpec,
     PulseTierSpec,
     RecoverySpec,
     RetentionSpec,
-    S3StorageSpec,
-    SecretKeyRef,
-    ServerSideEncryptionSpec,
-    SSEMode,
-    StorageSpec,
-    StorageType,
     Tier,
     TiersSpec,
     ValidationSpec,
@@ -34,6 +27,15 @@ from ckpt_agent.policy.scheduler_models import (
     RiskSpec,
     SchedulerSpec,
     SystemLayerSpec,
+)
+from ckpt_agent.policy.storage_models import (
+    LocalStorageSpec,
+    S3StorageSpec,
+    SecretKeyRef,
+    ServerSideEncryptionSpec,
+    SSEMode,
+    StorageSpec,
+    StorageType,
 )
 
 __all__ = [

@@ -42,21 +42,23 @@ from pydantic import Field
 
 from ckpt_agent.policy.models import (
     AgentSpec,
-    CamelModel,
     CheckpointPolicySpec,
     CompressionSpec,
-    LocalStorageSpec,
     RecoverySpec,
     RetentionSpec,
+    TiersSpec,
+    ValidationSpec,
+)
+from ckpt_agent.policy.scheduler_models import SchedulerSpec
+from ckpt_agent.policy.schema_base import CamelModel
+from ckpt_agent.policy.storage_models import (
+    LocalStorageSpec,
     S3StorageSpec,
     SecretKeyRef,
     ServerSideEncryptionSpec,
     StorageSpec,
     StorageType,
-    TiersSpec,
-    ValidationSpec,
 )
-from ckpt_agent.policy.scheduler_models import SchedulerSpec
 
 ENV_CONFIG = "CKPT_CONFIG"
 ENV_RUN_ID = "CKPT_RUN_ID"

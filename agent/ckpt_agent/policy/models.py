@@ -33,13 +33,7 @@ from ckpt_agent.policy.schema_base import (
     cel,
 )
 from ckpt_agent.policy.storage_models import (
-    LocalStorageSpec,
-    S3StorageSpec,
-    SecretKeyRef,
-    ServerSideEncryptionSpec,
-    SSEMode,
     StorageSpec,
-    StorageType,
 )
 
 __all__ = [
@@ -50,32 +44,21 @@ __all__ = [
     "SHORT_NAMES",
     "SINGULAR",
     "AgentSpec",
-    "CamelModel",
     "CheckpointPolicy",
     "CheckpointPolicySpec",
     "CheckpointPolicyStatus",
     "CompressionSpec",
     "Condition",
-    "Fraction",
     "FullTierSpec",
     "HeartbeatTierSpec",
     "JobCheckpointStatus",
-    "LocalStorageSpec",
     "ObjectMeta",
-    "PositiveInt",
     "PulseTierSpec",
     "RecoverySpec",
     "RetentionSpec",
-    "S3StorageSpec",
-    "SSEMode",
-    "SecretKeyRef",
-    "ServerSideEncryptionSpec",
-    "StorageSpec",
-    "StorageType",
     "Tier",
     "TiersSpec",
     "ValidationSpec",
-    "cel",
 ]
 
 API_GROUP = "ckpt.dev"

@@ -27,16 +27,7 @@ from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.report.summary import SIDECAR_SOURCE
 from ckpt_agent.storage import Storage
 
-__all__ = [
-    "LOG_GLOB",
-    "SIDECAR_GLOB",
-    "SIDECAR_SOURCE",
-    "Progress",
-    "RunData",
-    "iter_log",
-    "load_run",
-    "log_files",
-]
+__all__ = ["LOG_GLOB", "SIDECAR_GLOB", "Progress", "RunData", "iter_log", "load_run", "log_files"]
 
 #: The decision logs of one pod's work directory (one file per rank).
 LOG_GLOB = "decisions.rank*.jsonl"

@@ -63,12 +63,13 @@ from typing import Any, Literal
 import torch
 
 from ckpt_agent.background import lower_thread_priority
-from ckpt_agent.decide.scheduler import AdaptiveScheduler, Decision
-from ckpt_agent.errors import CheckpointError, PersistError, ResumeError, StepOrderError
+from ckpt_agent.decide.decision import Decision
+from ckpt_agent.decide.scheduler import AdaptiveScheduler
+from ckpt_agent.errors import CheckpointError, StepOrderError
 from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.policy.agent_config import DEFAULT_RUN_ID, AgentConfig
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.core.capture import (
     StateCapture,
     encode_train_config,
@@ -92,13 +93,7 @@ from ckpt_agent.runtime.shm.target import FlashTarget
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import gc_grace_for
 
-__all__ = [
-    "CheckpointError",
-    "Checkpointer",
-    "PersistError",
-    "ResumeError",
-    "ResumePoint",
-]
+__all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
 

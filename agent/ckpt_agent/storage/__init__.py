@@ -20,14 +20,16 @@ from importlib.metadata import entry_points
 from typing import cast
 from urllib.parse import urlsplit
 
-from ckpt_agent.storage.base import (
+from ckpt_agent.errors import (
     NotFoundError,
-    ObjectInfo,
-    ObjectWriter,
     PermanentStorageError,
     RetryableStorageError,
-    Storage,
     StorageError,
+)
+from ckpt_agent.storage.base import (
+    ObjectInfo,
+    ObjectWriter,
+    Storage,
     WriteLatencyHook,
     validate_key,
 )

@@ -45,8 +45,6 @@ from typing import TYPE_CHECKING, BinaryIO, Self
 from ckpt_agent.errors import (
     NotFoundError,
     PermanentStorageError,
-    RetryableStorageError,
-    StorageError,
 )
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_REMOTE
 
@@ -55,17 +53,7 @@ if TYPE_CHECKING:
 
     from ckpt_agent.storage.options import StorageOptions
 
-__all__ = [
-    "NotFoundError",
-    "ObjectInfo",
-    "ObjectWriter",
-    "PermanentStorageError",
-    "RetryableStorageError",
-    "Storage",
-    "StorageError",
-    "WriteLatencyHook",
-    "validate_key",
-]
+__all__ = ["ObjectInfo", "ObjectWriter", "Storage", "WriteLatencyHook", "validate_key"]
 
 log = logging.getLogger(__name__)
 

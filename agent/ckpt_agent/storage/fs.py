@@ -55,13 +55,12 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
+from ckpt_agent.errors import NotFoundError, StorageError
 from ckpt_agent.storage.base import (
     TEMP_PREFIX,
-    NotFoundError,
     ObjectInfo,
     ObjectWriter,
     Storage,
-    StorageError,
     validate_key,
     validate_prefix,
 )

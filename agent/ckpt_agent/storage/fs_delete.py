@@ -17,8 +17,8 @@ import stat as stat_mod
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckpt_agent.errors import UnsafePathError
-from ckpt_agent.storage.base import TEMP_PREFIX, NotFoundError
+from ckpt_agent.errors import NotFoundError, UnsafePathError
+from ckpt_agent.storage.base import TEMP_PREFIX
 from ckpt_agent.storage.confined import ConfinedTree, kind_of
 
 __all__ = ["delete_tree", "prune", "unlink_entry"]

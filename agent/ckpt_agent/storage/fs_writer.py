@@ -26,13 +26,8 @@ import threading
 import uuid
 from pathlib import Path
 
-from ckpt_agent.storage.base import (
-    TEMP_PREFIX,
-    ObjectWriter,
-    RetryableStorageError,
-    Storage,
-    StorageError,
-)
+from ckpt_agent.errors import RetryableStorageError, StorageError
+from ckpt_agent.storage.base import TEMP_PREFIX, ObjectWriter, Storage
 from ckpt_agent.storage.confined import O_TEMP, ConfinedTree, close_all, conflict
 from ckpt_agent.storage.memory import buffer_address
 from ckpt_agent.tuning import DIRECT_IO_ALIGN, DIRECT_IO_MIN_BYTES

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ckpt_agent.policy.agent_config import AgentConfig, S3Options
-from ckpt_agent.policy.models import S3StorageSpec
+from ckpt_agent.policy.storage_models import S3StorageSpec
 
 __all__ = [
     "ENV_VARS",

@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 
 T = TypeVar("T")
 

@@ -30,7 +30,8 @@ from typing import Any
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.storage import Storage
 from ckpt_agent.storage.fs import LocalStorage
 

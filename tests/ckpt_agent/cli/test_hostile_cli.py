@@ -39,7 +39,8 @@ from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.housekeeping import append_audit, read_audit_tail
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
-from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.report.data import load_run
 from ckpt_agent.storage.fs import LocalStorage
 

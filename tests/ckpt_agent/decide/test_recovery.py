@@ -8,15 +8,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 from decide_builders import C, E, P, V, record
 
-from ckpt_agent.decide.recovery import (
-    ForceRequiredError,
-    PlanStep,
-    RecoveryPlan,
-    is_poisoned,
-    plan_recovery,
-    walk,
-)
-from ckpt_agent.errors import RetryableStorageError
+from ckpt_agent.decide.recovery import PlanStep, RecoveryPlan, is_poisoned, plan_recovery, walk
+from ckpt_agent.errors import ForceRequiredError, RetryableStorageError
 from ckpt_agent.policy.models import RecoverySpec, Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 

@@ -4,8 +4,8 @@ lineage holds the newer checkpoints even when their step numbers are lower."""
 from __future__ import annotations
 
 from ckpt_agent.decide.retention import plan_retention
-from ckpt_agent.policy.models import RetentionSpec
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Lineage, Tier
+from ckpt_agent.policy.models import RetentionSpec, Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Lineage
 
 
 def _rec(step: int, epoch: int, t: float) -> CheckpointRecord:

@@ -327,7 +327,7 @@ def fsdp_save(rank: int, world: int, out: Path, steps: int) -> None:
 
     from ckpt_agent.format.manifest import CheckpointMeta
     from ckpt_agent.persist.writer import CheckpointWriter
-    from ckpt_agent.records import Tier
+    from ckpt_agent.policy.models import Tier
     from ckpt_agent.runtime.core.serialization import library_versions
     from ckpt_agent.runtime.core.sharded import plan_save
     from ckpt_agent.runtime.dist.comm import Comm
@@ -472,7 +472,7 @@ def train_flash(rank: int, world: int, out: Path, steps: int, opts: dict[str, An
 
 def shm_half_write(rank: int, world: int, out: Path, shm: str) -> None:
     """Write one complete snapshot (step 1), then die (SIGKILL) in the middle of the second."""
-    from ckpt_agent.records import Tier
+    from ckpt_agent.policy.models import Tier
     from ckpt_agent.runtime.shm.writer import ShmWriter
 
     writer = ShmWriter(shm, RUN, 0)

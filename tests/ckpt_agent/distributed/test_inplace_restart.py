@@ -19,7 +19,8 @@ import pytest
 
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.storage.fs import LocalStorage
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

@@ -18,8 +18,7 @@ import pytest
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.persist.validate import Validator
-from ckpt_agent.policy.models import ValidationSpec
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier, ValidationSpec
 from ckpt_agent.storage.fs import LocalStorage
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

@@ -18,7 +18,7 @@ from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.shm.writer import ShmWriter
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.tuning import DIRECT_IO_ALIGN

@@ -23,7 +23,8 @@ from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.runtime.shm.writer import ShmWriter
 from ckpt_agent.storage.fs import LocalStorage
 

@@ -18,7 +18,7 @@ from ckpt_agent.flash.checksums import (
     fast_checksums,
 )
 from ckpt_agent.flash.reader import ShmReader, verify_views
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.shm.in_place import copy_snapshot, regions, shm_offers
 from ckpt_agent.runtime.shm.writer import ShmWriter
 

@@ -42,9 +42,11 @@ from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.format.readers import read_checkpoint, read_commit
 from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.format.verify import verify_hashes
+from ckpt_agent.persist.encoding import CodecPolicy
 from ckpt_agent.persist.validate import load_check
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
-from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"

@@ -14,9 +14,17 @@ from typing import BinaryIO
 
 import pytest
 
-from ckpt_agent.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
+from ckpt_agent.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CodecError,
+    IntegrityError,
+    JsonTreeError,
+    NotFoundError,
+    RetryableStorageError,
+)
 from ckpt_agent.format import jsontree
-from ckpt_agent.format.codec import PY_SHUFFLER, CodecError, CodecSpec, decode, encode
+from ckpt_agent.format.codec import PY_SHUFFLER, CodecSpec, decode, encode
 from ckpt_agent.format.heartbeat import Heartbeat, PackedRng, encode_heartbeats, read_heartbeat
 from ckpt_agent.format.layout import (
     HEARTBEAT_MAX_BYTES,
@@ -38,9 +46,11 @@ from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
 from ckpt_agent.format.schema import digest_field
 from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.format.verify import verify_hashes
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
-from ckpt_agent.records import CheckpointStatus, Lineage, Tier, checkpoint_id
-from ckpt_agent.storage.base import NotFoundError, RetryableStorageError, Storage
+from ckpt_agent.persist.encoding import CodecPolicy
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus, Lineage, checkpoint_id
+from ckpt_agent.storage.base import Storage
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"
@@ -528,11 +538,11 @@ def test_jsontree_refuses_what_it_cannot_encode_exactly() -> None:
     class Opaque:
         pass
 
-    with pytest.raises(jsontree.JsonTreeError, match="optimizer/state/0: cannot checkpoint"):
+    with pytest.raises(JsonTreeError, match="optimizer/state/0: cannot checkpoint"):
         jsontree.encode({"optimizer": {"state": {0: Opaque()}}})
-    with pytest.raises(jsontree.JsonTreeError, match="no resolver"):
+    with pytest.raises(JsonTreeError, match="no resolver"):
         jsontree.decode({"__tensor__": "x"})
-    with pytest.raises(jsontree.JsonTreeError, match="base64"):
+    with pytest.raises(JsonTreeError, match="base64"):
         jsontree.decode({"__bytes__": "***"})
 
 

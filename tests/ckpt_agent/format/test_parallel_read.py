@@ -27,8 +27,10 @@ from ckpt_agent.format.manifest import CheckpointMeta, RankManifest
 from ckpt_agent.format.parallel_read import Target, read_into, restore_workers
 from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
-from ckpt_agent.records import Tier, checkpoint_id
+from ckpt_agent.persist.encoding import CodecPolicy
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"

@@ -19,7 +19,8 @@ from ckpt_agent.format.termination import (
     merge_checkpoints,
     parse_report,
 )
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, checkpoint_id
 
 RUN = "run-0123456789abcdef"
 

@@ -15,8 +15,8 @@ from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.catalog import BUSY_TIMEOUT_MS, Catalog
 from ckpt_agent.persist.housekeeping import apply_retention, delete_checkpoint, gc_blobs
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
-from ckpt_agent.policy.models import RetentionSpec
-from ckpt_agent.records import CheckpointStatus, RetentionClass, Tier, checkpoint_id
+from ckpt_agent.policy.models import RetentionSpec, Tier
+from ckpt_agent.records import CheckpointStatus, RetentionClass, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_agent.errors import StorageError
 from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import CheckpointMeta
@@ -20,8 +21,8 @@ from ckpt_agent.persist.builder import PersistBuilder, PersistParts
 from ckpt_agent.persist.finalize import FinalizeJob, anomalies_from_records
 from ckpt_agent.persist.writer import TensorSource
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
-from ckpt_agent.storage.base import StorageError
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.storage.options import StorageOptions
 

@@ -14,10 +14,11 @@ from ckpt_agent.format.layout import blob_key, commit_key, rank_manifest_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.readers import read_checkpoint, read_validation
+from ckpt_agent.persist.encoding import CodecPolicy
 from ckpt_agent.persist.validate import LoaderProcess, Validator, compare_meta, load_check
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
-from ckpt_agent.policy.models import ValidationSpec
-from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
+from ckpt_agent.policy.models import Tier, ValidationSpec
+from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"

@@ -16,10 +16,11 @@ from ckpt_agent.format.layout import rank_manifest_key
 from ckpt_agent.format.manifest import CheckpointMeta, RankManifest
 from ckpt_agent.format.readers import read_checkpoint, read_tensor_bytes
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
+from ckpt_agent.persist.encoding import CodecPolicy
 from ckpt_agent.persist.validate import Validator
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
-from ckpt_agent.policy.models import ValidationSpec
-from ckpt_agent.records import Tier, checkpoint_id
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
+from ckpt_agent.policy.models import Tier, ValidationSpec
+from ckpt_agent.records import checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.storage.options import StorageOptions
 

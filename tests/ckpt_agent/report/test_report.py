@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpt_agent.cli.main import app
-from ckpt_agent.records import CheckpointRecord, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.report import fleet_summary, load_run, plot_all, run_page, run_summary, traits_of
 from ckpt_agent.report.data import iter_log
 from ckpt_agent.storage.fs import LocalStorage

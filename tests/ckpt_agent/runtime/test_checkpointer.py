@@ -15,13 +15,15 @@ import pytest
 import torch
 
 from ckpt_agent import tuning
+from ckpt_agent.errors import PersistError, ResumeError
 from ckpt_agent.format.heartbeat import read_heartbeat
 from ckpt_agent.format.layout import audit_key, blob_key, recover_request_key, validation_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import CheckpointStatus, Tier
-from ckpt_agent.runtime.checkpointer import Checkpointer, PersistError, ResumeError
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
+from ckpt_agent.runtime.checkpointer import Checkpointer
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.storage.fs import LocalStorage
 
@@ -255,7 +257,7 @@ class FlakyStorage(LocalStorage):
     def write(self, key: str, data: bytes | memoryview) -> None:
         if self.armed and "/blobs/" in key:
             self.armed = False
-            from ckpt_agent.storage.base import PermanentStorageError, RetryableStorageError
+            from ckpt_agent.errors import PermanentStorageError, RetryableStorageError
 
             if self.permanent:
                 raise PermanentStorageError("injected: access denied")

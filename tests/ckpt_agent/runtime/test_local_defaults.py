@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_agent.errors import ResumeError
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.runtime.checkpointer import Checkpointer, ResumeError
+from ckpt_agent.runtime.checkpointer import Checkpointer
 from ckpt_agent.runtime.core.context import OWNER_PID
 
 ConfigFactory = Callable[..., AgentConfig]

@@ -31,7 +31,8 @@ from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import apply_retention, delete_checkpoint, gc_blobs
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
-from ckpt_agent.records import CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.storage.options import StorageOptions
 

@@ -22,7 +22,8 @@ from ckpt_agent.metrics import Metrics
 from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.persist.writer import TensorSource
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import checkpoint_id
 
 pytestmark = pytest.mark.s3
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, NotFoundError
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.flash.sidecar.persisting import Handled, PartWriter
 from ckpt_agent.format.layout import MANIFEST_MAX_BYTES, rank_manifest_key, sha256_hex
@@ -31,7 +31,6 @@ from ckpt_agent.persist.builder import PersistParts
 from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.persist.writer import WrittenCheckpoint, WrittenRank
 from ckpt_agent.records import CheckpointStatus, rank_name
-from ckpt_agent.storage.base import NotFoundError
 
 __all__ = ["Coordinator", "Superseded"]
 

@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckpt_agent.errors import StorageError
 from ckpt_agent.flash.protocol import write_health
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.records import Json
-from ckpt_agent.storage.base import Storage, StorageError
+from ckpt_agent.storage.base import Storage
 
 __all__ = ["GpuHealth", "HealthMonitor", "StorageProbe"]
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ckpt_agent.decide.retention import classify
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES, chunk_hashes, fast_checksums
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader
@@ -31,7 +31,7 @@ from ckpt_agent.format.readers import read_commit, read_rank_manifest
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenRank
 from ckpt_agent.policy.models import RetentionSpec
 from ckpt_agent.records import CheckpointStatus, RetentionClass
-from ckpt_agent.storage.base import Storage, StorageError
+from ckpt_agent.storage.base import Storage
 
 __all__ = ["Handled", "PartWriter"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.serialization import capture_rng
 from ckpt_agent.runtime.core.sharded import plan_save, sharded_state

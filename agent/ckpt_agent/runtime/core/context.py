@@ -34,12 +34,9 @@ from typing import Any, Protocol
 import torch
 
 from ckpt_agent import tuning
-from ckpt_agent.decide.scheduler import (
-    AdaptiveScheduler,
-    Decision,
-    SaveOutcome,
-    SystemSignals,
-)
+from ckpt_agent.decide.decision import Decision, SaveOutcome
+from ckpt_agent.decide.scheduler import AdaptiveScheduler
+from ckpt_agent.decide.signals import SystemSignals
 from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.format.layout import validate_run_id
 from ckpt_agent.format.owner import check_owner, owner_from_env
@@ -47,7 +44,8 @@ from ckpt_agent.metrics import DecisionLog, Metrics
 from ckpt_agent.persist.builder import PersistBuilder, PersistParts
 from ckpt_agent.persist.finalize import AnomalySource, EventSink
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Lineage, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import AnomalyEvent, CheckpointRecord, Lineage
 from ckpt_agent.runtime.core.sharded import is_dtensor
 from ckpt_agent.runtime.core.tensorboard import ScalarWriter, TensorBoard
 from ckpt_agent.storage.base import Storage

@@ -13,6 +13,7 @@ import base64
 import numpy as np
 import torch
 
+from ckpt_agent.errors import JsonTreeError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.heartbeat import Heartbeat
 from ckpt_agent.format.layout import DTYPE_ITEMSIZE, TENSOR_MAX_DIMS
@@ -56,7 +57,7 @@ def encode_inline(value: object) -> Json:
 
 def _array(tag: str, payload: Json, path: str) -> object:
     if not isinstance(payload, dict):
-        raise jsontree.JsonTreeError(f"{path}: bad inline array")
+        raise JsonTreeError(f"{path}: bad inline array")
     dtype = payload.get("dtype")
     shape = payload.get("shape")
     if (
@@ -65,16 +66,16 @@ def _array(tag: str, payload: Json, path: str) -> object:
         or len(shape) > TENSOR_MAX_DIMS
         or not all(type(s) is int and s >= 0 for s in shape)
     ):
-        raise jsontree.JsonTreeError(f"{path}: bad inline array dtype/shape")
+        raise JsonTreeError(f"{path}: bad inline array dtype/shape")
     try:
         raw = base64.b64decode(str(payload.get("b64", "")), validate=True)
     except ValueError:  # binascii.Error included
-        raise jsontree.JsonTreeError(f"{path}: inline array is not base64") from None
+        raise JsonTreeError(f"{path}: inline array is not base64") from None
     n = 1
     for s in shape:
         n *= s
     if n * DTYPE_ITEMSIZE[str(dtype)] != len(raw):
-        raise jsontree.JsonTreeError(f"{path}: inline array has the wrong size")
+        raise JsonTreeError(f"{path}: inline array has the wrong size")
     if tag == jsontree.NDARRAY:
         return np.frombuffer(raw, dtype=np.dtype(str(dtype))).reshape(shape).copy()
     buf = (
@@ -91,7 +92,7 @@ def _resolve(tag: str, payload: Json, path: str) -> object:
     if tag == jsontree.NPSCALAR:
         dtype, value = scalar_value(payload, path)
         return np.dtype(dtype).type(value)
-    raise jsontree.JsonTreeError(f"{path}: unexpected {tag} in a heartbeat")
+    raise JsonTreeError(f"{path}: unexpected {tag} in a heartbeat")
 
 
 def decode_inline(tree: Json) -> object:

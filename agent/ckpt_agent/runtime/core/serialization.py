@@ -28,7 +28,7 @@ from typing import Final
 import numpy as np
 import torch
 
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, JsonTreeError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.entries import TensorEntry
 from ckpt_agent.format.heartbeat import PackedRng
@@ -68,7 +68,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAME_OF[dtype]
     except KeyError:
-        raise jsontree.JsonTreeError(f"unsupported tensor dtype {dtype}") from None
+        raise JsonTreeError(f"unsupported tensor dtype {dtype}") from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -124,15 +124,11 @@ def flatten(value: object, prefix: str, out: dict[str, LiveArray]) -> Json:
             return {jsontree.TENSOR: _add(v, path)}
         if isinstance(v, np.ndarray):
             if v.dtype.kind not in "biufc" or str(v.dtype) not in DTYPE_ITEMSIZE:
-                raise jsontree.JsonTreeError(
-                    f"{path}: numpy dtype {v.dtype} cannot be checkpointed"
-                )
+                raise JsonTreeError(f"{path}: numpy dtype {v.dtype} cannot be checkpointed")
             return {jsontree.NDARRAY: _add(v, path)}
         if isinstance(v, np.generic):
             if str(v.dtype) not in DTYPE_ITEMSIZE:
-                raise jsontree.JsonTreeError(
-                    f"{path}: numpy dtype {v.dtype} cannot be checkpointed"
-                )
+                raise JsonTreeError(f"{path}: numpy dtype {v.dtype} cannot be checkpointed")
             item = v.item()
             enc = jsontree.encode(item, None, path)
             return {jsontree.NPSCALAR: [str(v.dtype), enc]}
@@ -152,9 +148,9 @@ def flatten(value: object, prefix: str, out: dict[str, LiveArray]) -> Json:
             name = f"{base}#{n}"
         if isinstance(v, torch.Tensor):
             if v.is_sparse or v.layout != torch.strided:
-                raise jsontree.JsonTreeError(f"{name}: only dense (strided) tensors are supported")
+                raise JsonTreeError(f"{name}: only dense (strided) tensors are supported")
             if v.is_quantized:
-                raise jsontree.JsonTreeError(f"{name}: quantized tensors are not supported")
+                raise JsonTreeError(f"{name}: quantized tensors are not supported")
             dtype_name(v.dtype)
         out[name] = LiveArray(name, v)
         return name
@@ -176,9 +172,9 @@ def unflatten(tree: Json, arrays: Mapping[str, torch.Tensor]) -> object:
             return np.dtype(dtype).type(value)
         if tag == jsontree.DTYPE:
             if not isinstance(payload, str):
-                raise jsontree.JsonTreeError(f"{path}: bad dtype")
+                raise JsonTreeError(f"{path}: bad dtype")
             return torch_dtype(payload)
-        raise jsontree.JsonTreeError(f"{path}: unknown tag {tag}")
+        raise JsonTreeError(f"{path}: unknown tag {tag}")
 
     def _lookup(payload: Json, path: str) -> torch.Tensor:
         if not isinstance(payload, str) or payload not in arrays:

@@ -41,7 +41,7 @@ from typing import Any, Final
 
 import torch
 
-from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.errors import CheckpointFormatError, JsonTreeError
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_checkpoint, read_commit, read_rank_manifest
@@ -107,7 +107,7 @@ def _encode(state: Mapping[str, object]) -> tuple[Json, dict[str, torch.Tensor]]
         if isinstance(v, torch.Tensor):
             fqn = path or "<root>"
             if fqn in flat:
-                raise jsontree.JsonTreeError(f"{fqn}: two tensors with one name")
+                raise JsonTreeError(f"{fqn}: two tensors with one name")
             flat[fqn] = v
             return {SHARDED: fqn}
         if isinstance(v, torch.dtype):
@@ -322,7 +322,7 @@ def _numel(sizes: torch.Size) -> int:
 def _resolve_dtype(tag: str, payload: Json, path: str) -> object:
     if tag == jsontree.DTYPE and isinstance(payload, str):
         return torch_dtype(payload)
-    raise jsontree.JsonTreeError(f"{path}: unexpected {tag} in a sharded tree")
+    raise JsonTreeError(f"{path}: unexpected {tag} in a sharded tree")
 
 
 def _fill(value: object, flat: Mapping[str, torch.Tensor]) -> object:

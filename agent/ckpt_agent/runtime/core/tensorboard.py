@@ -15,7 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpt_agent.decide.scheduler import Decision, tier_rank
+from ckpt_agent.decide.decision import Decision
+from ckpt_agent.decide.tiers import tier_rank
 
 __all__ = ["ScalarWriter", "TensorBoard"]
 

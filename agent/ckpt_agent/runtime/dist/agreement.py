@@ -34,7 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_agent.decide.scheduler import AdaptiveScheduler, Decision, SystemSignals, merge_decisions
+from ckpt_agent.decide.scheduler import AdaptiveScheduler
+from ckpt_agent.decide.decision import Decision, merge_decisions
+from ckpt_agent.decide.signals import SystemSignals
 from ckpt_agent.errors import DistributedError
 from ckpt_agent.runtime.dist.comm import Comm, encode_json
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_agent.decide.scheduler import SystemSignals
+from ckpt_agent.decide.signals import SystemSignals
 from ckpt_agent.errors import CheckpointError
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.core.context import Engine

@@ -27,7 +27,8 @@ from ckpt_agent.format.heartbeat import read_heartbeat
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_checkpoint, read_rank_manifest
 from ckpt_agent.format.statecheck import check_state
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.serialization import LoadedState, load_tensors

@@ -48,7 +48,8 @@ from ckpt_agent.decide.lineage import (
 from ckpt_agent.decide.recovery import PlanStep, plan_recovery, walk
 from ckpt_agent.errors import CandidateRejectedError, ResumeError
 from ckpt_agent.format.manifest import RankManifest
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Lineage, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Lineage
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.restore.apply import Applier

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from ckpt_agent.decide.scheduler import Decision
+from ckpt_agent.decide.decision import Decision
 from ckpt_agent.runtime.core.context import Handover
 from ckpt_agent.runtime.save.snapshot import JobError
 
-__all__ = ["JobError", "Persister"]
+__all__ = ["Persister"]
 
 
 class Persister(Protocol):

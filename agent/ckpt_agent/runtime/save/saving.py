@@ -22,7 +22,7 @@ import time
 from typing import Literal
 
 from ckpt_agent import tuning
-from ckpt_agent.decide.scheduler import Decision, SaveOutcome
+from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.errors import PersistError, RetryableError
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine

@@ -33,7 +33,8 @@ import torch
 from ckpt_agent import tuning
 from ckpt_agent.background import lower_thread_priority
 from ckpt_agent.persist.writer import TensorSource
-from ckpt_agent.records import Json, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Json
 from ckpt_agent.runtime.core.devices import synchronize_copies
 from ckpt_agent.runtime.core.serialization import LiveArray, flatten, raw_bytes
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from ckpt_agent import tuning
+from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.retention import classify
-from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.records import CheckpointStatus, checkpoint_id

@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable
 
 from ckpt_agent import tuning
+from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.retention import classify
-from ckpt_agent.decide.scheduler import Decision, SaveOutcome
 from ckpt_agent.flash.protocol import PersistedMark, read_file
 from ckpt_agent.format.manifest import lineage_to_json
-from ckpt_agent.records import Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.core.serialization import library_versions

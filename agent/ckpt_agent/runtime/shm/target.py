@@ -29,7 +29,8 @@ from ckpt_agent import tuning
 from ckpt_agent.flash.protocol import DEFAULT_SLOTS, Descriptor, PersistedMark, read_health
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.policy.agent_config import AgentConfig
-from ckpt_agent.records import Json, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Json
 from ckpt_agent.runtime.shm.writer import ShmWriter
 
 __all__ = ["FlashTarget"]

@@ -35,7 +35,8 @@ from ckpt_agent.flash.protocol import (
     place,
     try_flock,
 )
-from ckpt_agent.records import Json, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Json
 from ckpt_agent.runtime.core.devices import synchronize_copies
 from ckpt_agent.runtime.core.serialization import LiveArray, flatten
 

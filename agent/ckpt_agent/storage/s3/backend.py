@@ -15,15 +15,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
-from ckpt_agent.storage.base import (
-    ObjectInfo,
-    ObjectWriter,
-    PermanentStorageError,
-    Storage,
-    StorageError,
-    validate_key,
-    validate_prefix,
-)
+from ckpt_agent.errors import PermanentStorageError, StorageError
+from ckpt_agent.storage.base import ObjectInfo, ObjectWriter, Storage, validate_key, validate_prefix
 from ckpt_agent.storage.options import S3_MIN_PART_SIZE, StorageOptions
 from ckpt_agent.storage.s3.client import BucketClient, make_boto_client
 from ckpt_agent.storage.s3.transfer import S3Reader, S3Writer

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, TypeVar
 import boto3
 from botocore.config import Config
 
-from ckpt_agent.storage.base import (
+from ckpt_agent.errors import (
     NotFoundError,
     PermanentStorageError,
     RetryableStorageError,
     StorageError,
-    validate_key,
 )
+from ckpt_agent.storage.base import validate_key
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.storage.s3.failures import HINTS, backoff_s, classify_error, with_code
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import botocore.exceptions as bexc
 import urllib3.exceptions
 
-from ckpt_agent.storage.base import (
+from ckpt_agent.errors import (
     NotFoundError,
     PermanentStorageError,
     RetryableStorageError,

@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import botocore.exceptions as bexc
 
-from ckpt_agent.storage.base import (
+from ckpt_agent.errors import (
     NotFoundError,
-    ObjectWriter,
     PermanentStorageError,
     RetryableStorageError,
-    Storage,
     StorageError,
 )
+from ckpt_agent.storage.base import ObjectWriter, Storage
 from ckpt_agent.storage.options import S3_MAX_PARTS
 from ckpt_agent.storage.s3.client import BucketClient
 

@@ -10,7 +10,7 @@ import runtime_fakes as fk
 import torch
 
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.core.capture import TRAIN_CONFIG_FILE, StateCapture, encode_train_config
 
 ConfigFactory = Callable[..., AgentConfig]

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import runtime_fakes as fk
 
-from ckpt_agent.decide.scheduler import Decision, SaveResult
+from ckpt_agent.decide.decision import Decision, SaveResult
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Lineage, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Lineage
 from ckpt_agent.runtime.core.context import Handover
 from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
 

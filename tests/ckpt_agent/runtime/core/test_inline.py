@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from ckpt_agent.errors import JsonTreeError
 from ckpt_agent.format import jsontree
 from ckpt_agent.runtime.core.inline import decode_inline, encode_inline
 
@@ -36,5 +37,5 @@ def test_round_trip_of_a_data_position_and_rng_like_state() -> None:
 def test_a_payload_of_the_wrong_size_is_refused() -> None:
     tree = encode_inline({"t": torch.arange(4, dtype=torch.int32)})
     tree["t"][jsontree.TENSOR]["shape"] = [5]
-    with pytest.raises(jsontree.JsonTreeError, match="wrong size"):
+    with pytest.raises(JsonTreeError, match="wrong size"):
         decode_inline(tree)

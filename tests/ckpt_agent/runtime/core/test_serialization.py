@@ -16,9 +16,11 @@ from ckpt_agent.format import jsontree
 from ckpt_agent.format.layout import blob_key, rank_manifest_key, sha256_hex
 from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.readers import read_checkpoint
+from ckpt_agent.persist.encoding import CodecPolicy
 from ckpt_agent.persist.validate import load_check
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
-from ckpt_agent.records import Tier, checkpoint_id
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import checkpoint_id
 from ckpt_agent.runtime.core.serialization import (
     LiveArray,
     capture_rng,

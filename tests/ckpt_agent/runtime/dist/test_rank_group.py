@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import runtime_fakes as fk
 
-from ckpt_agent.decide.scheduler import SystemSignals
+from ckpt_agent.decide.signals import SystemSignals
 from ckpt_agent.errors import CheckpointError
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.dist.agreement import Agreed

@@ -25,7 +25,7 @@ import zstandard
 from typer.testing import CliRunner
 
 from ckpt_agent.cli.main import app
-from ckpt_agent.errors import RejectionKind
+from ckpt_agent.errors import RejectionKind, ResumeError
 from ckpt_agent.format.layout import (
     RECOVER_MAX_BYTES,
     blob_key,
@@ -43,7 +43,7 @@ from ckpt_agent.persist.validate import Validator, load_check
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus
-from ckpt_agent.runtime.checkpointer import Checkpointer, ResumeError
+from ckpt_agent.runtime.checkpointer import Checkpointer
 from ckpt_agent.storage.fs import LocalStorage
 
 RUN = "run1"

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from ckpt_agent import tuning
-from ckpt_agent.errors import ResumeStorageError, RetryableStorageError
+from ckpt_agent.errors import ResumeError, ResumeStorageError, RetryableStorageError
 from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.records import CheckpointStatus
-from ckpt_agent.runtime.checkpointer import Checkpointer, ResumeError
+from ckpt_agent.runtime.checkpointer import Checkpointer
 from ckpt_agent.storage.fs import LocalStorage
 
 ConfigFactory = Callable[..., AgentConfig]

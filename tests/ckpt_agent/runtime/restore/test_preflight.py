@@ -11,7 +11,7 @@ import pytest
 import runtime_fakes as fk
 import torch
 
-from ckpt_agent.decide.scheduler import Decision
+from ckpt_agent.decide.decision import Decision
 from ckpt_agent.errors import (
     CandidateRejectedError,
     CheckpointFormatError,
@@ -24,7 +24,8 @@ from ckpt_agent.errors import (
 from ckpt_agent.format.heartbeat import Heartbeat
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Handover
 from ckpt_agent.runtime.core.serialization import LoadedState, load_tensors

@@ -34,7 +34,8 @@ import pytest
 from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.readers import read_checkpoint
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.storage.fs import LocalStorage
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,8 @@ from ckpt_agent.policy.agent_config import (
     ENV_RESUME_WEIGHTS,
     ENV_RUN_STARTED_AT,
 )
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 
 from .test_resume_lineage import POLICY, RUN, Job, _ckpt, _statuses, _store
 

@@ -22,8 +22,10 @@ from ckpt_agent.format.layout import audit_key, recover_request_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import CheckpointStatus, Lineage, Tier
-from ckpt_agent.runtime.checkpointer import Checkpointer, ResumePoint
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus, Lineage
+from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.storage.fs import LocalStorage
 
 ConfigFactory = Callable[..., AgentConfig]

@@ -10,10 +10,11 @@ from collections.abc import Callable
 import runtime_fakes as fk
 import torch
 
-from ckpt_agent.decide.scheduler import Decision
+from ckpt_agent.decide.decision import Decision
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Lineage, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Lineage, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.restore.restorer import Restorer

@@ -11,10 +11,10 @@ import runtime_fakes as fk
 import torch
 
 from ckpt_agent import tuning
-from ckpt_agent.decide.scheduler import Decision, SaveOutcome, SaveResult
+from ckpt_agent.decide.decision import Decision, SaveOutcome, SaveResult
 from ckpt_agent.errors import PersistError, RetryableStorageError
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.save.saving import SavePath

@@ -15,7 +15,7 @@ from ckpt_agent.decide.signals import SystemSignals
 from ckpt_agent.flash.sidecar.drain import Drain
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.dist.agreement import DecisionAgreement, LocalSignals
 from ckpt_agent.runtime.dist.comm import LocalComm
 from ckpt_agent.runtime.save.signals import SignalWatch

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_agent.records import Tier
+from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.save.snapshot import (
     BackgroundWorker,
     HostArena,

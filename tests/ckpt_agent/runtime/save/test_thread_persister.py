@@ -12,10 +12,11 @@ import pytest
 import runtime_fakes as fk
 import torch
 
-from ckpt_agent.decide.scheduler import Decision, SaveResult
+from ckpt_agent.decide.decision import Decision, SaveResult
 from ckpt_agent.format.readers import read_checkpoint
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import CheckpointStatus, Lineage, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus, Lineage, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.save.thread_persister import ThreadPersister

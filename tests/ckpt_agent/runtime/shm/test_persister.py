@@ -12,11 +12,12 @@ from typing import Any
 import runtime_fakes as fk
 import torch
 
-from ckpt_agent.decide.scheduler import Decision, SaveOutcome, SaveResult
+from ckpt_agent.decide.decision import Decision, SaveOutcome, SaveResult
 from ckpt_agent.flash.protocol import PersistedMark
 from ckpt_agent.format.manifest import lineage_from_json
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.records import Json, Lineage, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Json, Lineage, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.shm.persister import ShmPersister
