@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import math
 import os
 import platform
 import threading
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -31,6 +33,7 @@ __all__ = [
     "libc",
     "lower_process_priority",
     "lower_thread_priority",
+    "start_background",
     "usable_cpus",
 ]
 
@@ -127,6 +130,22 @@ def lower_thread_priority() -> bool:
         return False
     _lower_io(tid)
     return _lower_cpu(tid)
+
+
+def start_background(work: Callable[[], None], name: str, what: str) -> threading.Thread:
+    """Run ``work`` on a new daemon thread at lower priority; a failure is logged (``what``
+    failed), never raised: it is work that only saves time later."""
+
+    def run() -> None:
+        lower_thread_priority()
+        try:
+            work()
+        except Exception:
+            logging.getLogger(__name__).warning("%s failed", what, exc_info=True)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def lower_process_priority() -> bool:

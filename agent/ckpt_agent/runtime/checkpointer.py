@@ -54,7 +54,6 @@ services), :mod:`~ckpt_agent.runtime.core.capture` (what a snapshot holds), a
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -62,13 +61,12 @@ from typing import Any, Literal
 
 import torch
 
-from ckpt_agent.background import lower_thread_priority
+from ckpt_agent.background import start_background
 from ckpt_agent.decide.decision import Decision
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
-from ckpt_agent.errors import CheckpointError, StepOrderError
-from ckpt_agent.format.layout import parse_checkpoint_id
+from ckpt_agent.errors import CheckpointError
 from ckpt_agent.metrics import Metrics
-from ckpt_agent.policy.agent_config import DEFAULT_RUN_ID, AgentConfig
+from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.core.capture import (
     StateCapture,
@@ -90,20 +88,14 @@ from ckpt_agent.runtime.save.thread_persister import ThreadPersister
 from ckpt_agent.runtime.shm.in_place import resume_from_memory
 from ckpt_agent.runtime.shm.persister import ShmPersister
 from ckpt_agent.runtime.shm.target import FlashTarget
+from ckpt_agent.runtime.start_report import report_start
+from ckpt_agent.runtime.step_order import StepOrder
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import gc_grace_for
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
-
-
-def _note(message: str) -> None:
-    """An INFO line for people; on stderr too while logging is not configured (a local
-    run would otherwise never see where its checkpoints went)."""
-    log.info("%s", message)
-    if not logging.getLogger().hasHandlers():
-        print(f"ckpt_agent: {message}", file=sys.stderr)
 
 
 def make_persister(
@@ -116,15 +108,6 @@ def make_persister(
     if engine.config.shm_dir and engine.ranks.writes:
         return ShmPersister(engine, capture, group)
     return ThreadPersister(engine, capture, group, approximate_threshold=approximate_threshold)
-
-
-def _prepare_buffers(work: Callable[[], None]) -> None:
-    """Run a persister's buffer preparation (a failure only means the first save allocates)."""
-    lower_thread_priority()
-    try:
-        work()
-    except Exception:
-        log.warning("preallocating the snapshot buffers failed", exc_info=True)
 
 
 class Checkpointer:
@@ -236,9 +219,7 @@ class Checkpointer:
         """Allocates and touches the snapshot buffers after :meth:`start` returned."""
         self._resume: ResumePoint | None = None
         self._resumed_rng: dict[str, object] | None = None
-        self._stepped = False
-        """step() was called since start() (the first call's step is checked once)."""
-        self._last_step: int | None = None
+        self._steps = StepOrder(engine.run_id, config.storage_url)
         self._started = False
         self._closed = False
         self._emergency = False
@@ -304,24 +285,23 @@ class Checkpointer:
                 log.warning("cleanup after a failed start failed", exc_info=True)
             raise
         self._resume = resume
-        self._last_step = resume.step - 1 if resume.step > 0 else None
+        self._steps.resumed(resume)
         # The restored RNG, held for restore_rng(): a framework draws from it (its seeding,
         # its data iterators) between start() and the first step it resumes.
         self._resumed_rng = capture_rng() if resume.resumed else None
         seconds = time.perf_counter() - t0
-        self._report_start(resume, from_shm=shm is not None, seconds=seconds)
+        report_start(e, resume, from_shm=shm is not None, seconds=seconds)
         e.event("start", **resume.event_fields(), seconds=round(seconds, 4))
         e.metrics.recovered(resume.action, seconds)
         self._persister.start(resume.handover())  # the restore side's result, handed over once
         if e.config.tiers.heartbeat.enabled:
             self._heartbeats = Heartbeats(e, self._capture, resume_step=resume.step)
         if self.preallocate and e.ranks.writes and not e.ranks.sharded:
-            work = self._persister.prepare(self._last_step if self._last_step is not None else 0)
+            work = self._persister.prepare(self._steps.last if self._steps.last is not None else 0)
             if work is not None:  # off the critical path: joined before the first snapshot
-                self._preparing = threading.Thread(
-                    target=_prepare_buffers, args=(work,), name="ckpt-prepare", daemon=True
+                self._preparing = start_background(
+                    work, "ckpt-prepare", "preallocating the snapshot buffers"
                 )
-                self._preparing.start()
         self._signals.arm()
         if self.handle_sigterm:
             self._signals.install_sigterm()
@@ -378,7 +358,7 @@ class Checkpointer:
         orders by step, delete them.
         """
         self._check_running()
-        self._check_step_order(step)
+        self._steps.check(step)
         self._saver.raise_errors()
         self._saver.drain()
         if self._signals.sigterm and self._group is None:
@@ -400,7 +380,7 @@ class Checkpointer:
             decision, busy, stop = agreed.decision, agreed.any_busy, agreed.stop
         else:
             decision = e.scheduler.observe(step, float(loss), grad_norm, system=system)
-        self._last_step = step
+        self._steps.last = step
         e.record_decision(decision, loss=float(loss))
         if decision.save and decision.tier is not None:
             if self._heartbeats is not None:
@@ -450,7 +430,7 @@ class Checkpointer:
         if not self._engine.ranks.writes:
             return None
         if step is None:
-            step = self._last_step if self._last_step is not None else 0
+            step = self._steps.last if self._steps.last is not None else 0
         decision = Decision(
             step=step, save=True, tier=Tier(tier), emergency=True, reason=f"save_now: {reason}"
         )
@@ -488,70 +468,6 @@ class Checkpointer:
 
     def summary(self) -> dict[str, Any]:
         return self._engine.summary()
-
-    def _report_start(self, resume: ResumePoint, *, from_shm: bool, seconds: float) -> None:
-        """One line (rank 0): what the resume restored, or that the run starts fresh; and
-        where the checkpoints go."""
-        e = self._engine
-        if not e.ranks.coordinator:
-            return
-        where = f"checkpoints of run {e.run_id!r} go to {e.config.storage_url}"
-        if resume.checkpoint_id is None:
-            _note(f"no checkpoint to resume: fresh start; {where} (CKPT_STORAGE_URL, CKPT_RUN_ID)")
-            return
-        try:
-            tier, step = parse_checkpoint_id(resume.checkpoint_id)
-            what = f"step {step}, tier {tier.value}"
-        except ValueError:
-            what = "step ?"
-        source = "shared memory (in-place restart)" if from_shm else e.storage.url
-        exact = "" if resume.exact else ", not bit-exact"
-        _note(
-            f"resumed {resume.checkpoint_id} ({what}, from {source}, {resume.action}{exact}) "
-            f"in {seconds:.2f} s: training continues at step {resume.step}; {where}"
-        )
-        if e.run_id == DEFAULT_RUN_ID and not e.config.resume_from:
-            log.warning(
-                "resumed run %r, the default run id: if this is a new experiment, it just "
-                "continued another one's checkpoints; give it its own run id (CKPT_RUN_ID)",
-                e.run_id,
-            )
-
-    def _check_step_order(self, step: int) -> None:
-        last = self._last_step
-        if not self._stepped:
-            self._stepped = True
-            expected = self._resume.step if self._resume is not None else 0
-            if step > expected:  # lower: refused below
-                log.warning(
-                    "step(%d) is the first step() after start(), which continues at step %d: "
-                    "pass the index of the optimizer step just finished (0 for the first; a "
-                    "framework's count of finished steps minus one, as "
-                    "ckpt_agent.integrations does) - a checkpoint of step %d resumes at %d, "
-                    "so an off-by-one skips a step at every resume",
-                    step,
-                    expected,
-                    step,
-                    step + 1,
-                )
-        if last is None or step > last:
-            return
-        resumed = (
-            self._resume is not None and self._resume.step > 0 and last == self._resume.step - 1
-        )
-        e = self._engine
-        where = (
-            f"the step of {self._resume.checkpoint_id or 'the checkpoint'} that start() resumed"
-            if resumed and self._resume is not None
-            else "the step passed to the previous step() call"
-        )
-        raise StepOrderError(
-            f"step({step}) is not after step {last}, {where} (run {e.run_id!r} on "
-            f"{e.config.storage_url}). Pass the index of the optimizer step just finished, "
-            "once per optimizer step (not per micro-batch); after a resume continue from "
-            f"start().step ({last + 1}). A new experiment needs its own run id: set "
-            "CKPT_RUN_ID (or AgentConfig.run_id)."
-        )
 
     def _wait_prepared(self) -> None:
         """The buffers' preparation is over (before a snapshot uses them)."""

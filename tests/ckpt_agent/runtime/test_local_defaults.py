@@ -47,7 +47,7 @@ def test_start_says_where_checkpoints_go_and_what_a_resume_restored(
     ck_config: ConfigFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = ck_config()
-    caplog.set_level(logging.INFO, logger="ckpt_agent.runtime.checkpointer")
+    caplog.set_level(logging.INFO, logger="ckpt_agent.runtime.start_report")
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Checkpointer(cfg, model=model, optimizer=opt) as ckpt:

@@ -78,7 +78,7 @@ def test_a_first_step_past_the_resume_point_is_named_in_a_warning(
     every resume. The first step() says so (the integrations pass global_step - 1)."""
     ckpt = _ckpt(ck_config())
     ckpt.start()
-    with caplog.at_level("WARNING", logger="ckpt_agent.runtime.checkpointer"):
+    with caplog.at_level("WARNING", logger="ckpt_agent.runtime.step_order"):
         ckpt.step(1, 1.0)
         ckpt.step(2, 1.0)
     warned = [r for r in caplog.records if "first step() after start()" in r.getMessage()]
@@ -91,7 +91,7 @@ def test_a_first_step_at_the_resume_point_warns_nothing(
 ) -> None:
     ckpt = _ckpt(ck_config())
     ckpt.start()
-    with caplog.at_level("WARNING", logger="ckpt_agent.runtime.checkpointer"):
+    with caplog.at_level("WARNING", logger="ckpt_agent.runtime.step_order"):
         ckpt.step(0, 1.0)
     assert not [r for r in caplog.records if "first step()" in r.getMessage()]
     ckpt.close()
