@@ -116,7 +116,13 @@ def test_rank_killed_mid_save_leaves_previous_valid_and_no_commit(tmp_path: Path
     """Rank 1 is SIGKILLed while publishing its part of the third checkpoint: rank 0 never
     commits it (the vote fails), the second checkpoint stays valid."""
     out = tmp_path / "job"
-    opts = {"kill_rank": 1, "kill_suffix": "/rank_00001.json", "kill_after": 2}
+    # every agreed save is taken (a loaded machine must not defer the third one past the run)
+    opts = {
+        "kill_rank": 1,
+        "kill_suffix": "/rank_00001.json",
+        "kill_after": 2,
+        "backpressure": "wait",
+    }
     codes = h.launch(w.train_ddp, 2, out, STEPS, opts, timeout=120)
     assert codes[1] == -signal.SIGKILL
     assert codes[0] != 0  # rank 0 fails too (its collectives lose the peer)

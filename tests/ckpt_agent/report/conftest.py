@@ -85,11 +85,12 @@ def make_run(
 ) -> RealRun:
     """The run described above, in ``root`` (``make_config``: tests/ckpt_agent/conftest.py)."""
     cfg = make_config(root, runId=run_id, workDir=str(root / "work" / run_id))
-    _train(cfg, 40, save="manual", final=False)
+    # wait: every due save is taken, so the plots have the same checkpoints on a loaded machine
+    _train(cfg, 40, save="manual", final=False, wait=True)
     rejected = "full_step_000000000039"
     if corrupt:
         _flip_a_weight_blob(root / "store", run_id, rejected)
-    _train(cfg, 70, save=None, final=True)
+    _train(cfg, 70, save=None, final=True, wait=True)
     return RealRun(root / "store", root / "work" / run_id, run_id, rejected)
 
 
