@@ -20,7 +20,6 @@ __all__ = [
     "Json",
     "Lineage",
     "RetentionClass",
-    "Tier",  # still imported from here by ckpt_operator (rooms-operator switches it)
     "checkpoint_id",
 ]
 

@@ -20,7 +20,8 @@ import pytest
 from ckpt_agent.format.owner import RunOwner
 from ckpt_agent.persist.housekeeping import GcResult
 from ckpt_agent.policy import CheckpointPolicySpec
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier, checkpoint_id
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus, checkpoint_id
 from ckpt_operator.adapters.events import RecordedEvents
 from ckpt_operator.adapters.kube import ConflictError, NotFoundError
 from ckpt_operator.adapters.metrics import Metrics

@@ -79,7 +79,6 @@ from ckpt_agent.tuning import CHUNK_BYTES
 __all__ = [
     "BlobIndex",
     "CheckpointWriter",
-    "CodecPolicy",  # still imported from here by tests/ckpt_operator (rooms-operator switches it)
     "TensorSource",
     "WrittenCheckpoint",
     "WrittenRank",

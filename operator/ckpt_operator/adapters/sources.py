@@ -41,7 +41,8 @@ from ckpt_agent.persist.housekeeping import (
     gc_blobs,
 )
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.storage import (
     PermanentStorageError,
     RetryableStorageError,

@@ -14,9 +14,11 @@ from ckpt_agent.format.heartbeat import Heartbeat, encode_heartbeats
 from ckpt_agent.format.layout import commit_key, heartbeat_key, validation_key
 from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.verdict import ValidationVerdict
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
+from ckpt_agent.persist.encoding import CodecPolicy
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
 from ckpt_agent.policy import CheckpointPolicySpec
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.storage import StorageError
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_operator.adapters.sources import (

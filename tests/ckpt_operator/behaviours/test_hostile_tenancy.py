@@ -22,9 +22,11 @@ from ckpt_agent.format.layout import validation_key
 from ckpt_agent.format.manifest import CheckpointMeta
 from ckpt_agent.format.owner import RunOwner, claim_owner, owner_key, read_owner
 from ckpt_agent.format.verdict import ValidationVerdict
-from ckpt_agent.persist.writer import CheckpointWriter, CodecPolicy, TensorSource
+from ckpt_agent.persist.encoding import CodecPolicy
+from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
 from ckpt_agent.policy import CheckpointPolicySpec
-from ckpt_agent.records import CheckpointStatus, Tier
+from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_operator.adapters.sources import (
     StorageCheckpointSource,
