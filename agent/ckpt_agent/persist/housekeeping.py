@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +43,13 @@ from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = [
+    "DELETE_BATCH",
+    "DeleteGuard",
     "GcResult",
     "append_audit",
     "apply_retention",
     "delete_checkpoint",
+    "delete_checkpoints",
     "gc_blobs",
     "read_audit_tail",
     "who",
@@ -55,16 +58,55 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def delete_checkpoint(storage: Storage, run_id: str, ckpt_id: str) -> int:
+#: Keys per :meth:`~ckpt_agent.storage.base.Storage.delete_many` call (one S3
+#: ``DeleteObjects`` request); a ``guard`` runs before each.
+DELETE_BATCH = 1000
+
+#: Called before each batch of deletes; raises to stop (a fenced writer: FencedError).
+DeleteGuard = Callable[[], None]
+
+
+def _no_guard() -> None:
+    return None
+
+
+def delete_checkpoint(
+    storage: Storage, run_id: str, ckpt_id: str, *, guard: DeleteGuard | None = None
+) -> int:
     """Unpublish (COMMIT first) and delete one checkpoint's folder; returns objects deleted."""
-    storage.delete(commit_key(run_id, ckpt_id))
-    return 1 + storage.delete_prefix(checkpoint_prefix(run_id, ckpt_id))
+    return delete_checkpoints(storage, run_id, [ckpt_id], guard=guard)
+
+
+def delete_checkpoints(
+    storage: Storage, run_id: str, ckpt_ids: Sequence[str], *, guard: DeleteGuard | None = None
+) -> int:
+    """Delete checkpoints in batches: each batch's COMMITs in one
+    :meth:`~ckpt_agent.storage.base.Storage.delete_many` (from then on they do not exist
+    for readers), then their folders. ``guard`` runs before each batch; if a COMMIT
+    batch fails nothing more is deleted (a folder left without its COMMIT is an
+    uncommitted leftover that :func:`gc_blobs` removes later)."""
+    check = guard or _no_guard
+    n = 0
+    for i in range(0, len(ckpt_ids), DELETE_BATCH):
+        batch = ckpt_ids[i : i + DELETE_BATCH]
+        check()
+        n += storage.delete_many([commit_key(run_id, c) for c in batch])
+        for ckpt_id in batch:
+            n += storage.delete_prefix(checkpoint_prefix(run_id, ckpt_id))
+    return n
 
 
 def apply_retention(
-    storage: Storage, run_id: str, plan: RetentionPlan, *, dry_run: bool = False
+    storage: Storage,
+    run_id: str,
+    plan: RetentionPlan,
+    *,
+    dry_run: bool = False,
+    guard: DeleteGuard | None = None,
 ) -> list[str]:
-    """Delete the plan's checkpoints in its deletion order; returns the ids deleted."""
+    """Delete the plan's checkpoints in its deletion order; returns the ids deleted.
+
+    ``guard`` runs before each batch of deletes (a writer's fence check)."""
     deleted: list[str] = []
     for ckpt_id in plan.deletion_order:
         try:
@@ -73,9 +115,9 @@ def apply_retention(
             continue
         if tier == Tier.HEARTBEAT:
             continue  # the heartbeat ring is not a folder
-        if not dry_run:
-            delete_checkpoint(storage, run_id, ckpt_id)
         deleted.append(ckpt_id)
+    if not dry_run and deleted:
+        delete_checkpoints(storage, run_id, deleted, guard=guard)
     return deleted
 
 
@@ -179,6 +221,7 @@ def gc_blobs(
     dry_run: bool = False,
     now: float | None = None,
     cache: ManifestCache | None = None,
+    guard: DeleteGuard | None = None,
 ) -> GcResult:
     """Delete stale uncommitted folders, then blobs no rank manifest references.
 
@@ -188,11 +231,14 @@ def gc_blobs(
     them): ``unreadable_manifests`` says which, and a later pass collects once
     it is repaired or its checkpoint deleted. ``grace_s=0`` is only safe when no
     other writer exists (the single-rank engine, which runs GC between its
-    own saves).
+    own saves). Deletes go in batches (:meth:`Storage.delete_many`); ``guard`` runs
+    before each (a writer's fence check: a fenced writer deletes nothing).
     """
     now = time.time() if now is None else now
+    check = guard or _no_guard
     stale = stale_uncommitted(storage, run_id, grace_s=grace_s, now=now)
-    if not dry_run:
+    if not dry_run and stale:
+        check()
         for folder in stale:
             storage.delete_prefix(checkpoint_prefix(run_id, folder))
     refs, bad = referenced_blobs(storage, run_id, cache, skip_folders=stale)
@@ -200,6 +246,7 @@ def gc_blobs(
     if bad:
         log.warning("gc: blob collection skipped, %d unreadable manifest(s): %s", len(bad), bad[:3])
         return result
+    doomed: list[str] = []
     for info in storage.list(blobs_prefix(run_id)):
         digest = info.key.rsplit("/", 1)[-1]
         if digest in refs:
@@ -208,10 +255,13 @@ def gc_blobs(
         if young and grace_s > 0:
             result.kept_young += 1
             continue
-        if not dry_run:
-            storage.delete(info.key)
+        doomed.append(info.key)
         result.deleted.append(digest)
         result.freed_bytes += info.size
+    if not dry_run:
+        for i in range(0, len(doomed), DELETE_BATCH):
+            check()
+            storage.delete_many(doomed[i : i + DELETE_BATCH])
     return result
 
 

@@ -33,11 +33,12 @@ on it in :attr:`Storage.last_write_latency_s` and calls
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 import io
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Self
@@ -45,6 +46,8 @@ from typing import TYPE_CHECKING, BinaryIO, Self
 from ckpt_agent.errors import (
     NotFoundError,
     PermanentStorageError,
+    RetryableStorageError,
+    StorageError,
 )
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_REMOTE
 
@@ -106,6 +109,17 @@ def validate_key(key: str) -> str:
     if len(key.encode("utf-8")) > 1024:
         raise PermanentStorageError(f"invalid key {key[:64]!r}...: longer than 1024 bytes")
     return key
+
+
+def delete_failures(failed: Sequence[tuple[str, StorageError]], total: int) -> StorageError:
+    """One error for the keys :meth:`Storage.delete_many` could not delete: retryable
+    when every failure was, else permanent; names the first few keys and why."""
+    shown = "; ".join(f"{k}: {e}" for k, e in failed[:3])
+    more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
+    msg = f"{len(failed)} of {total} key(s) not deleted: {shown}{more}"
+    if all(isinstance(e, RetryableStorageError) for _, e in failed):
+        return RetryableStorageError(msg + "; the rest were deleted, try again later")
+    return PermanentStorageError(msg + "; the rest were deleted")
 
 
 def validate_prefix(prefix: str) -> str:
@@ -363,6 +377,30 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Delete ``key``; deleting a missing key is not an error."""
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Delete every key in ``keys`` (missing ones are not an error); returns how many
+        keys were asked to be deleted.
+
+        Order is not kept: a caller whose deletes must be ordered (a checkpoint's
+        ``COMMIT`` before the rest of its folder) calls this once per stage. The default
+        deletes one key at a time; S3 sends ``DeleteObjects`` (up to 1000 keys a request).
+        When some key cannot be deleted, the others are still tried and then a
+        :class:`StorageError` names the ones that failed.
+        """
+        n = 0
+        failed: builtins.list[tuple[str, StorageError]] = []
+        for key in keys:
+            try:
+                self.delete(key)
+            except NotFoundError:
+                pass
+            except StorageError as e:
+                failed.append((key, e))
+            n += 1
+        if failed:
+            raise delete_failures(failed, n)
+        return n
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete everything under ``prefix``; returns how many objects were deleted."""

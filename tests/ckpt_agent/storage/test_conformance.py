@@ -226,6 +226,16 @@ def test_delete_and_delete_prefix(storage: Storage) -> None:
     assert storage.delete_prefix("d/") == 0
 
 
+def test_delete_many_deletes_in_batches_and_ignores_missing(storage: Storage) -> None:
+    keys = [f"m/{i:04d}" for i in range(1005)]  # over one S3 DeleteObjects request
+    for k in keys:
+        storage.write(k, b"x")
+    storage.write("m-keep", b"k")
+    assert storage.delete_many(iter([*keys, "never/was"])) == 1006
+    assert keys_of(storage.list()) == ["m-keep"]
+    assert storage.delete_many([]) == 0
+
+
 # --- commit protocol --------------------------------------------------------------------
 
 

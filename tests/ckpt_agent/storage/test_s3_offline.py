@@ -261,3 +261,25 @@ def test_a_refused_read_is_not_a_replaced_object_because_of_its_key() -> None:
         r.read()
     stub.assert_no_pending_responses()
     s.close()
+
+
+def test_delete_many_is_one_request_per_thousand_keys_and_names_failed_keys(
+    stubbed: tuple[S3Storage, Stubber],
+) -> None:
+    s, stub = stubbed
+    keys = [f"k{i:04d}" for i in range(1001)]
+    first = {"Objects": [{"Key": f"pre/{k}"} for k in keys[:1000]], "Quiet": True}
+    stub.add_response(
+        "delete_objects",
+        {"Errors": [{"Key": "pre/k0007", "Code": "AccessDenied", "Message": "no"}]},
+        {"Bucket": "b", "Delete": first},
+    )
+    stub.add_response(
+        "delete_objects",
+        {},
+        {"Bucket": "b", "Delete": {"Objects": [{"Key": "pre/k1000"}], "Quiet": True}},
+    )
+    with pytest.raises(
+        PermanentStorageError, match=r"1 of 1001 key\(s\) not deleted: k0007: .*AccessDenied"
+    ):
+        s.delete_many(keys)  # the second batch is still sent

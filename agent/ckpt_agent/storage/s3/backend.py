@@ -11,12 +11,21 @@ import collections
 import heapq
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
+from botocore.exceptions import ClientError
+
 from ckpt_agent.errors import PermanentStorageError, StorageError
-from ckpt_agent.storage.base import ObjectInfo, ObjectWriter, Storage, validate_key, validate_prefix
+from ckpt_agent.storage.base import (
+    ObjectInfo,
+    ObjectWriter,
+    Storage,
+    delete_failures,
+    validate_key,
+    validate_prefix,
+)
 from ckpt_agent.storage.options import S3_MIN_PART_SIZE, StorageOptions
 from ckpt_agent.storage.s3.client import BucketClient, make_boto_client
 from ckpt_agent.storage.s3.transfer import S3Reader, S3Writer
@@ -24,7 +33,10 @@ from ckpt_agent.storage.s3.transfer import S3Reader, S3Writer
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
 
-__all__ = ["S3Storage"]
+__all__ = ["DELETE_BATCH", "S3Storage"]
+
+#: Keys per ``DeleteObjects`` request (the S3 maximum).
+DELETE_BATCH = 1000
 
 
 class S3Storage(Storage):
@@ -183,39 +195,59 @@ class S3Storage(Storage):
         full = bc.full(key)
         bc.call("DeleteObject", key, lambda: bc.boto.delete_object(Bucket=self.bucket, Key=full))
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Batch delete (DeleteObjects, 1000 keys a request)."""
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """``DeleteObjects``, 1000 keys a request; a key the server could not delete is
+        reported after every batch was tried (missing keys are deleted as far as S3 goes)."""
         bc = self.bucket_client
         n = 0
+        failed: list[tuple[str, StorageError]] = []
         batch: list[str] = []
+        strip = len(self._root_prefix)
 
         def flush() -> None:
             nonlocal n
-            objs: Any = [{"Key": self._root_prefix + k} for k in batch]
+            objs: Any = [{"Key": bc.full(validate_key(k))} for k in batch]
+            first = batch[0]
             resp = bc.call(
                 "DeleteObjects",
-                prefix,
+                first,
                 lambda: bc.boto.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": objs, "Quiet": True}
                 ),
             )
-            errors = resp.get("Errors", [])
-            if errors:
-                first = errors[0]
-                raise PermanentStorageError(
-                    f"S3 DeleteObjects {bc.where(prefix)}: {len(errors)} key(s) not deleted, "
-                    f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+            for err in resp.get("Errors", []):
+                key = str(err.get("Key", ""))[strip:]
+                code = str(err.get("Code", ""))
+                if code == "NoSuchKey":
+                    continue
+                where = f"S3 DeleteObjects {bc.where(key)}"
+                exc = ClientError(
+                    {"Error": {"Code": code, "Message": str(err.get("Message", ""))}},
+                    "DeleteObjects",
+                )
+                failed.append(
+                    (
+                        key,
+                        self.classify(exc, "DeleteObjects", key)
+                        or PermanentStorageError(f"{where}: {code}"),
+                    )
                 )
             n += len(batch)
             batch.clear()
 
-        for info in list(self.list(prefix)):
-            batch.append(info.key)
-            if len(batch) == 1000:
+        for key in keys:
+            batch.append(key)
+            if len(batch) == DELETE_BATCH:
                 flush()
         if batch:
             flush()
+        if failed:
+            raise delete_failures(failed, n)
         return n
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Batch delete (DeleteObjects, 1000 keys a request)."""
+        return self.delete_many([info.key for info in self.list(prefix)])
 
     def close(self) -> None:
         self.bucket_client.close()
