@@ -51,3 +51,24 @@ def test_the_trainjob_example_is_opted_in_and_names_the_torch_runtime() -> None:
     assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
     # the operator adds its own runtime patch (and mounts the policy's claim): none needed
     assert "runtimePatches" not in job["spec"]
+
+
+def test_the_hf_trainer_manifests_are_opted_in_and_run_the_example_script() -> None:
+    """examples/hf-trainer-{pytorchjob,trainjob}.yaml (issue #26; e2e/tests/test_hf_operator.py
+    runs them): the two annotations, the shipped Trainer script, the same arguments."""
+    root = Path(__file__).resolve().parents[1] / "examples"
+    policy = CheckpointPolicy.model_validate(yaml.safe_load((root / "policy.yaml").read_text()))
+    pj = yaml.safe_load((root / "hf-trainer-pytorchjob.yaml").read_text())
+    tj = yaml.safe_load((root / "hf-trainer-trainjob.yaml").read_text())
+    master = pj["spec"]["pytorchReplicaSpecs"]["Master"]
+    containers = [master["template"]["spec"]["containers"][0], tj["spec"]["trainer"]]
+    for job in (pj, tj):
+        annotations = job["metadata"]["annotations"]
+        assert annotations["ckpt.dev/policy"] == policy.metadata.name
+        assert annotations["ckpt.dev/auto-resume"] == "true"
+    assert master["restartPolicy"] == "Never"  # the operator restarts the job
+    assert containers[0]["name"] == "pytorch"
+    for ctr in containers:
+        assert Path(ctr["command"][-1]).name == "train_hf_trainer.py"
+    assert (root / "train_hf_trainer.py").is_file()
+    assert containers[0]["args"] == containers[1]["args"]
