@@ -4,10 +4,14 @@ exit codes, and the two guards against hostile storage.
 Everything a command shows that came from storage (run ids, checkpoint fields,
 reasons, validation messages, error texts) goes through :func:`safe` (or
 :func:`plain` for text composed into a message) before it reaches rich: rich
-markup is escaped and control characters (ANSI escape sequences included) are
-replaced by their ``\\x..`` spelling, so stored bytes can neither style, move
-nor clear the operator's terminal. Every command is wrapped by :func:`guarded`:
-an error is one line on stderr and an :class:`ExitCode`, never a traceback.
+markup is escaped and the text goes through the one sanitizer,
+:func:`ckpt_agent.text.clean` (control and bidi characters, ANSI/OSC sequences
+included, spelled out as ``\\x1b``, ``\\u202e``; length capped), so stored
+bytes can neither style, move nor clear the operator's terminal. Every command is
+wrapped by :func:`guarded`: an error is one line on stderr and an
+:class:`ExitCode`, never a traceback; and the warnings other layers log while it
+runs (a planted file name skipped by a listing) are printed through
+:class:`ckpt_agent.text.CleanFormatter` (:func:`ckpt_agent.text.install_clean_last_resort`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ckpt_agent.format.listing import list_checkpoints, list_runs
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.storage import Storage, StorageError, StorageOptions, open_storage
+from ckpt_agent.text import DEFAULT_LIMIT, clean, install_clean_last_resort
 
 __all__ = [
     "EXIT_CODES_HELP",
@@ -62,7 +67,7 @@ P = ParamSpec("P")
 log = logging.getLogger(__name__)
 
 #: Longest stored string shown in a table cell or a message (a reason can be kilobytes).
-SHOWN_MAX = 500
+SHOWN_MAX = DEFAULT_LIMIT
 
 
 class ExitCode(enum.IntEnum):
@@ -126,17 +131,11 @@ class UsageError(Exception):
 
 
 def plain(value: object, limit: int | None = SHOWN_MAX) -> str:
-    """``value`` as one line of harmless text: control characters (ANSI escape sequences,
-    newlines, bidi overrides ...) spelled out as ``\\x1b``, ``\\n``, ``\\u202e``;
-    cut to ``limit`` characters. For text composed into a message (then :func:`fail`)."""
-    text = str(value)
-    if limit is not None and len(text) > limit:
-        text = text[:limit] + f"... ({len(text) - limit} more characters)"
-    if text.isprintable():
-        return text
-    return "".join(
-        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
-    )
+    """``value`` as one line of harmless text (:func:`ckpt_agent.text.clean`): control
+    characters (ANSI escape sequences, newlines, bidi overrides ...) spelled out as
+    ``\\x1b``, ``\\n``, ``\\u202e``; at most ``limit`` characters. For text composed into
+    a message (then :func:`fail`)."""
+    return clean(value, limit)
 
 
 def safe(value: object, limit: int | None = SHOWN_MAX) -> str:
@@ -194,6 +193,7 @@ def guarded(command: Callable[P, None]) -> Callable[P, None]:
 
     @functools.wraps(command)
     def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        install_clean_last_resort()  # other layers' warnings name stored files: cleaned
         try:
             command(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):

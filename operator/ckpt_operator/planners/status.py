@@ -3,6 +3,13 @@
 Conditions follow the API conventions: one entry per ``type``;
 ``lastTransitionTime`` changes only when ``status`` changes; ``reason`` is
 CamelCase; ``observedGeneration`` says which spec they describe.
+
+A condition's ``reason`` and ``message`` go through the one sanitizer
+(:func:`ckpt_agent.text.clean`) in :func:`set_condition`, whatever the caller
+passed: ``kubectl describe`` shows them to a person, and a message quotes stored
+strings (run ids, ``OWNER.json`` namespaces, storage errors). One bounded line
+(:data:`~ckpt_agent.text.STATUS_LIMIT` characters), control and bidi characters
+spelled out (``\\x1b``, ``\\u202e``).
 """
 
 from __future__ import annotations
@@ -10,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from ckpt_agent.text import STATUS_LIMIT, clean
 from ckpt_operator.model.jobs import format_time
 
 __all__ = [
+    "REASON_LIMIT",
     "ConditionStatus",
     "get_condition",
     "policy_ready_status",
@@ -20,6 +29,9 @@ __all__ = [
 ]
 
 ConditionStatus = Literal["True", "False", "Unknown"]
+
+#: Longest condition reason (CamelCase words; ours are short).
+REASON_LIMIT = 128
 
 
 def get_condition(
@@ -41,7 +53,9 @@ def set_condition(
     now: float,
     observed_generation: int | None = None,
 ) -> list[dict[str, Any]]:
-    """A new conditions list with ``type_`` set (others kept, order kept, new ones appended)."""
+    """A new conditions list with ``type_`` set (others kept, order kept, new ones appended);
+    ``reason`` and ``message`` cleaned and bounded (:func:`ckpt_agent.text.clean`)."""
+    reason, message = clean(reason, REASON_LIMIT), clean(message, STATUS_LIMIT)
     out: list[dict[str, Any]] = []
     found = False
     for cond in conditions or ():

@@ -152,8 +152,12 @@ def owner_refusal(run_id: str, owner_namespace: str, namespace: str) -> str | No
 
 
 def summarize_error(error: BaseException, limit: int = MAX_ERROR_CHARS) -> str:
-    """``"<ErrorClass>: <first line of the message>"``, control characters removed, at most
-    ``limit`` characters: what may reach a status or an Event (never a response body)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else "no details"
-    line = _CONTROL.sub(" ", f"{type(error).__name__}: {text}").strip()
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+    """``"<ErrorClass>: <first line of the message>"`` through the one sanitizer
+    (:func:`ckpt_agent.text.clean`: control and bidi characters spelled out, at most
+    ``limit`` characters): what may reach a status or an Event (never a response body, which
+    follows the first line)."""
+    from ckpt_agent.text import clean
+
+    text = str(error).strip()
+    first = text.split("\n", 1)[0].strip() if text else ""
+    return clean(f"{type(error).__name__}: {first or 'no details'}", limit)
