@@ -28,6 +28,7 @@ __all__ = [
     "CodecError",
     "CommitAbortedError",
     "DistributedError",
+    "FencedError",
     "ForceRequiredError",
     "IntegrityError",
     "JsonTreeError",
@@ -176,6 +177,23 @@ class PersistError(CheckpointError):
     """
 
     transient: bool = False
+
+
+class FencedError(CheckpointError, PermanentError):
+    """A newer writer holds this run (a higher generation in ``<run>/writers/``): this
+    process must not write or delete in it any more.
+
+    Fatal whatever ``on_persist_error`` says, and sticky: every later ``step()``,
+    ``save_now()``, ``wait()`` and ``close()`` raises it again. :attr:`holder` names the
+    newer writer (generation, pod, node, namespace) for the message and the Event.
+    """
+
+    def __init__(self, message: str, *, generation: int, holder: str) -> None:
+        super().__init__(message)
+        self.generation = generation
+        """This writer's generation."""
+        self.holder = holder
+        """The newer writer, in words."""
 
 
 class ResumeError(CheckpointError, PermanentError):

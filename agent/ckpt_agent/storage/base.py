@@ -19,6 +19,10 @@ concurrently; one key has one writer at a time)::
             f.write(...)                 # streaming; published atomically on close
     storage.commit(manifest_key, data)   # last: the checkpoint now exists
 
+:meth:`Storage.create_exclusive` is the one conditional write: it publishes like
+``commit`` but only where nothing exists yet (claims of a run's writer generations,
+``COMMIT`` files; see docs/security.md, "Fencing").
+
 Errors: every failure is a :class:`StorageError`. :class:`PermanentStorageError`
 means retrying cannot help and its message says what to fix;
 :class:`RetryableStorageError` means the backend already retried (where it
@@ -37,6 +41,7 @@ import builtins
 import contextlib
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -59,6 +64,9 @@ if TYPE_CHECKING:
 __all__ = ["ObjectInfo", "ObjectWriter", "Storage", "WriteLatencyHook", "validate_key"]
 
 log = logging.getLogger(__name__)
+
+#: Serializes the default :meth:`Storage.create_exclusive` (in-process stores only).
+_EXCLUSIVE_LOCK = threading.Lock()
 
 #: Reserved name prefix for in-flight temporary objects; keys may not use it.
 TEMP_PREFIX = ".ckpt-tmp."
@@ -308,6 +316,30 @@ class Storage(abc.ABC):
 
         After it returns, every reader sees the object; before it, none does.
         """
+
+    #: Whether :meth:`create_exclusive` is atomic across processes and machines (the
+    #: filesystem: a hard link; S3: a conditional PUT). The default implementation is
+    #: atomic only among the users of this process's backends (an in-memory store).
+    atomic_create: bool = False
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Publish a small object like :meth:`commit`, but only if ``key`` holds none.
+
+        True when this call created it, or when ``key`` already holds exactly ``data``
+        (a retried request whose first attempt did create it: callers that must know
+        they won put something unique in ``data``); False when another object is
+        there, which is left untouched. Atomic where :attr:`atomic_create` says so:
+        of two concurrent calls with different data exactly one returns True. The
+        default (check, then commit, under a process-wide lock) is for in-process
+        stores; backends shared between processes override it.
+        """
+        with _EXCLUSIVE_LOCK:
+            try:
+                existing = self.read(key)
+            except NotFoundError:
+                self.commit(key, data)
+                return True
+            return existing == data
 
     @abc.abstractmethod
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:

@@ -73,7 +73,7 @@ from ckpt_agent.storage.confined import (
     unsafe,
 )
 from ckpt_agent.storage.fs_delete import delete_tree, prune, unlink_entry
-from ckpt_agent.storage.fs_writer import DirectIO, FileWriter
+from ckpt_agent.storage.fs_writer import DirectIO, FileWriter, KeyExistsError
 from ckpt_agent.storage.memory import populate
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_LOCAL
@@ -138,6 +138,25 @@ class LocalStorage(Storage):
     def commit(self, key: str, data: bytes) -> None:
         with FileWriter(self, self._tree, key, self._path(key), fsync=True) as f:
             f.write(data)
+
+    atomic_create = True
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Temp file, fsync, hard link to the key (EEXIST: taken), fsync the folder.
+
+        A taken key is read back: the same bytes mean our own earlier attempt (an NFS
+        client may retransmit a LINK whose reply was lost and then report EEXIST)."""
+        try:
+            with FileWriter(
+                self, self._tree, key, self._path(key), fsync=True, exclusive=True
+            ) as f:
+                f.write(data)
+        except KeyExistsError:
+            try:
+                return self.read(key, 0, len(data) + 1) == data
+            except NotFoundError:  # deleted since: another round decides
+                return self.create_exclusive(key, data)
+        return True
 
     # -- reading ---------------------------------------------------------------------
     def _open_object(self, key: str, action: str) -> tuple[int, int]:

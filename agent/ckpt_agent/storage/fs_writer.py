@@ -60,6 +60,10 @@ class DirectIO:
         self.enabled = False
 
 
+class KeyExistsError(Exception):
+    """An exclusive publish found the key taken (internal: ``create_exclusive`` says False)."""
+
+
 class FileWriter(ObjectWriter):
     """Temp file beside the target; fsync, rename, fsync directories on publish."""
 
@@ -72,8 +76,10 @@ class FileWriter(ObjectWriter):
         *,
         fsync: bool,
         direct: DirectIO | None = None,
+        exclusive: bool = False,
     ) -> None:
         super().__init__(storage, key)
+        self._exclusive = exclusive
         self._tree = tree
         self._direct = direct
         self._target = path
@@ -164,8 +170,15 @@ class FileWriter(ObjectWriter):
         except OSError as e:
             raise tree.error(e, f"closing {self.key!r} at", self._tmp) from e
         try:
-            # a rename replaces a link at the target itself, never its target
-            os.replace(self._tmp_name, self._parts[-1], src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+            if self._exclusive:
+                self._link()
+            else:
+                # a rename replaces a link at the target itself, never its target
+                os.replace(
+                    self._tmp_name, self._parts[-1], src_dir_fd=self._dfd, dst_dir_fd=self._dfd
+                )
+        except KeyExistsError:
+            raise
         except IsADirectoryError:
             raise conflict(self._target) from None
         except OSError as e:
@@ -173,6 +186,22 @@ class FileWriter(ObjectWriter):
         if self._do_fsync:
             tree.fsync_fd(self._dfd, self._target.parent)
         self._close_dir()
+
+    def _link(self) -> None:
+        """Exclusive publish: a hard link fails with EEXIST when anything (a file, a link, a
+        folder) has the name; atomic on POSIX filesystems and on NFS (the server links)."""
+        try:
+            os.link(
+                self._tmp_name,
+                self._parts[-1],
+                src_dir_fd=self._dfd,
+                dst_dir_fd=self._dfd,
+                follow_symlinks=False,
+            )
+        except FileExistsError:
+            raise KeyExistsError(self.key) from None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp_name, dir_fd=self._dfd)
 
     def _close_dir(self) -> None:
         if self._dfd >= 0:

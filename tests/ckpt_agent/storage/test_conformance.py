@@ -236,6 +236,32 @@ def test_delete_many_deletes_in_batches_and_ignores_missing(storage: Storage) ->
     assert storage.delete_many([]) == 0
 
 
+def test_create_exclusive_creates_once_and_never_replaces(storage: Storage) -> None:
+    assert storage.atomic_create
+    assert storage.create_exclusive("x/claim", b"first")
+    assert storage.create_exclusive("x/claim", b"first")  # our own retried request
+    assert not storage.create_exclusive("x/claim", b"second")
+    assert storage.read("x/claim") == b"first"
+    storage.commit("x/other", b"old")
+    assert not storage.create_exclusive("x/other", b"new")
+    assert storage.read("x/other") == b"old"
+    assert keys_of(storage.list()) == ["x/claim", "x/other"]
+    assert leftovers(storage) == ["x/claim", "x/other"]  # no temporary left behind
+    storage.delete("x/claim")
+    assert storage.create_exclusive("x/claim", b"again")
+
+
+def test_create_exclusive_race_has_exactly_one_winner(storage: Storage) -> None:
+    for round_ in range(3):
+        key = f"race/{round_:04d}"
+        with ThreadPoolExecutor(8) as pool:
+            won = list(
+                pool.map(lambda i, k=key: storage.create_exclusive(k, f"w{i}".encode()), range(8))
+            )
+        assert sum(won) == 1, won
+        assert storage.read(key) == f"w{won.index(True)}".encode()
+
+
 # --- commit protocol --------------------------------------------------------------------
 
 

@@ -283,3 +283,46 @@ def test_delete_many_is_one_request_per_thousand_keys_and_names_failed_keys(
         PermanentStorageError, match=r"1 of 1001 key\(s\) not deleted: k0007: .*AccessDenied"
     ):
         s.delete_many(keys)  # the second batch is still sent
+
+
+def test_create_exclusive_is_a_conditional_put_checked_once_per_instance() -> None:
+    s, stub = _stubbed()
+    put = {"Bucket": "b", "Key": "pre/w/1", "Body": b"me", "IfNoneMatch": "*"}
+    stub.add_response("put_object", {"ETag": '"x"'}, put)
+    stub.add_client_error("put_object", "PreconditionFailed", "taken", 412, expected_params=put)
+    assert s.create_exclusive("w/1", b"me")
+    assert s.conditional_put is True  # the server refused the second identical PUT
+    # a taken key: read back, someone else's bytes -> False (never overwritten)
+    put2 = {"Bucket": "b", "Key": "pre/w/2", "Body": b"me", "IfNoneMatch": "*"}
+    stub.add_client_error("put_object", "PreconditionFailed", "taken", 412, expected_params=put2)
+    stub.add_response(
+        "get_object",
+        {"Body": _body(b"other")},
+        {"Bucket": "b", "Key": "pre/w/2", "Range": "bytes=0-2"},
+    )
+    assert not s.create_exclusive("w/2", b"me")
+    stub.assert_no_pending_responses()
+    s.close()
+
+
+def test_create_exclusive_falls_back_when_the_server_ignores_if_none_match() -> None:
+    s, stub = _stubbed()
+    put = {"Bucket": "b", "Key": "pre/w/1", "Body": b"me", "IfNoneMatch": "*"}
+    stub.add_response("put_object", {"ETag": '"x"'}, put)
+    stub.add_response("put_object", {"ETag": '"x"'}, put)  # accepted again: header ignored
+    assert s.create_exclusive("w/1", b"me")
+    assert s.conditional_put is False
+    # the fallback: HEAD (taken) -> read back -> someone else's -> False
+    stub.add_response(
+        "head_object",
+        {"ContentLength": 5, "LastModified": datetime.datetime.now(datetime.UTC), "ETag": '"y"'},
+        {"Bucket": "b", "Key": "pre/w/2"},
+    )
+    stub.add_response(
+        "get_object",
+        {"Body": _body(b"other")},
+        {"Bucket": "b", "Key": "pre/w/2", "Range": "bytes=0-2"},
+    )
+    assert not s.create_exclusive("w/2", b"me")
+    stub.assert_no_pending_responses()
+    s.close()

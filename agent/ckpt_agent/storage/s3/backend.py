@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import heapq
 import io
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -17,7 +18,7 @@ from urllib.parse import urlsplit
 
 from botocore.exceptions import ClientError
 
-from ckpt_agent.errors import PermanentStorageError, StorageError
+from ckpt_agent.errors import NotFoundError, PermanentStorageError, StorageError
 from ckpt_agent.storage.base import (
     ObjectInfo,
     ObjectWriter,
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
 
 __all__ = ["DELETE_BATCH", "S3Storage"]
+
+log = logging.getLogger(__name__)
 
 #: Keys per ``DeleteObjects`` request (the S3 maximum).
 DELETE_BATCH = 1000
@@ -65,6 +68,8 @@ class S3Storage(Storage):
         self._root_prefix = f"{self.root}/" if self.root else ""
         self.url = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
         self.options = opts
+        #: Whether the server honours ``If-None-Match`` on PUT (None: not yet known).
+        self.conditional_put: bool | None = None
         #: Requests to the bucket, under the retry policy (what the transfers use too).
         self.bucket_client = BucketClient(
             bucket, self.root, opts, client if client is not None else make_boto_client(opts)
@@ -117,6 +122,60 @@ class S3Storage(Storage):
         t0 = time.perf_counter()
         self.bucket_client.put(key, data)
         self._record_write(key, time.perf_counter() - t0, len(data))
+
+    atomic_create = True
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """A conditional PUT (``If-None-Match: *``): 412 PreconditionFailed means taken.
+
+        A taken key is read back (the same bytes: our own attempt, retried after a lost
+        reply). The first call per instance also checks that the server honours the
+        header (a second identical conditional PUT must be refused); a server that
+        ignores it (an old MinIO, some S3-compatible stores) is logged once and served
+        by the fallback: HEAD, PUT, read back (see docs/storage.md: not atomic, a
+        window of one round trip).
+        """
+        if self.conditional_put is False:
+            return self._create_fallback(key, data)
+        bc = self.bucket_client
+        t0 = time.perf_counter()
+        try:
+            bc.put(key, data, if_none_match=True)
+        except PermanentStorageError as e:
+            if e.code not in ("PreconditionFailed", "412"):
+                raise
+            return self._holds(key, data)
+        self._record_write(key, time.perf_counter() - t0, len(data))
+        if self.conditional_put is None:
+            self._probe_conditional_put(key, data)
+        return True
+
+    def _probe_conditional_put(self, key: str, data: bytes) -> None:
+        try:
+            self.bucket_client.put(key, data, if_none_match=True)  # same bytes: harmless
+        except PermanentStorageError as e:
+            if e.code in ("PreconditionFailed", "412"):
+                self.conditional_put = True
+                return
+            raise
+        self.conditional_put = False
+        log.warning(
+            "%s ignores If-None-Match on PUT: conditional creates fall back to "
+            "HEAD + PUT + read-back (not atomic; see docs/storage.md, conditional writes)",
+            self.url,
+        )
+
+    def _create_fallback(self, key: str, data: bytes) -> bool:
+        if self.exists(key):
+            return self._holds(key, data)
+        self.commit(key, data)
+        return self._holds(key, data)
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.read(key, 0, len(data) + 1) == data
+        except NotFoundError:  # deleted since: another round decides
+            return self.create_exclusive(key, data)
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         if start < 0 or (length is not None and length < 0):

@@ -200,15 +200,19 @@ class BucketClient:
             key, int(resp["ContentLength"]), resp["LastModified"].timestamp(), resp.get("ETag")
         )
 
-    def put(self, key: str, data: bytes | bytearray) -> None:
-        """One PUT of the whole object (atomic on S3)."""
+    def put(self, key: str, data: bytes | bytearray, *, if_none_match: bool = False) -> None:
+        """One PUT of the whole object (atomic on S3); ``if_none_match``: only if the key has
+        no object (``If-None-Match: *``; a taken key is a
+        :class:`~ckpt_agent.errors.PermanentStorageError` with code ``PreconditionFailed``)."""
         full = self.full(key)
-        sse = self.sse_args()
+        extra: dict[str, str] = self.sse_args()
+        if if_none_match:
+            extra["IfNoneMatch"] = "*"
         body = bytes(data)
         self.call(
             "PutObject",
             key,
-            lambda: self.boto.put_object(Bucket=self.bucket, Key=full, Body=body, **sse),  # type: ignore[arg-type]
+            lambda: self.boto.put_object(Bucket=self.bucket, Key=full, Body=body, **extra),  # type: ignore[arg-type]
         )
 
     # -- threads -------------------------------------------------------------------------

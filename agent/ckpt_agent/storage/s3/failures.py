@@ -46,6 +46,7 @@ RETRYABLE_CODES = frozenset(
         "RequestTimeoutException",
         "PriorRequestNotComplete",
         "OperationAborted",
+        "ConditionalRequestConflict",  # 409: a concurrent conditional write; AWS says retry
         "XMinioServerNotInitialized",
         "XMinioReadQuorum",
         "XMinioWriteQuorum",
