@@ -6,10 +6,25 @@ validation). WAL mode and a 30 s busy timeout, so ``ckpt ls`` can read while
 the trainer writes. :meth:`Catalog.rebuild_from_storage` re-creates the rows
 of a run from storage (keeping timings it already had), which is what the
 engine does on :meth:`~ckpt_agent.runtime.checkpointer.Checkpointer.start`.
+
+An unreadable catalog never stops training (docs/storage.md, "The local catalog"):
+
+* **corrupt** (not a database, a malformed image, a failed ``quick_check``, a
+  table that is not this catalog's): the file is moved aside as
+  ``<name>.corrupt-<time>`` (with its ``-wal``; the newest :data:`KEEP_ASIDE`
+  are kept for forensics, older ones removed) and a fresh catalog is created,
+  which the start's :meth:`~Catalog.rebuild_from_storage` fills from storage;
+* **locked** by another process beyond :data:`OPEN_WAIT_S`, or unopenable
+  (permissions, I/O): this process uses a **private in-memory index** instead
+  (:attr:`Catalog.private`), rebuilt from storage the same way, and logs why.
+  Nothing reads the catalog across processes for a decision, so a private index
+  loses nothing but its timings.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
 import threading
 import time
@@ -20,11 +35,21 @@ from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, RetentionClass
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.text import clean
 
-__all__ = ["BUSY_TIMEOUT_MS", "Catalog"]
+__all__ = ["BUSY_TIMEOUT_MS", "KEEP_ASIDE", "OPEN_WAIT_S", "Catalog"]
+
+log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 30_000
 SCHEMA_VERSION = 1
+#: How long opening waits for a catalog another process holds locked before this process
+#: goes on with a private in-memory index (read when opening: a test may lower it).
+OPEN_WAIT_S = 10.0
+#: Corrupt catalogs kept beside the catalog for forensics (the newest; older ones removed).
+KEEP_ASIDE = 2
+#: What a moved-aside corrupt catalog's name carries after the catalog's name.
+ASIDE_MARK = ".corrupt-"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -63,25 +88,118 @@ _COLUMNS = (
 )
 
 
+_COLUMN_NAMES = frozenset(c.strip() for c in _COLUMNS.split(","))
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """The file opened, but it is not a sound catalog."""
+
+
+def _errorname(e: sqlite3.Error) -> str:
+    return str(getattr(e, "sqlite_errorname", "") or "")
+
+
+def _is_corrupt(e: sqlite3.Error) -> bool:
+    return isinstance(e, _Corrupt) or _errorname(e).startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
+
+
+def _is_locked(e: sqlite3.Error) -> bool:
+    name = _errorname(e)
+    if name:
+        return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED"))
+    return "locked" in str(e) or "busy" in str(e)
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class Catalog:
-    """Thread-safe (one connection, one lock) SQLite catalog."""
+    """Thread-safe (one connection, one lock) SQLite catalog.
+
+    :attr:`private` is True when this process could not use the file (locked or
+    unopenable) and keeps its index in memory; :attr:`moved_aside` names the corrupt
+    file this open moved aside, if any (see the module docstring)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            self.path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None
-        )
+        self.private = False
+        self.moved_aside: Path | None = None
+        self.journal_mode = ""
+        self._db = self._open_or_recover()
         self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+
+    def _open_or_recover(self) -> sqlite3.Connection:
+        seen = _inode(self.path)
+        try:
+            return self._open(str(self.path))
+        except sqlite3.Error as e:
+            if not _is_corrupt(e):
+                return self._private(e)
+            first = e
+        if _inode(self.path) == seen:  # not already replaced by another process
+            try:
+                self.moved_aside = _move_aside(self.path)
+            except OSError as e:
+                return self._private(e)
+            log.warning(
+                "catalog %s is corrupt (%s): moved aside as %s for forensics; a fresh one is "
+                "rebuilt from the checkpoints in storage (the catalog is only their index)",
+                clean(self.path),
+                clean(first),
+                clean(self.moved_aside.name),
+            )
+        try:
+            return self._open(str(self.path))
+        except sqlite3.Error as e:
+            return self._private(e)
+
+    def _open(self, where: str) -> sqlite3.Connection:
+        wait_s = float(OPEN_WAIT_S)
+        db = sqlite3.connect(where, timeout=wait_s, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute(f"PRAGMA busy_timeout={int(wait_s * 1000)}")
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            db.execute("PRAGMA synchronous=NORMAL")
+            check = db.execute("PRAGMA quick_check").fetchone()[0]
+            if str(check).lower() != "ok":
+                raise _Corrupt(f"quick_check: {str(check)[:200]}")
+            names = {str(row[1]) for row in db.execute("PRAGMA table_info(checkpoints)")}
+            if names and names != _COLUMN_NAMES:
+                raise _Corrupt("its checkpoints table is not this catalog's")
+            db.executescript(_SCHEMA)
+            db.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+        except BaseException:
+            db.close()
+            raise
         self.journal_mode = str(mode).lower()
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        self._db.execute(
-            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-            (str(SCHEMA_VERSION),),
+        return db
+
+    def _private(self, error: BaseException) -> sqlite3.Connection:
+        why = (
+            f"locked by another process for over {OPEN_WAIT_S:g} s"
+            if isinstance(error, sqlite3.Error) and _is_locked(error)
+            else "unusable"
         )
+        log.warning(
+            "catalog %s is %s (%s): this process keeps a private in-memory index instead, "
+            "rebuilt from the checkpoints in storage (the catalog is only their index; "
+            "nothing is lost but its timings)",
+            clean(self.path),
+            why,
+            clean(error),
+        )
+        self.private = True
+        return self._open(":memory:")
 
     # ------------------------------------------------------------------ writes
 
@@ -226,6 +344,29 @@ class Catalog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a corrupt catalog (and its ``-wal``) to ``<name>.corrupt-<ns>``, drop its
+    ``-shm``, and remove all but the newest :data:`KEEP_ASIDE` such files."""
+    aside = path.with_name(f"{path.name}{ASIDE_MARK}{time.time_ns():020d}")
+    os.replace(path, aside)
+    wal = path.with_name(path.name + "-wal")
+    if wal.exists():
+        os.replace(wal, aside.with_name(aside.name + "-wal"))
+    path.with_name(path.name + "-shm").unlink(missing_ok=True)
+    kept = sorted(
+        p
+        for p in path.parent.glob(f"{path.name}{ASIDE_MARK}*")
+        if not p.name.endswith(("-wal", "-shm"))
+    )
+    for old in kept[: max(0, len(kept) - KEEP_ASIDE)]:
+        for f in (old, old.with_name(old.name + "-wal"), old.with_name(old.name + "-shm")):
+            try:
+                f.unlink(missing_ok=True)
+            except OSError:
+                log.warning("could not remove the old corrupt catalog %s", clean(f))
+    return aside
 
 
 def _record(row: tuple[object, ...]) -> CheckpointRecord:
