@@ -37,6 +37,7 @@ from ckpt_agent.report import (
     run_page,
     run_summary,
 )
+from ckpt_agent.report.data import LINE_MAX
 from ckpt_agent.storage import Storage
 
 __all__ = ["report"]
@@ -72,7 +73,21 @@ def _summary(store: Storage, run_id: str, work_dirs: list[Path], cb: _Progress) 
     s = run_summary(run_id, data.records, data.events, data.audit)
     s["logs"] = data.logs
     s["skipped_lines"] = data.skipped_lines
+    s["long_lines"] = data.long_lines
     return s
+
+
+def _warn_skipped(summaries: list[dict[str, Any]]) -> None:
+    """One warning line on stderr when log lines were skipped (the page says it too)."""
+    skipped = sum(int(s.get("skipped_lines", 0)) for s in summaries)
+    long = sum(int(s.get("long_lines", 0)) for s in summaries)
+    if skipped:
+        err.print(
+            f"[yellow]warning:[/] {skipped} log line(s) skipped: {long} over the "
+            f"{LINE_MAX // (1 << 20)} MiB line limit (not read), {skipped - long} not JSON "
+            "objects (damaged or truncated)",
+            soft_wrap=True,
+        )
 
 
 def _write(text: str, out: Path | None, default: str) -> Path | None:
@@ -145,11 +160,13 @@ def report(
             result: dict[str, Any] = fleet_summary(summaries, low)
         else:
             result = _summary(store, run_id, work_dirs, cb)
+            summaries = [result]
             if not result["saves"] and not result["has_log"]:
                 raise fail(
                     f"run {run_id!r} has no checkpoints in {store.url} and no decision "
                     "log was given (--work-dir)"
                 )
+    _warn_skipped(summaries)
     name = "all" if all_ else run_id
     if as_json:
         _write(json.dumps(result, indent=2, default=str) + "\n", out, "-")

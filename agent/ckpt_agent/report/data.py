@@ -8,16 +8,19 @@ and start/resume) and, in shared-memory (flash) mode, the persister's log
 (``sidecar.jsonl``: persists with their bytes, validation verdicts, retention
 actions; its events are tagged ``"source": "sidecar"``). Both may be hostile or
 damaged: a line that is not a JSON object is counted and skipped, never fatal;
-nothing is unpickled.
+nothing is unpickled. Logs are streamed line by line: at most :data:`LINE_MAX`
+bytes of a line are ever held, a longer line is skipped unread (counted apart,
+:attr:`RunData.long_lines`), so a 600 MiB line costs no more memory than a short one.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpt_agent.errors import CheckpointFormatError, NotFoundError
 from ckpt_agent.format.layout import audit_key, loads
@@ -27,14 +30,36 @@ from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.report.summary import SIDECAR_SOURCE
 from ckpt_agent.storage import Storage
 
-__all__ = ["LOG_GLOB", "SIDECAR_GLOB", "Progress", "RunData", "iter_log", "load_run", "log_files"]
+__all__ = [
+    "LINE_MAX",
+    "LOG_GLOB",
+    "SIDECAR_GLOB",
+    "Progress",
+    "RunData",
+    "Skip",
+    "iter_log",
+    "load_run",
+    "log_files",
+]
 
 #: The decision logs of one pod's work directory (one file per rank).
 LOG_GLOB = "decisions.rank*.jsonl"
 #: The shared-memory persister's log (the local persister's or the sidecar's).
 SIDECAR_GLOB = "sidecar*.jsonl"
-#: Longest decision-log line read (a longer one is skipped as malformed).
+#: Longest decision-log line read, in bytes (a longer one is skipped unread, counted).
 LINE_MAX = 1 << 20
+#: Bytes read at a time while skipping the rest of an over-long line.
+_SKIP_CHUNK = 1 << 20
+
+
+class Skip(enum.Enum):
+    """Why :func:`iter_log` skipped a line."""
+
+    MALFORMED = "malformed"
+    """Not a JSON object with a string ``event`` (damaged, truncated, hostile)."""
+    TOO_LONG = "too long"
+    """Over :data:`LINE_MAX` bytes: never read into memory."""
+
 
 #: ``progress(what, done, total)``: ``done``/``total`` in bytes for logs, items otherwise.
 Progress = Callable[[str, int, int], None]
@@ -54,7 +79,10 @@ class RunData:
     logs: list[str] = field(default_factory=list)
     """The log files read (decision logs and persister logs)."""
     skipped_lines: int = 0
-    """Lines of the logs that were not JSON objects (damaged or truncated)."""
+    """Lines of the logs that were skipped: not JSON objects (damaged or truncated), or
+    over :data:`LINE_MAX` bytes."""
+    long_lines: int = 0
+    """Of :attr:`skipped_lines`, those over :data:`LINE_MAX` bytes (skipped unread)."""
 
 
 def log_files(work_dir: Path | None, pattern: str = LOG_GLOB) -> list[Path]:
@@ -64,24 +92,48 @@ def log_files(work_dir: Path | None, pattern: str = LOG_GLOB) -> list[Path]:
     return sorted(p for p in work_dir.glob(pattern) if p.is_file() and not p.is_symlink())
 
 
-def iter_log(path: Path, progress: Progress | None = None) -> Iterator[dict[str, Any] | None]:
-    """The JSON objects of one log, ``None`` for each line that is not one."""
+def _lines(f: BinaryIO) -> Iterator[tuple[bytes | None, int]]:
+    """``(line, size)`` of each line of ``f``: the line's bytes, or None for one over
+    :data:`LINE_MAX` bytes, whose rest is read and dropped in :data:`_SKIP_CHUNK` pieces."""
+    while True:
+        raw = f.readline(LINE_MAX + 1)
+        if not raw:
+            return
+        if len(raw) <= LINE_MAX or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        del raw
+        while True:
+            rest = f.readline(_SKIP_CHUNK)
+            size += len(rest)
+            if not rest or rest.endswith(b"\n"):
+                break
+        yield None, size
+
+
+def iter_log(path: Path, progress: Progress | None = None) -> Iterator[dict[str, Any] | Skip]:
+    """The JSON objects of one log, a :class:`Skip` for each line that is not one (or too
+    long to read: bounded memory whatever the file holds)."""
     total = path.stat().st_size
     done = 0
     with open(path, "rb") as f:
-        for n, raw in enumerate(f):
-            done += len(raw)
+        for n, (raw, size) in enumerate(_lines(f)):
+            done += size
             if progress is not None and n % 4096 == 0:
                 progress(path.name, done, total)
-            if len(raw) > LINE_MAX:
-                yield None
+            if raw is None:
+                yield Skip.TOO_LONG
                 continue
             try:
                 obj = json.loads(raw)
             except (ValueError, UnicodeDecodeError, RecursionError):
-                yield None
+                yield Skip.MALFORMED
                 continue
-            yield obj if isinstance(obj, dict) and isinstance(obj.get("event"), str) else None
+            if isinstance(obj, dict) and isinstance(obj.get("event"), str):
+                yield obj
+            else:
+                yield Skip.MALFORMED
     if progress is not None:
         progress(path.name, total, total)
 
@@ -130,8 +182,9 @@ def load_run(
     ):
         data.logs.append(str(path))
         for obj in iter_log(path, progress):
-            if obj is None:
+            if isinstance(obj, Skip):
                 data.skipped_lines += 1
+                data.long_lines += obj is Skip.TOO_LONG
             else:
                 data.events.append(obj if source is None else obj | {"source": source})
     data.events.sort(key=_time_of)

@@ -133,6 +133,12 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
             '<p class="bad">No decision log was read: point --work-dir at the pod\'s '
             "CKPT_WORK_DIR for loss, score, interval and timing plots.</p>"
         )
+    skipped, long = int(s.get("skipped_lines") or 0), int(s.get("long_lines") or 0)
+    if skipped:
+        body.append(
+            f'<p class="bad">{skipped} log line(s) skipped: {long} longer than the line '
+            f"limit (not read), {skipped - long} not JSON objects (damaged or truncated).</p>"
+        )
     body += [
         "<h2>Loss and checkpoints</h2>",
         _plot("loss", svgs),

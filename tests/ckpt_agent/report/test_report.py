@@ -144,7 +144,7 @@ def test_html_report_is_self_contained(rp_run: RealRun, tmp_path: Path) -> None:
 def test_json_twin(rp_run: RealRun) -> None:
     doc = json.loads(_report(rp_run, "--json"))
     assert doc == json.loads(
-        json.dumps(_summary(rp_run) | {"logs": doc["logs"], "skipped_lines": 0})
+        json.dumps(_summary(rp_run) | {"logs": doc["logs"], "skipped_lines": 0, "long_lines": 0})
     )
     assert doc["logs"] == [str(rp_run.work / "decisions.rank0.jsonl")]
 
