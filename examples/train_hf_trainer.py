@@ -126,7 +126,7 @@ class LossLog(TrainerCallback):  # type: ignore[misc]
         if logs and "loss" in logs:
             step = state.global_step - 1  # HF counts finished steps
             self.losses[step] = float(logs["loss"]).hex()
-            if self.path is not None:
+            if self.path is not None and state.is_world_process_zero:
                 with self.path.open("a", encoding="utf-8") as f:
                     f.write(json.dumps({"step": step, "loss": self.losses[step]}) + "\n")
         if self.step_sleep:
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             "exact": resume.exact,
         },
     }
-    if args.out:
+    if args.out and trainer.is_world_process_zero():
         tmp = args.out.with_name(args.out.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=1, sort_keys=True))
         tmp.replace(args.out)
