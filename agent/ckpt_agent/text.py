@@ -22,7 +22,8 @@ backslash is not escaped, so ``\\x1b`` in the output may have been four stored
 characters; the output is for people, not a round trip.
 
 :class:`CleanFormatter` does the same to a whole log record (message and traceback
-lines), for a handler that shows records of code that did not clean its arguments.
+lines), for a handler that shows records of code that did not clean its arguments;
+:class:`CleanFilter` for a handler whose formatter is someone else's (kopf's).
 
 No dependency beyond the standard library: every layer of the agent and the operator
 may import it.
@@ -40,6 +41,7 @@ __all__ = [
     "LOG_LIMIT",
     "MIN_LIMIT",
     "STATUS_LIMIT",
+    "CleanFilter",
     "CleanFormatter",
     "clean",
     "clean_error",
@@ -150,6 +152,28 @@ class CleanFormatter(logging.Formatter):
         if record.stack_info:
             shown.stack_info = "\n".join(clean(x, None) for x in record.stack_info.splitlines())
         return super().format(shown)
+
+
+class CleanFilter(logging.Filter):
+    """A :class:`logging.Filter` for a handler whose formatter is someone else's (kopf's):
+    it replaces each record's message by its :func:`clean` text (arguments filled in) and
+    its traceback by cleaned lines, so whatever formats the record next shows clean text.
+    The record is changed in place (the handlers after this one see the clean text too)."""
+
+    def __init__(self, limit: int = LOG_LIMIT) -> None:
+        super().__init__()
+        self.limit = limit
+        self._formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not is_clean(message, self.limit):
+            record.msg, record.args = clean(message, self.limit), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = "\n".join(clean(x, None) for x in record.exc_text.splitlines())
+        return True
 
 
 class _CleanLastResort(logging.StreamHandler[TextIO]):

@@ -14,6 +14,7 @@ import pytest
 from ckpt_agent.text import (
     DEFAULT_LIMIT,
     MIN_LIMIT,
+    CleanFilter,
     CleanFormatter,
     clean,
     clean_error,
@@ -163,3 +164,18 @@ def test_the_last_resort_handler_prints_cleaned_warnings(monkeypatch: pytest.Mon
     out = buf.getvalue()
     assert out.count("\n") == 1 and out.startswith("skipped run\\x1b[31mred")
     assert _dangerous(out.rstrip("\n")) == []
+
+
+def test_the_filter_cleans_records_for_any_formatter() -> None:
+    try:
+        raise OSError(f"cannot open {EVIL}")
+    except OSError as e:
+        record = _record("listing %s: skipped %s (%d)", "/store/run", EVIL, 3, exc=e)
+    assert CleanFilter().filter(record) is True
+    assert record.args is None and record.getMessage().startswith("listing /store/run: skipped")
+    out = logging.Formatter("%(name)s %(message)s").format(record)
+    assert _dangerous(out.replace("\n", "")) == [] and "\\x1b]0;title\\x07" in out
+    assert "Traceback (most recent call last):" in out
+    clean_record = _record("run %s committed %d", "run-1", 5)
+    CleanFilter().filter(clean_record)
+    assert clean_record.args == ("run-1", 5)  # clean text is left as it was
