@@ -76,3 +76,12 @@ SHM_FLUSH_TIMEOUT_S: Final = 120.0
 #: ``close()`` without a timeout: how long the shared-memory persister waits for its local
 #: persister process to finish.
 SHM_CLOSE_TIMEOUT_S: Final = 300.0
+
+#: The most candidate checkpoints one resume verifies (loads and checks) on the recovery
+#: ladder (``decide.recovery.plan_recovery``), newest first: forged or foreign checkpoints
+#: cannot make ``start()`` load without end (2,000 forged ones once took it 37 s). The
+#: default ladder of a healthy run holds far fewer (the newest, its chain of
+#: ``maxChainLinks`` links, the newest full, the heartbeat rebuilds). A start that reaches
+#: the bound without a usable one fails and says so (it never goes back past candidates
+#: it did not try): name the checkpoint with ``ckpt recover --manual --step N --force``.
+MAX_RESUME_CANDIDATES: Final = 32

@@ -37,14 +37,17 @@ Which checkpoints are retired (marked superseded) once the resume point is
 known is :func:`superseded`: those newer than the resume point. When a pin is
 spent the resume point is the newest valid checkpoint of its lineage, so
 nothing valid it wrote is ever retired; only the branch a pin application
-abandons is.
+abandons is. A resume that followed the ladder retires only what it tried and
+found unusable (and lightweight pulses, which the ladder ranks below an exact
+resume), never a checkpoint it did not try (:func:`untried`): one odd checkpoint
+whose chain points further back must not retire the valid ones it skips.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,6 +65,7 @@ __all__ = [
     "pins_in_force",
     "request_pin",
     "superseded",
+    "untried",
 ]
 
 PinSource = Literal["resume_from", "manual"]
@@ -216,9 +220,12 @@ def pending_to_verify(
     return sorted(pending, key=_newest_first, reverse=True)[:limit]
 
 
-def superseded(records: Sequence[CheckpointRecord], resumed_step: int) -> list[CheckpointRecord]:
+def superseded(
+    records: Sequence[CheckpointRecord], resumed_step: int, *, spare: Collection[str] = ()
+) -> list[CheckpointRecord]:
     """The committed checkpoints a resume at ``resumed_step`` abandons: every stored
-    (not heartbeat, not already corrupted or expired) one past it."""
+    (not heartbeat, not already corrupted or expired) one past it, except those in
+    ``spare`` (a ladder's resume: :func:`untried`)."""
     gone = (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED)
     return [
         r
@@ -227,4 +234,32 @@ def superseded(records: Sequence[CheckpointRecord], resumed_step: int) -> list[C
         and r.tier != Tier.HEARTBEAT
         and r.manifest_hash
         and r.status not in gone
+        and r.id not in spare
     ]
+
+
+def untried(
+    records: Sequence[CheckpointRecord], resumed_step: int, tried: Collection[str]
+) -> frozenset[str]:
+    """What a resume that followed the ladder (no pin applied) must not retire: the
+    checkpoints past ``resumed_step`` it could have resumed from but did not try — a
+    valid complete weights checkpoint (or a pending one: not verified yet) absent from
+    ``tried``. ``records``: the checkpoints the ladder was allowed to use.
+
+    A ladder resume retires only what it tried and found unusable, and what the ladder
+    ranks below the resume point by rule (a lightweight pulse: an exact resume comes
+    first); a checkpoint never loses its place because of *another* checkpoint's
+    verdict (an odd checkpoint whose chain points further back). The ladder offers
+    newer checkpoints first (:func:`ckpt_agent.decide.recovery.plan_recovery`), so this
+    is empty unless a checkpoint appeared, or stayed pending, past the ones it checked.
+    """
+    live = (CheckpointStatus.VALID, CheckpointStatus.PENDING)
+    return frozenset(
+        r.id
+        for r in records
+        if r.step > resumed_step
+        and r.has_weights
+        and not r.lightweight
+        and r.status in live
+        and r.id not in tried
+    )

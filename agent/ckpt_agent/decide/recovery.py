@@ -8,11 +8,16 @@ operator's restart planner call the same two functions (no torch here).
 The ladder (each :class:`PlanStep` says which rung and why):
 
 1. **resume** from the newest usable *complete* weights checkpoint (pulse or
-   full, not lightweight), then, in case it fails verification, the
-   checkpoints reached by following its ``prev_hash`` chain back, at most
-   ``max_chain_links`` links (unusable links are passed through and counted;
-   a link whose hash is unknown ends the chain);
-2. **resume** from the newest usable full checkpoint, when not already listed;
+   full, not lightweight), then, in case it fails verification, every older usable
+   complete checkpoint, newest first, down to the *floor*: the last checkpoint its
+   ``prev_hash`` chain reaches within ``max_chain_links`` links (unusable links are
+   passed through and counted; a link whose hash is unknown ends the chain) or the
+   newest full checkpoint, whichever is older. Chain links say so; a checkpoint the
+   chain skips (another branch, an odd checkpoint whose chain points further back) is
+   offered before the older ones all the same: a resume never goes back past a usable
+   checkpoint it did not try (which would retire it, ``decide.lineage.untried``);
+2. **resume** from the newest usable full checkpoint (rung 2, where it stands in that
+   order);
 3. **rebuild_from_heartbeat** (``allow_heartbeat_rebuild``): step, data
    position and RNG exactly from the newest usable heartbeat plus the saved
    training config, weights from the best stored source at or before it
@@ -24,6 +29,12 @@ The ladder (each :class:`PlanStep` says which rung and why):
    without force the plan holds one blocked step that says so. Force also
    lifts the poisoned / pending / low-score exclusions for that step, never
    ``corrupted``.
+
+A walk verifies at most ``max_candidates`` checkpoints
+(:data:`~ckpt_agent.tuning.MAX_RESUME_CANDIDATES`): the steps past the bound are left out
+(:attr:`RecoveryPlan.cut`), so forged or foreign checkpoints cannot make a start load
+without end; a start that exhausts the bound fails and says so, it never goes back past
+candidates it did not try.
 
 "Usable" means status ``valid`` and not poisoned (a checkpoint that made a
 resumed run fail before it advanced, see :func:`is_poisoned`). Corrupted,
@@ -37,6 +48,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ckpt_agent import tuning
 from ckpt_agent.errors import ForceRequiredError, RetryableError
 from ckpt_agent.policy.models import RecoverySpec, Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
@@ -82,6 +94,11 @@ class RecoveryPlan:
     """The plan was made with force."""
     needs_manual: bool = False
     """No automatic option although checkpoints exist: a person decides (never restart silently)."""
+    cut: tuple[PlanStep, ...] = ()
+    """Steps left out, oldest candidates last: a walk verifies at most :attr:`limit`
+    checkpoints (:data:`~ckpt_agent.tuning.MAX_RESUME_CANDIDATES`)."""
+    limit: int = 0
+    """The most checkpoints a walk of this plan verifies (0: manual plan, unbounded)."""
 
     def first(self) -> PlanStep | None:
         """The first step that does not need force (None when there is none)."""
@@ -133,6 +150,101 @@ def _exclusion(r: CheckpointRecord, poisoned: Collection[str]) -> str | None:
     return None
 
 
+def _chain(
+    head: CheckpointRecord,
+    ordered: list[CheckpointRecord],
+    skipped: dict[str, str],
+    max_links: int,
+) -> tuple[dict[str, int], CheckpointRecord]:
+    """The checkpoints ``head``'s ``prev_hash`` chain reaches (id → link number, at most
+    ``max_links``; unusable ones passed over and counted) and the oldest one reached."""
+    by_hash = {r.manifest_hash: r for r in ordered if r.manifest_hash}
+    links: dict[str, int] = {}
+    cur, oldest = head, head
+    while len(links) < max_links and cur.prev_hash:
+        prev = by_hash.get(cur.prev_hash)
+        if prev is None:
+            skipped.setdefault(
+                f"<hash {cur.prev_hash[:12]}>",
+                f"chain from {cur.id} ends: previous manifest not in the catalog",
+            )
+            break
+        if prev.id in links or prev.id == head.id:
+            break  # a forged chain that loops
+        links[prev.id] = len(links) + 1
+        if prev.id in skipped:
+            skipped[prev.id] += f"; chain link {links[prev.id]} from {head.id} passed over"
+        oldest = min(oldest, prev, key=_key)
+        cur = prev
+    return links, oldest
+
+
+def _newest_first(
+    complete: list[CheckpointRecord],
+    ordered: list[CheckpointRecord],
+    skipped: dict[str, str],
+    max_links: int,
+) -> list[tuple[CheckpointRecord, int, str]]:
+    """Rungs 1-2: every usable complete checkpoint, newest first, from the newest down to
+    the *floor* — the older of the last link of the newest one's chain
+    (``max_links``) and the newest full checkpoint — each with its rung and why.
+
+    A checkpoint newer than one the ladder offers is always offered before it (whether
+    or not the newest one's chain passes through it): a resume never goes back past a
+    usable checkpoint it did not try, so it never retires one (``decide.lineage.untried``).
+    """
+    head = complete[0]
+    links, chain_end = _chain(head, ordered, skipped, max_links)
+    fulls = [r for r in complete if r.tier == Tier.FULL]
+    newest_full = fulls[0] if fulls else None
+    floor = chain_end if newest_full is None else min(chain_end, newest_full, key=_key)
+    out: list[tuple[CheckpointRecord, int, str]] = []
+    for r in complete:
+        if _key(r) < _key(floor):
+            break
+        if r is head:
+            why, rung = f"newest valid {r.tier.value} checkpoint (step {r.step})", 1
+        elif r.id in links:
+            why = (
+                f"chain link {links[r.id]}/{max_links} back from {head.id}, "
+                "in case the newer ones fail verification"
+            )
+            rung = 1
+        elif r is newest_full:
+            beyond = _key(r) < _key(chain_end)
+            where = "beyond the chain walk" if beyond else f"not on the chain of {head.id}"
+            why, rung = f"newest valid full checkpoint (step {r.step}), {where}", 2
+        elif _key(r) < _key(chain_end):
+            assert newest_full is not None  # the floor is below the chain's end
+            why = (
+                f"step {r.step}, beyond the chain walk: newer than the newest full "
+                f"checkpoint (step {newest_full.step}), so tried before it"
+            )
+            rung = 1
+        else:
+            why = (
+                f"step {r.step}, not on the chain of {head.id}: newer than the ones "
+                "further back, so tried before them"
+            )
+            rung = 1
+        out.append((r, rung, why))
+    return out
+
+
+def _bounded(steps: list[PlanStep], limit: int) -> tuple[list[PlanStep], tuple[PlanStep, ...]]:
+    """The steps up to the first that would make the walk verify more than ``limit``
+    checkpoints (steps that need force verify none), and the ones left out."""
+    ids: set[str] = set()
+    for i, step in enumerate(steps):
+        if step.requires_force:
+            continue
+        new = {step.checkpoint_id, step.weights_from or step.checkpoint_id} - ids
+        if len(ids) + len(new) > limit:
+            return steps[:i], tuple(steps[i:])
+        ids |= new
+    return steps, ()
+
+
 def plan_recovery(
     records: Sequence[CheckpointRecord],
     spec: RecoverySpec | None = None,
@@ -140,8 +252,14 @@ def plan_recovery(
     poisoned: Collection[str] = (),
     manual_step: int | None = None,
     force: bool = False,
+    max_candidates: int | None = None,
 ) -> RecoveryPlan:
-    """Build the ladder for ``records`` (see the module docstring)."""
+    """Build the ladder for ``records`` (see the module docstring).
+
+    ``max_candidates``: the most checkpoints a walk of the plan verifies (default
+    :data:`~ckpt_agent.tuning.MAX_RESUME_CANDIDATES`); the steps past it are left out
+    (:attr:`RecoveryPlan.cut`) and the summary says so.
+    """
     spec = spec if spec is not None else RecoverySpec()
     poisoned = frozenset(poisoned)
     ordered = sorted(records, key=_key, reverse=True)  # newest first
@@ -160,61 +278,13 @@ def plan_recovery(
             listed.add(key)
             steps.append(step)
 
-    # rung 1: newest complete weights checkpoint + its prev chain
+    # rungs 1-2: the complete weights checkpoints, newest first, down to the floor
     complete = [r for r in usable if r.has_weights and not r.lightweight]
     if complete:
-        head = complete[0]
-        add(
-            PlanStep(
-                "resume",
-                head.id,
-                None,
-                f"newest valid {head.tier.value} checkpoint (step {head.step})" + _describe(head),
-                rung=1,
-                step=head.step,
-                tier=head.tier,
-            )
-        )
-        by_hash = {r.manifest_hash: r for r in ordered if r.manifest_hash}
-        cur, links = head, 0
-        while links < spec.max_chain_links and cur.prev_hash:
-            prev = by_hash.get(cur.prev_hash)
-            if prev is None:
-                skipped.setdefault(
-                    f"<hash {cur.prev_hash[:12]}>",
-                    f"chain from {cur.id} ends: previous manifest not in the catalog",
-                )
-                break
-            links += 1
-            if prev.id in skipped:
-                skipped[prev.id] += f"; chain link {links} from {head.id} passed over"
-            elif prev.has_weights:
-                add(
-                    PlanStep(
-                        "resume",
-                        prev.id,
-                        None,
-                        f"chain link {links}/{spec.max_chain_links} back from {head.id}, "
-                        f"in case the newer ones fail verification" + _describe(prev),
-                        rung=1,
-                        step=prev.step,
-                        tier=prev.tier,
-                    )
-                )
-            cur = prev
-        # rung 2: newest valid full
-        fulls = [r for r in complete if r.tier == Tier.FULL]
-        if fulls and fulls[0].id not in {s.checkpoint_id for s in steps}:
-            f = fulls[0]
+        for r, rung, why in _newest_first(complete, ordered, skipped, spec.max_chain_links):
             add(
                 PlanStep(
-                    "resume",
-                    f.id,
-                    None,
-                    f"newest valid full checkpoint (step {f.step}), beyond the chain walk",
-                    rung=2,
-                    step=f.step,
-                    tier=f.tier,
+                    "resume", r.id, None, why + _describe(r), rung=rung, step=r.step, tier=r.tier
                 )
             )
 
@@ -255,8 +325,18 @@ def plan_recovery(
     elif heartbeats:
         skipped[heartbeats[0].id] = "heartbeat rebuild disabled (allowHeartbeatRebuild=false)"
 
+    limit = tuning.MAX_RESUME_CANDIDATES if max_candidates is None else max_candidates
+    steps, cut = _bounded(steps, limit)
+    beyond = ""
+    if cut:
+        beyond = (
+            f"; {len(cut)} older step(s) left out: a start verifies at most {limit} "
+            "candidates (ckpt_agent.tuning.MAX_RESUME_CANDIDATES)"
+        )
     if any(not s.requires_force for s in steps):
-        summary = f"{len(steps)} step(s); first: {steps[0].action} {steps[0].checkpoint_id}"
+        summary = (
+            f"{len(steps)} step(s); first: {steps[0].action} {steps[0].checkpoint_id}" + beyond
+        )
         needs_manual = False
     elif not records:
         summary = "no checkpoints: nothing to resume from (a fresh start is safe)"
@@ -273,6 +353,8 @@ def plan_recovery(
         reason=summary,
         force=force,
         needs_manual=needs_manual,
+        cut=cut,
+        limit=limit,
     )
 
 

@@ -16,6 +16,7 @@ from ckpt_agent.decide.lineage import (
     pins_in_force,
     request_pin,
     superseded,
+    untried,
 )
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Lineage
 
@@ -265,3 +266,44 @@ def test_superseded_is_what_lies_past_the_resume_point() -> None:
     ]
     assert [r.id for r in superseded(records, 20)] == ["p30", "p50"]
     assert superseded(records, 50) == []
+
+
+def test_superseded_spares_what_it_is_told_to() -> None:
+    records = [rec("f10"), rec("p20"), rec("p30"), rec("p40", P)]
+    assert [r.id for r in superseded(records, 10, spare={"p20", "p40"})] == ["p30"]
+    assert [r.id for r in superseded(records, 10, spare={"f10"})] == ["p20", "p30", "p40"]
+
+
+@pytest.mark.parametrize(
+    ("resumed", "tried", "expected"),
+    [
+        # issue #28: 12 tried and rejected, 5 resumed: 10 was never tried, it stays (and
+        # the pending 11, never verified)
+        (5, {"p12", "p5"}, {"p10", "p11"}),
+        # the ladder tried 10 and 11 too: nothing to spare
+        (5, {"p12", "p11", "p10", "p5"}, set()),
+        # resumed the newest: nothing is past it
+        (12, {"p12"}, set()),
+        # a pending checkpoint the start did not verify is not judged either
+        (1, {"p5", "p10", "p12"}, {"p11"}),
+    ],
+)
+def test_untried_is_what_a_ladder_resume_must_not_retire(
+    resumed: int, tried: set[str], expected: set[str]
+) -> None:
+    records = [
+        rec("p1"),
+        rec("p5"),
+        rec("p10"),
+        rec("p11", P),
+        rec("p12"),
+        rec("p13", C),  # already judged: corrupted
+        rec("p14", E),  # already retired
+        replace(rec("p15"), lightweight=True),  # ranked below an exact resume by rule
+        rec("h16"),  # heartbeats are never retired
+    ]
+    assert untried(records, resumed, tried) == expected
+    spared = {r.id for r in records if r.id in expected}
+    gone = {r.id for r in superseded(records, resumed, spare=spared)}
+    assert not gone & expected
+    assert gone == {r.id for r in superseded(records, resumed)} - expected

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import pytest
 from decide_builders import C, E, P, V, record
 
+from ckpt_agent import tuning
 from ckpt_agent.decide.recovery import PlanStep, RecoveryPlan, is_poisoned, plan_recovery, walk
 from ckpt_agent.errors import ForceRequiredError, RetryableStorageError
 from ckpt_agent.policy.models import RecoverySpec, Tier
@@ -58,6 +60,7 @@ class Case:
     """id → substring of the skip reason."""
     reasons: dict[int, str] = field(default_factory=dict)
     """step index → substring of its reason."""
+    max_candidates: int | None = None
 
 
 RB = "rebuild_from_heartbeat"
@@ -88,10 +91,80 @@ CASES = [
         skipped={"p300": "corrupted"},
     ),
     Case(
-        "chain walk stops after max_chain_links; newest full is rung 2",
+        "chain walk stops after max_chain_links; the ones newer than the newest full first",
         chain("f10", *(f"p{i}00" for i in range(1, 9))),
-        [("resume", f"p{i}00", None) for i in range(8, 2, -1)] + [("resume", "f10", None)],
-        reasons={5: "chain link 5/5", 6: "newest valid full checkpoint (step 10)"},
+        [("resume", f"p{i}00", None) for i in range(8, 0, -1)] + [("resume", "f10", None)],
+        reasons={
+            5: "chain link 5/5",
+            6: "beyond the chain walk: newer than the newest full checkpoint (step 10)",
+            8: "newest valid full checkpoint (step 10), beyond the chain walk",
+        },
+    ),
+    Case(
+        "issue #28: the newest's chain points further back: the next newest first",
+        [R("p5"), R("p10", prev="p5"), R("p12", prev="p5")],
+        [("resume", "p12", None), ("resume", "p10", None), ("resume", "p5", None)],
+        reasons={1: "not on the chain of p12", 2: "chain link 1/5 back from p12"},
+    ),
+    Case(
+        "the newest's chain skips several: all of them, newest first, before its link",
+        [R("p5"), *chain("p6", "p7", "p8"), R("p9", prev="p5"), R("h9")],
+        [
+            ("resume", "p9", None),
+            ("resume", "p8", None),
+            ("resume", "p7", None),
+            ("resume", "p6", None),
+            ("resume", "p5", None),
+            (RB, "h9", "p9"),
+            (RB, "h9", "p8"),
+            (RB, "h9", "p7"),
+            (RB, "h9", "p6"),
+            (RB, "h9", "p5"),
+        ],
+        reasons={3: "not on the chain of p9", 4: "chain link 1/5"},
+    ),
+    Case(
+        "an off-chain full newer than the chain's end keeps its place",
+        [R("p50"), R("f100"), R("p200", prev="p50")],
+        [("resume", "p200", None), ("resume", "f100", None), ("resume", "p50", None)],
+        reasons={1: "newest valid full checkpoint (step 100), not on the chain of p200"},
+    ),
+    Case(
+        "a chain that ends at once: everything newer than the newest full, then the full",
+        [R("f50"), R("p100"), R("p200"), R("p300", prev="p250")],
+        [
+            ("resume", "p300", None),
+            ("resume", "p200", None),
+            ("resume", "p100", None),
+            ("resume", "f50", None),
+        ],
+        skipped={"<hash sha-p250>": "not in the catalog"},
+        reasons={1: "beyond the chain walk", 3: "beyond the chain walk"},
+    ),
+    Case(
+        "a forged chain that loops ends",
+        [R("p200", prev="p300"), R("p300", prev="p200")],
+        [("resume", "p300", None), ("resume", "p200", None)],
+        reasons={1: "chain link 1/5"},
+    ),
+    Case(
+        "a forged chain that points forward: still newest first",
+        [R("p100", prev="p200"), R("p200"), R("p300", prev="p100")],
+        [("resume", "p300", None), ("resume", "p200", None), ("resume", "p100", None)],
+        reasons={1: "chain link 2/5", 2: "chain link 1/5"},
+    ),
+    Case(
+        "unusable checkpoints the chain skips are not offered",
+        [R("p5"), R("p10", C), R("p11", P), R("p12", prev="p5")],
+        [("resume", "p12", None), ("resume", "p5", None)],
+        skipped={"p10": "corrupted", "p11": "pending"},
+    ),
+    Case(
+        "the walk's bound leaves the oldest steps out and says so",
+        [*chain("p100", "p200", "p300", "p400"), R("h401")],
+        [("resume", "p400", None), ("resume", "p300", None), ("resume", "p200", None)],
+        spec=RecoverySpec(max_chain_links=5),
+        max_candidates=3,
     ),
     Case(
         "chain limit from the policy",
@@ -200,9 +273,10 @@ CASES = [
         reasons={0: "approximate"},
     ),
     Case(
-        "same step in two tiers: the full is the head, the chain goes back from it",
+        "same step in two tiers: the full is the head, the pulse next, then the chain",
         [R("p300", prev="p200"), R("f300", prev="p200"), R("p200")],
-        [("resume", "f300", None), ("resume", "p200", None)],
+        [("resume", "f300", None), ("resume", "p300", None), ("resume", "p200", None)],
+        reasons={1: "not on the chain of f300", 2: "chain link 1/5"},
     ),
     # rung 4: manual
     Case(
@@ -270,6 +344,7 @@ def test_ladder_table(case: Case) -> None:
         poisoned=case.poisoned,
         manual_step=case.manual_step,
         force=case.force,
+        max_candidates=case.max_candidates,
     )
     assert rows(plan) == case.steps
     assert plan.needs_manual is case.needs_manual, plan.reason
@@ -391,3 +466,76 @@ def test_plan_steps_carry_step_and_tier() -> None:
         (100, Tier.PULSE, 1),
         (150, Tier.HEARTBEAT, 3),
     ]
+
+
+def _random_run(rng: random.Random) -> list[CheckpointRecord]:
+    """Up to 7 checkpoints of random tiers, statuses and chains (forged ones included:
+    pointing anywhere, or at a hash nobody has), and maybe a heartbeat newer than all."""
+    n = rng.randint(1, 7)
+    names = [f"{rng.choice('pf')}{10 * (i + 1)}" for i in range(n)]
+    out = []
+    for name in names:
+        prev = rng.choice([None, "nowhere", *names])
+        out.append(
+            R(
+                name,
+                rng.choice([V, V, V, C, P, E]),
+                prev=None if prev == name else prev,
+                lightweight=rng.random() < 0.15,
+            )
+        )
+    if rng.random() < 0.5:
+        out.append(R(f"h{10 * n + 5}"))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_a_walk_never_goes_back_past_a_usable_checkpoint_it_did_not_try(seed: int) -> None:
+    """Issue #28, for any run and any verdicts: the checkpoint a walk accepts has every
+    usable complete checkpoint newer than it verified first (so a resume never retires one
+    it did not try), and the walk verifies at most the plan's bound."""
+    rng = random.Random(seed)
+    records = _random_run(rng)
+    bound = rng.choice([None, 1, 2, 3])
+    plan = plan_recovery(
+        records, RecoverySpec(max_chain_links=rng.randint(0, 3)), max_candidates=bound
+    )
+    ids = [r.id for r in records]
+    bad = {i for i in ids if rng.random() < 0.5}
+    calls: list[str] = []
+    step, _ = walk(plan, verifier(bad, calls))
+    assert len(set(calls)) <= plan.limit == (bound or tuning.MAX_RESUME_CANDIDATES)
+    usable = [r for r in records if r.status == V and r.has_weights and not r.lightweight]
+    if step is not None:
+        newer = {r.id for r in usable if (r.step, r.tier == Tier.FULL) > (step.step, True)}
+        assert newer <= set(calls), (plan.steps, calls)
+
+
+def test_the_bound_counts_checkpoints_not_steps() -> None:
+    """Rebuild steps that reuse checkpoints already counted cost nothing; the first step
+    that would verify one more than the bound ends the plan, and the summary says so."""
+    records = [*chain("p100", "p200"), R("h201")]
+    plan = plan_recovery(records, max_candidates=3)
+    assert rows(plan) == [
+        ("resume", "p200", None),
+        ("resume", "p100", None),
+        (RB, "h201", "p200"),
+        (RB, "h201", "p100"),
+    ]
+    assert not plan.cut and plan.limit == 3
+    plan = plan_recovery(records, max_candidates=2)
+    assert rows(plan) == [("resume", "p200", None), ("resume", "p100", None)]
+    assert [s.checkpoint_id for s in plan.cut] == ["h201", "h201"]
+    assert "2 older step(s) left out" in plan.reason
+    assert "MAX_RESUME_CANDIDATES" in plan.reason
+    # a blocked step verifies nothing: never cut
+    plan = plan_recovery([R("h1")], max_candidates=1)
+    assert [s.requires_force for s in plan.steps] == [True] and not plan.cut
+
+
+def test_the_default_bound_is_the_tuning_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = chain(*(f"p{i}" for i in range(1, 10)))
+    monkeypatch.setattr(tuning, "MAX_RESUME_CANDIDATES", 4)
+    plan = plan_recovery(records)
+    assert [s.checkpoint_id for s in plan.steps] == ["p9", "p8", "p7", "p6"]
+    assert plan.limit == 4 and [s.checkpoint_id for s in plan.cut] == ["p5", "p4"]

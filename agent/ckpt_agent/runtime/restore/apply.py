@@ -16,14 +16,15 @@
    <ckpt_agent.runtime.restore.resume_point.ResumePoint.handover>`), and the blob index
    seeded (a locked service);
 4. the :class:`~ckpt_agent.runtime.restore.resume_point.ResumePoint`, then checkpoints
-   past the resume step retired (:func:`~ckpt_agent.runtime.restore.bookkeeping.retire_newer`).
+   past the resume step retired (:func:`~ckpt_agent.runtime.restore.bookkeeping.retire_newer`;
+   after a ladder walk only those it tried and rejected, never one it did not try).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -76,12 +77,15 @@ class Applier:
         rejected: Mapping[str, str],
         plan_step: PlanStep | None = None,
         lineage: Lineage | None = None,
+        spare: Collection[str] = (),
     ) -> ResumePoint:
         """Load ``cand`` (weights from ``weights`` in a heartbeat rebuild) into the live objects.
 
         The run's next checkpoints carry ``lineage`` (None: the restored checkpoint's own),
         with this checkpoint as their parent, and link to its hash: both in the returned
-        point (:attr:`ResumePoint.lineage`, :attr:`ResumePoint.prev_hash`)."""
+        point (:attr:`ResumePoint.lineage`, :attr:`ResumePoint.prev_hash`). The checkpoints
+        past the resume step are retired, except ``spare`` (a ladder resume's untried ones,
+        :func:`~ckpt_agent.decide.lineage.untried`)."""
         warnings: list[str] = []
         source = self._weights_source(cand, weights, live)
         assert source.loaded is not None
@@ -115,7 +119,7 @@ class Applier:
             lineage=run_lineage,
             prev_hash=source.manifest_hash or None,
         )
-        retire_newer(self.engine, applied.step, cand.record.id)
+        retire_newer(self.engine, applied.step, cand.record.id, spare=spare, rejected=rejected)
         return point
 
     def _weights_source(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ckpt_agent.decide.lineage import superseded
@@ -124,17 +124,29 @@ def record_verdict(
         e.event("corrupted", checkpoint=rec.id, reason=reason, during="resume")
 
 
-def retire_newer(e: Engine, step: int, resumed_from: str) -> None:
+def retire_newer(
+    e: Engine,
+    step: int,
+    resumed_from: str,
+    *,
+    spare: Collection[str] = (),
+    rejected: Mapping[str, str] | None = None,
+) -> None:
     """Checkpoints past the resume step belong to an abandoned branch: mark them expired.
 
     (Otherwise a later crash could resume from the branch this resume
-    deliberately left — e.g. a manual rewind past a loss spike.)
+    deliberately left — e.g. a manual rewind past a loss spike.) ``spare``: the ones a
+    ladder resume did not try (:func:`ckpt_agent.decide.lineage.untried`), left as they
+    are; ``rejected``: why the ones it tried were rejected (said in their verdict).
     """
     if not e.ranks.coordinator:
         return
     listed = list_checkpoints(e.storage, e.run_id, include_heartbeat=False)
-    for r in superseded(listed, step):
+    why = rejected or {}
+    for r in superseded(listed, step, spare=spare):
         reason = f"superseded: the run resumed from {resumed_from} (step {step})"
+        if r.id in why:
+            reason += f"; it was tried first and rejected: {why[r.id]}"
         e.storage.commit(
             validation_key(e.run_id, r.id),
             ValidationVerdict(
@@ -147,6 +159,15 @@ def retire_newer(e: Engine, step: int, resumed_from: str) -> None:
         )
         e.catalog.set_status(e.run_id, r.id, CheckpointStatus.EXPIRED, reason)
         e.event("superseded", checkpoint=r.id, reason=reason)
+    kept = sorted(r.id for r in listed if r.id in spare and r.step > step)
+    if kept:
+        log.warning(
+            "resume from %s (step %d): %s newer but not tried (pending, or listed after the "
+            "ladder chose); left as they are, not superseded",
+            resumed_from,
+            step,
+            ", ".join(kept),
+        )
 
 
 def report_failed_start(

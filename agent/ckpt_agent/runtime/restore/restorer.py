@@ -19,7 +19,10 @@ Every rejected candidate carries a :class:`Rejection` with its
 is read, decoded, checked (:mod:`~ckpt_agent.runtime.restore.loading`,
 :mod:`~ckpt_agent.runtime.restore.preflight`, before anything is applied) or applied
 (:mod:`~ckpt_agent.runtime.restore.apply`) is a rejection, never a crash; checkpoints past
-the resume step are marked superseded (:meth:`Restorer.restore`). What the save side
+the resume step are marked superseded (:meth:`Restorer.restore`) — after a ladder walk only
+those it tried and rejected (:func:`~ckpt_agent.decide.lineage.untried`). The walk verifies
+at most :data:`~ckpt_agent.tuning.MAX_RESUME_CANDIDATES` candidates; a start that finds none
+usable among them fails and says so. What the save side
 continues from — the restored checkpoint's hash, the lineage the new checkpoints carry,
 the newest valid step — is returned in the :class:`ResumePoint`
 (:meth:`ResumePoint.handover`), never written into the engine or its services. A start
@@ -34,7 +37,7 @@ types in :mod:`~ckpt_agent.runtime.restore.resume_point`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -44,8 +47,9 @@ from ckpt_agent.decide.lineage import (
     choose,
     pending_to_verify,
     pins_in_force,
+    untried,
 )
-from ckpt_agent.decide.recovery import PlanStep, plan_recovery, walk
+from ckpt_agent.decide.recovery import PlanStep, RecoveryPlan, plan_recovery, walk
 from ckpt_agent.errors import CandidateRejectedError, ResumeError
 from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.policy.models import Tier
@@ -72,6 +76,9 @@ __all__ = ["Restorer"]
 
 log = logging.getLogger(__name__)
 
+#: Rejected candidates quoted in the error of a start that restores none (the rest counted).
+_REASONS_QUOTED = 8
+
 
 class _Attempts:
     """The candidates of one resume: records by id, loaded candidates (cached), rejections."""
@@ -93,6 +100,10 @@ class _Attempts:
                 got = None
             self._cache[cid] = got
         return self._cache[cid]
+
+    def tried(self) -> frozenset[str]:
+        """The candidates loaded (or refused) so far."""
+        return frozenset(self._cache)
 
     def why(self, cid: str) -> str | None:
         r = self.rejected.get(cid)
@@ -275,11 +286,13 @@ class Restorer:
                 tried = dict.fromkeys(
                     [s.checkpoint_id for s, _ in failed] + [s.weights_from or "" for s, _ in failed]
                 )
+                why = [f"{cid}: {attempts.why(cid)}" for cid in tried if cid in attempts.rejected]
+                more = len(why) - _REASONS_QUOTED
                 raise ResumeError(
                     f"no checkpoint of run {run_id!r} could be restored; tried: "
-                    + "; ".join(
-                        f"{cid}: {attempts.why(cid)}" for cid in tried if cid in attempts.rejected
-                    )
+                    + "; ".join(why[:_REASONS_QUOTED])
+                    + (f" (+{more} more)" if more > 0 else "")
+                    + _bound_hint(plan)
                     + _collision_hint(run_id, self.engine.storage.url)
                 )
             cand = attempts.get(chosen.checkpoint_id)
@@ -293,6 +306,7 @@ class Restorer:
                     rejected=attempts.reasons(),
                     plan_step=chosen,
                     lineage=choice.lineage,
+                    spare=untried(attempts.records, chosen.step, attempts.tried()),
                 )
             except CandidateRejectedError as err:
                 attempts.reject(err)
@@ -320,10 +334,12 @@ class Restorer:
         rejected: Mapping[str, str],
         plan_step: PlanStep | None = None,
         lineage: Lineage | None = None,
+        spare: Collection[str] = (),
     ) -> ResumePoint:
         """Load ``cand`` (weights from ``weights`` in a heartbeat rebuild) into the live objects
         (:meth:`Applier.apply`). The run's next checkpoints carry ``lineage`` (None: the
-        restored checkpoint's own), with this checkpoint as their parent."""
+        restored checkpoint's own), with this checkpoint as their parent; the checkpoints
+        past it are retired except ``spare``."""
         point = self.applier.apply(
             cand,
             live=self.live(),
@@ -332,9 +348,23 @@ class Restorer:
             rejected=rejected,
             plan_step=plan_step,
             lineage=lineage,
+            spare=spare,
         )
         self.weights_from = weights.record.id if weights is not None else None
         return point
+
+
+def _bound_hint(plan: RecoveryPlan) -> str:
+    """What happened when the walk ended at its bound, and what to do."""
+    if not plan.cut:
+        return ""
+    left = len(dict.fromkeys(s.checkpoint_id for s in plan.cut))
+    return (
+        f". It stopped after the newest {plan.limit} candidates (the most one start verifies: "
+        f"ckpt_agent.tuning.MAX_RESUME_CANDIDATES); {left} older candidate(s) were not tried "
+        "and nothing older was resumed or marked. Name the checkpoint to resume with `ckpt "
+        "recover --manual --step N --force`, or remove the checkpoints that are not this run's"
+    )
 
 
 def _collision_hint(run_id: str, url: str) -> str:
