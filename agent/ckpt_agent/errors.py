@@ -177,6 +177,8 @@ class PersistError(CheckpointError):
     """
 
     transient: bool = False
+    saves_failed: bool = False
+    """Some failure behind it was a save (never committed), not only a validation."""
 
 
 class FencedError(CheckpointError, PermanentError):

@@ -79,6 +79,9 @@ class CheckpointMeta:
     versions: Mapping[str, str] = field(default_factory=dict)
     lineage: Lineage = field(default_factory=Lineage)
     """The resume lineage (written only when not the run's original one)."""
+    generation: int = 0
+    """The writer generation that wrote it (:mod:`ckpt_agent.format.fence`; 0: none
+    claimed, written only when set)."""
 
     @property
     def checkpoint_id(self) -> str:
@@ -105,6 +108,7 @@ class CheckpointMeta:
             "sections": list(self.sections),
             "versions": dict(self.versions),
             **({"lineage": lineage_to_json(self.lineage)} if self.lineage != Lineage() else {}),
+            **({"generation": self.generation} if self.generation else {}),
         }
 
     @classmethod
@@ -158,6 +162,7 @@ class CheckpointMeta:
             prev_hash=None if prev is None else digest_field(prev, f"{what}.prev_hash"),
             sections=tuple(sections),
             versions={str(k): str(v) for k, v in versions.items()},
+            generation=nonneg_field(d.get("generation", 0), f"{what}.generation"),
             lineage=lineage_from_json(d.get("lineage"), f"{what}.lineage"),
         )
 

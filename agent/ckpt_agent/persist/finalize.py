@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from ckpt_agent.decide.retention import RetentionPlan, plan_retention
 from ckpt_agent.errors import CheckpointFormatError, StorageError
+from ckpt_agent.format.fence import Fence
 from ckpt_agent.format.layout import blob_key
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.termination import TerminationLog
@@ -171,6 +172,8 @@ class FinalizePipeline:
         self.tolerate_retention_errors = tolerate_retention_errors
         self.report = report
         self.gc_cache = ManifestCache()
+        #: The writer generation this process holds (set at start; None: no fencing).
+        self.fence: Fence | None = None
         self.last_valid_step = -1
         """Newest valid weights checkpoint's step (:meth:`seed_last_valid_step` on resume;
         then written by the thread that runs :meth:`finalize` only)."""
@@ -186,7 +189,14 @@ class FinalizePipeline:
     # ------------------------------------------------------------------ the call
 
     def finalize(self, job: FinalizeJob) -> FinalizeResult:
-        """Validate ``job``, record the verdict, apply retention and collect blobs."""
+        """Validate ``job``, record the verdict, apply retention and collect blobs.
+
+        With a :attr:`fence`, a fenced writer stops here (:class:`FencedError`): it writes
+        no verdict and deletes nothing; retention and blob GC check it before each batch
+        of deletes, after their listing (an object a newer writer wrote is listed only
+        after that writer's claim, so the check sees the claim)."""
+        if self.fence is not None:
+            self.fence.check()
         outcome = self.validate(job)
         self.record(
             outcome,
@@ -286,6 +296,8 @@ class FinalizePipeline:
             # drop it so that the next save writes it again instead of re-using it.
             with self.store_lock:
                 self.index.forget(outcome.bad_blobs)
+                if self.fence is not None:
+                    self.fence.check()
                 for digest in outcome.bad_blobs:
                     try:
                         self.storage.delete(blob_key(self.run_id, digest))
@@ -298,8 +310,11 @@ class FinalizePipeline:
             records = list_checkpoints(self.storage, self.run_id)
             anomalies = list(self.anomalies(records))
             plan = plan_retention(records, self.retention, anomalies, time.time())
-            deleted = apply_retention(self.storage, self.run_id, plan)
-            gc = gc_blobs(self.storage, self.run_id, grace_s=grace_s, cache=self.gc_cache)
+            guard = self.fence.check if self.fence is not None else None
+            deleted = apply_retention(self.storage, self.run_id, plan, guard=guard)
+            gc = gc_blobs(
+                self.storage, self.run_id, grace_s=grace_s, cache=self.gc_cache, guard=guard
+            )
             if gc.deleted:
                 self.index.forget(gc.deleted)
         by_id = {r.id: r for r in records}

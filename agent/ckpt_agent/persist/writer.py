@@ -29,7 +29,8 @@ before it is renamed into place; a re-used blob is first checked to still
 exist, else written again), then — after *every* blob write has returned —
 the rank manifest, then the ``COMMIT`` listing the rank manifests with their
 hashes. A re-save of an existing checkpoint id first deletes its COMMIT (and
-verdict), so readers never pair an old COMMIT with a new rank manifest.
+verdict), so readers never pair an old COMMIT with a new rank manifest. A
+:attr:`CheckpointWriter.fence` is checked there and before the COMMIT (:mod:`.fencing`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from ckpt_agent.format.codec import (
     Shuffler,
 )
 from ckpt_agent.format.entries import BlobEntry, TensorEntry
+from ckpt_agent.format.fence import Fence
 from ckpt_agent.format.layout import (
     CHUNK_MAX_BYTES,
     DTYPE_ITEMSIZE,
@@ -61,7 +63,6 @@ from ckpt_agent.format.layout import (
     commit_key,
     rank_manifest_key,
     sha256_hex,
-    validation_key,
 )
 from ckpt_agent.format.manifest import (
     CheckpointMeta,
@@ -72,6 +73,7 @@ from ckpt_agent.format.manifest import (
 )
 from ckpt_agent.persist.chunk_tasks import ChunkRun, StoredChunk, raw_hashes
 from ckpt_agent.persist.encoding import BlobEncoder, CodecPolicy, Encoded, WriteMeter
+from ckpt_agent.persist.fencing import prepare_save, publish_commit, publish_manifest, stamp
 from ckpt_agent.records import Json, rank_name
 from ckpt_agent.storage.base import Storage
 from ckpt_agent.tuning import CHUNK_BYTES
@@ -233,6 +235,8 @@ class CheckpointWriter:
         self._io_pool: ThreadPoolExecutor | None = None
         self.storage = storage
         self.run_id = run_id
+        #: The writer generation this process holds (set at start; None: no fencing).
+        self.fence: Fence | None = None
         self.codec = codec or CodecPolicy()
         self.index = index if index is not None else BlobIndex()
         self.shuffler = shuffler
@@ -262,10 +266,10 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         if not meta.versions:
             meta = dataclasses.replace(meta, versions=library_versions())
+        meta = stamp(meta, self.fence)
         ckpt_id = meta.checkpoint_id
         # A re-save of the same id (after a resume) replaces the old one: unpublish it first.
-        self.storage.delete(commit_key(self.run_id, ckpt_id))
-        self.storage.delete(validation_key(self.run_id, ckpt_id))
+        prepare_save(self.storage, self.run_id, ckpt_id, self.fence)
         out = WrittenRank(manifest=None, ref=None)  # type: ignore[arg-type]
         run = ChunkRun(self.parallel_writes)
         planned: list[tuple[str, TensorEntry, list[int]]] = []
@@ -313,7 +317,9 @@ class CheckpointWriter:
         )
         data = manifest.to_bytes()
         t1 = time.perf_counter()
-        self.storage.commit(rank_manifest_key(self.run_id, ckpt_id, rank), data)
+        publish_manifest(
+            self.storage, rank_manifest_key(self.run_id, ckpt_id, rank), data, self.fence
+        )
         out.manifest = manifest
         out.ref = RankRef(
             rank=rank, key=f"{rank_name(rank)}.json", sha256=sha256_hex(data), size=len(data)
@@ -464,6 +470,7 @@ class CheckpointWriter:
 
     def commit(self, meta: CheckpointMeta, ranks: Sequence[WrittenRank]) -> WrittenCheckpoint:
         """Publish the COMMIT (last): from now on the checkpoint exists for readers."""
+        meta = stamp(meta, self.fence)
         ckpt_id = meta.checkpoint_id
         size = sum(r.bytes_new for r in ranks)
         commit = CommitManifest(
@@ -473,7 +480,7 @@ class CheckpointWriter:
             raw_bytes=sum(r.raw_bytes for r in ranks),
         )
         data = commit.to_bytes()
-        self.storage.commit(commit_key(self.run_id, ckpt_id), data)
+        publish_commit(self.storage, self.run_id, ckpt_id, data, self.fence)
         for r in ranks:
             self.index.seed(r.manifest)
         return WrittenCheckpoint(
@@ -485,5 +492,7 @@ class CheckpointWriter:
 
     def unpublish(self, ckpt_id: str) -> None:
         """Remove a checkpoint's COMMIT, verdict and manifests (blobs are left to GC)."""
+        if self.fence is not None:  # a fenced writer deletes nothing
+            self.fence.check()
         self.storage.delete(commit_key(self.run_id, ckpt_id))
         self.storage.delete_prefix(checkpoint_prefix(self.run_id, ckpt_id))

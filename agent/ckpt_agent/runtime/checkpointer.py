@@ -80,6 +80,7 @@ from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.agreed import agreed_resume_point
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint
+from ckpt_agent.runtime.save.fencing import claim_writer
 from ckpt_agent.runtime.save.heartbeat import Heartbeats
 from ckpt_agent.runtime.save.persister import Persister
 from ckpt_agent.runtime.save.saving import SavePath
@@ -265,6 +266,8 @@ class Checkpointer:
             e.metrics.serve(e.config.metrics_port, e.config.metrics_addr)
         try:
             e.check_owner()
+            if self._flash is None:  # the flash sidecar claims for itself
+                claim_writer(e.parts, e.run_id, coordinator=e.ranks.coordinator)
             if self._group is not None:
                 self._group.setup()
             shm = None
@@ -419,11 +422,10 @@ class Checkpointer:
     ) -> str | None:
         """Take an emergency checkpoint now (waiting for a running persist first).
 
-        Call it between steps. ``step`` defaults to the last step passed to
-        :meth:`step`. With ``wait`` it returns once the checkpoint is committed
-        (validation continues in the background). Returns the checkpoint id
-        (None on ranks that do not write). With several ranks it is collective:
-        call it on every rank.
+        Call it between steps. ``step`` defaults to the last step passed to :meth:`step`.
+        With ``wait`` it returns once the checkpoint is committed (validation continues in
+        the background). Returns the checkpoint id (None on ranks that do not write, and
+        for a save that failed and was only logged). Collective with several ranks.
         """
         self._check_running()
         self._saver.raise_errors()
@@ -442,7 +444,8 @@ class Checkpointer:
         ckpt_id = self._saver.save(decision, force=True)
         if wait:
             self._persister.wait_persisted()
-            self._saver.raise_errors()
+            if self._saver.raise_errors():  # on_persist_error=warn: not saved, no id
+                return None
         return ckpt_id
 
     def wait(self, timeout: float | None = None, *, validation: bool = True) -> bool:
@@ -453,8 +456,7 @@ class Checkpointer:
         if self._heartbeats is not None:
             self._heartbeats.flush(timeout)
         self._saver.drain()
-        self._saver.raise_errors()
-        return ok
+        return not self._saver.raise_errors() and ok  # a save only logged is not persisted
 
     @property
     def stop_requested(self) -> bool:

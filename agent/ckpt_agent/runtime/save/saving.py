@@ -12,7 +12,10 @@ What the training thread then does is ``on_persist_error``: ``raise`` raises a
 (the default) logs retryable failures (a storage outage, a reset connection: the
 next save retries) and raises permanent ones, and raises the retryable ones too
 once no save has committed for :data:`~ckpt_agent.tuning.PERSIST_OUTAGE_TOLERANCE_S`
-(an outage that long is not riding out anymore; the job should fail visibly).
+(an outage that long is not riding out anymore; the job should fail visibly). A
+save only logged (``warn``) is never reported as saved: ``save_now()`` returns None and
+``wait()`` False. A :class:`~ckpt_agent.errors.FencedError` (a newer writer holds the run)
+is raised whatever the mode, by this and every later call.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Literal
 
 from ckpt_agent import tuning
 from ckpt_agent.decide.decision import Decision, SaveOutcome
-from ckpt_agent.errors import PersistError, RetryableError
+from ckpt_agent.errors import FencedError, PersistError, RetryableError
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.save.persister import Persister
@@ -49,6 +52,8 @@ class SavePath:
         self.persister = persister
         self.backpressure = backpressure
         self.on_persist_error = on_persist_error
+        #: Set once a newer writer fenced this one: raised by every later call.
+        self.fenced: FencedError | None = None
         #: ``auto``: when the current run of retryable failures began, and the commit
         #: count then (a commit since ends the outage).
         self._outage: tuple[float, int] | None = None
@@ -89,32 +94,43 @@ class SavePath:
         self.persister.poll()
         self.engine.drain_feedback()
 
-    def collect_errors(self) -> PersistError | None:
-        """One error for every background failure since the last call (None: none)."""
+    def collect_errors(self) -> PersistError | FencedError | None:
+        """One error for every background failure since the last call (None: none); once
+        a newer writer fenced this one, that :class:`FencedError`, on every call."""
         errs = self.persister.take_errors()
         if not errs:
-            return None
+            return self.fenced
         e = self.engine
         e.metrics.persist_errors.inc(len(errs))
         for err in errs:
             e.event("error", what=err.what, error=f"{type(err.error).__name__}: {err.error}")
             if err.tier is not None:  # a save failed: that tier is due again
                 e.scheduler.settle(SaveOutcome.failed(err.tier))
+        fenced = next((x.error for x in errs if isinstance(x.error, FencedError)), None)
+        if fenced is not None and self.fenced is None:
+            self.fenced = fenced
+            e.event("fenced", generation=fenced.generation, holder=fenced.holder)
+            log.error("%s", fenced)
+        if self.fenced is not None:
+            return self.fenced
         first = errs[0]
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         out = PersistError(f"background checkpointing failed: {first.what}: {first.error}{more}")
         out.__cause__ = first.error
         out.transient = all(isinstance(x.error, RetryableError) for x in errs)
+        out.saves_failed = any(x.tier is not None for x in errs)
         return out
 
-    def raise_errors(self) -> None:
-        """Raise or log what :meth:`collect_errors` finds (``on_persist_error``: module doc)."""
+    def raise_errors(self) -> bool:
+        """Raise or log what :meth:`collect_errors` finds (``on_persist_error``: module doc);
+        True when a failed save was only logged (it was never committed). A
+        :class:`FencedError` is raised whatever ``on_persist_error`` says."""
         err = self.collect_errors()
         if err is None:
-            return
-        if self._tolerated(err):
+            return False
+        if isinstance(err, PersistError) and self._tolerated(err):
             log.warning("%s (training goes on; the save is retried)", err)
-            return
+            return err.saves_failed
         raise err
 
     def _tolerated(self, err: PersistError) -> bool:

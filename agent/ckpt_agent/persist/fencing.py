@@ -1,0 +1,111 @@
+"""The writer's side of fencing: where a save's bytes meet the run's other writers.
+
+A :class:`~ckpt_agent.format.fence.Fence` (the writer's claimed generation) is checked
+before a save's first write (:func:`prepare_save`), right before the ``COMMIT``
+(:func:`publish_commit`) and before every batch of deletes (retention and blob GC take
+:meth:`Fence.check` as their guard). ``COMMIT`` files and the coordinator's rank
+manifests are created with :meth:`~ckpt_agent.storage.base.Storage.create_exclusive`:
+a fenced writer's late write can never replace the holder's committed files. The
+holder removes what an older generation (or its own earlier attempt) left at a
+checkpoint id it saves (uncommitted debris, or a checkpoint of a fenced writer); a
+fenced writer deletes nothing. Without a fence (a rank that is not the coordinator,
+tools) the old behaviour holds: replace in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ckpt_agent.errors import (
+    CheckpointFormatError,
+    FencedError,
+    NotFoundError,
+    RetryableStorageError,
+)
+from ckpt_agent.format.fence import Fence
+from ckpt_agent.format.layout import COMMIT_MAX_BYTES, commit_key, validation_key
+from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
+from ckpt_agent.storage.base import Storage
+
+__all__ = ["prepare_save", "publish_commit", "publish_manifest", "stamp"]
+
+log = logging.getLogger(__name__)
+
+#: Times the holder removes another writer's object at a key it publishes, then gives up.
+TAKEOVER_ATTEMPTS = 3
+
+
+def _commit_generation(storage: Storage, run_id: str, ckpt_id: str) -> int | None:
+    """The generation an existing COMMIT records (0: none; None: no COMMIT)."""
+    try:
+        raw = storage.read(commit_key(run_id, ckpt_id), 0, COMMIT_MAX_BYTES + 1)
+    except NotFoundError:
+        return None
+    try:
+        return CommitManifest.from_bytes(raw, commit_key(run_id, ckpt_id)).meta.generation
+    except CheckpointFormatError:
+        return 0  # a damaged COMMIT: anyone's; the holder may replace it
+
+
+def prepare_save(storage: Storage, run_id: str, ckpt_id: str, fence: Fence | None) -> None:
+    """Before a save's first write: the fence check, then unpublish an earlier checkpoint
+    of the same id (readers never pair an old COMMIT with a new rank manifest).
+
+    A COMMIT recording a newer generation than ours fences us even before its claim
+    is seen (it is never deleted)."""
+    if fence is not None:
+        fence.check()
+        found = _commit_generation(storage, run_id, ckpt_id)
+        if found is None:
+            storage.delete(validation_key(run_id, ckpt_id))
+            return
+        if found > fence.generation:
+            fence.check()  # the claim is there: names the holder
+            raise FencedError(
+                f"run {run_id}: checkpoint {ckpt_id} was committed by writer generation "
+                f"{found}, newer than this process's {fence.generation}: stop this process",
+                generation=fence.generation,
+                holder=f"generation {found}",
+            )
+    storage.delete(commit_key(run_id, ckpt_id))
+    storage.delete(validation_key(run_id, ckpt_id))
+
+
+def stamp(meta: CheckpointMeta, fence: Fence | None) -> CheckpointMeta:
+    """``meta`` recording the writer's generation (unchanged without a fence)."""
+    return meta if fence is None else dataclasses.replace(meta, generation=fence.generation)
+
+
+def publish_manifest(storage: Storage, key: str, data: bytes, fence: Fence | None) -> None:
+    """A rank manifest: create-exclusive with a fence (what is in the way is an older
+    attempt's: the holder removes it), else replaced in place."""
+    if fence is None:
+        storage.commit(key, data)
+        return
+    _publish_exclusive(storage, key, data, fence)
+
+
+def publish_commit(
+    storage: Storage, run_id: str, ckpt_id: str, data: bytes, fence: Fence | None
+) -> None:
+    """The COMMIT, last: fence checked right before; create-exclusive with a fence."""
+    key = commit_key(run_id, ckpt_id)
+    if fence is None:
+        storage.commit(key, data)
+        return
+    _publish_exclusive(storage, key, data, fence)
+
+
+def _publish_exclusive(storage: Storage, key: str, data: bytes, fence: Fence) -> None:
+    for _ in range(TAKEOVER_ATTEMPTS):
+        fence.check()
+        if storage.create_exclusive(key, data):
+            return
+        fence.check()  # a fenced writer never removes anything
+        log.warning("%s: removing what an older writer left there (this process holds)", key)
+        storage.delete(key)
+    raise RetryableStorageError(
+        f"{key}: another writer keeps publishing here although this process holds the run "
+        f"(generation {fence.generation}); is a second job using the same run id?"
+    )
