@@ -280,6 +280,9 @@ class FakeSource:
     """Plays storage the operator cannot reach (a PVC mounted in the pods only)."""
     owners: dict[str, RunOwner] = field(default_factory=dict)
     """run id → owner record (``OWNER.json``)."""
+    writer_namespace: str | None = "ml-team"
+    """The namespace whose trainer created (and so claimed) every run with checkpoints that
+    has no entry in ``owners`` (None: such runs are legacy: no owner record)."""
 
     def reachable(self) -> bool:
         return not self.unreachable
@@ -311,10 +314,9 @@ class FakeSource:
         self.gc_runs.append(run_id)
         return GcResult(deleted=["a" * 64, "b" * 64], freed_bytes=4096)
 
-    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
-        return self.owners.setdefault(run_id, owner)
-
     def run_owner(self, run_id: str) -> RunOwner | None:
+        if run_id not in self.owners and self.runs.get(run_id) and self.writer_namespace:
+            return RunOwner(self.writer_namespace, claimed_by="agent")
         return self.owners.get(run_id)
 
     def close(self) -> None:

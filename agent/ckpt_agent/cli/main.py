@@ -35,6 +35,8 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ckpt_agent.cli.claim import EPILOG as CLAIM_EPILOG
+from ckpt_agent.cli.claim import claim
 from ckpt_agent.cli.common import (
     EXIT_CODES_HELP,
     STATUS_STYLE,
@@ -361,6 +363,7 @@ def gc(
 app.command("sidecar", epilog=EXIT_CODES_HELP)(sidecar)
 app.command("simulate")(simulate)
 app.command("report", epilog=EXIT_CODES_HELP)(report)
+app.command("claim", epilog=CLAIM_EPILOG)(claim)
 
 
 # --------------------------------------------------------------------------- entry points

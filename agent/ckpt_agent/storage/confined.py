@@ -5,7 +5,13 @@ time, each relative to its parent's, with ``O_NOFOLLOW``: a symbolic link
 planted anywhere below the root (by whoever can write the volume) is never
 followed, even one swapped in while we walk; meeting one raises
 :class:`UnsafePathError`. The root itself is resolved once by the caller
-(mounted volumes are often links) and the folders above it are trusted.
+(mounted volumes are often links) and the folders above it are trusted —
+unless an ``anchor`` is given: a resolved folder at or above the root (the
+operator's grant of a namespace), opened by its path, from which every folder
+down to the root is opened the same way, one descriptor at a time with
+``O_NOFOLLOW``. Then a link swapped in between the anchor and the root after
+the root was checked is refused at the next open too: nothing outside the
+anchor is ever reached.
 It also maps ``OSError`` to the storage error taxonomy with a message that
 says what to fix. Used by :mod:`ckpt_agent.storage.fs`; no other backend
 needs it.
@@ -63,10 +69,21 @@ class _VanishedError(Exception):
 
 
 class ConfinedTree:
-    """The folders under ``root`` (already resolved), opened without following links."""
+    """The folders under ``root`` (already resolved), opened without following links.
 
-    def __init__(self, root: Path) -> None:
+    ``anchor``: a resolved folder at or above ``root``; the root is then opened from it one
+    folder at a time without following links (``ValueError`` when ``root`` is not below it).
+    """
+
+    def __init__(self, root: Path, *, anchor: Path | None = None) -> None:
         self.root = root
+        #: Where opening the root starts (None: at the root's own path, the folders above
+        #: it trusted).
+        self.anchor = anchor
+        #: The folders from the anchor down to the root.
+        self.below_anchor: tuple[str, ...] = (
+            () if anchor is None else root.relative_to(anchor).parts
+        )
 
     def error(self, e: OSError, action: str, path: Path | str) -> StorageError:
         """Map an OSError to the storage taxonomy with a message saying what to fix."""
@@ -107,6 +124,8 @@ class ConfinedTree:
 
     # -- folders -----------------------------------------------------------------------
     def open_root(self, *, create: bool = False, fsync: bool = False) -> int:
+        if self.anchor is not None:
+            return self._open_anchored(self.anchor, create=create, fsync=fsync)
         try:
             return os.open(self.root, O_DIR)
         except FileNotFoundError:
@@ -125,6 +144,32 @@ class ConfinedTree:
             return os.open(self.root, O_DIR)
         except OSError as e:
             raise self.error(e, "opening directory", self.root) from e
+
+    def _open_anchored(self, anchor: Path, *, create: bool, fsync: bool) -> int:
+        """The root, opened from ``anchor`` one folder at a time, never through a link."""
+        for _attempt in range(_CHAIN_ATTEMPTS):
+            try:
+                fd = os.open(anchor, O_DIR)
+            except FileNotFoundError:
+                raise NotFoundError(f"opening {anchor}: no such directory") from None
+            except OSError as e:
+                raise self.error(e, "opening directory", anchor) from e
+            try:
+                for i, name in enumerate(self.below_anchor):
+                    path = anchor.joinpath(*self.below_anchor[: i + 1])
+                    sub, _ = self.subdir(fd, name, path, create=create, fsync=fsync)
+                    os.close(fd)
+                    fd = sub
+            except _VanishedError:
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        raise RetryableStorageError(
+            f"directory {self.root} keeps disappearing (concurrent delete?)"
+        )
 
     def _ensure_root(self, *, fsync: bool) -> None:
         """``mkdir -p`` of the root (the folders above it are trusted: no confinement)."""
@@ -169,6 +214,8 @@ class ConfinedTree:
                     raise conflict(path) from None
                 raise NotFoundError(f"opening {path}: not a directory") from None
             except OSError as e:
+                if e.errno == errno.ELOOP:  # a link: say where it points
+                    self.refuse_link(fd, name, path, "opening directory")
                 raise self.error(e, "opening directory", path) from e
             try:
                 os.mkdir(name, 0o777, dir_fd=fd)

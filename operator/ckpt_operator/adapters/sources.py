@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import posixpath
+import stat as stat_mod
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -32,7 +35,7 @@ from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.heartbeat import read_heartbeat
 from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.format.listing import list_checkpoints
-from ckpt_agent.format.owner import RunOwner, claim_owner, read_owner
+from ckpt_agent.format.owner import RunOwner, read_owner
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import (
     GcResult,
@@ -51,19 +54,29 @@ from ckpt_agent.storage import (
     StorageOptions,
     open_storage,
 )
+from ckpt_agent.storage.anchored import AnchoredLocalStorage
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_agent.tuning import GC_GRACE_S
 from ckpt_operator.model.config import TenancyConfig
-from ckpt_operator.planners.tenancy import storage_refusal
+from ckpt_operator.planners.tenancy import (
+    PathLink,
+    ResolvedPath,
+    grant_anchor,
+    granted_paths,
+    resolved_refusal,
+    storage_refusal,
+)
 
 __all__ = [
     "CheckpointSource",
+    "GrantEscapeError",
     "ReportedCheckpointSource",
     "SourceFactory",
     "StorageAccessDeniedError",
     "StorageCheckpointSource",
     "StorageTimeoutError",
     "VerificationFailedError",
+    "resolve_path",
     "storage_options_for",
 ]
 
@@ -78,6 +91,12 @@ class StorageAccessDeniedError(PermanentStorageError):
     """The administrator did not allow the storage a policy names (see
     :mod:`ckpt_operator.planners.tenancy`); nothing was opened or sent. The message says what
     to do."""
+
+
+class GrantEscapeError(StorageAccessDeniedError):
+    """A local path granted as written leads outside the namespace's grants once resolved
+    (a symbolic link on the way): refused outright (no fallback to the pods' reports); the
+    message names the link."""
 
 
 class StorageTimeoutError(RetryableStorageError):
@@ -115,12 +134,9 @@ class CheckpointSource(Protocol):
         (both older than the grace period)."""
         ...
 
-    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
-        """The run's owner (``OWNER.json``), claimed for ``owner`` when it has none."""
-        ...
-
     def run_owner(self, run_id: str) -> RunOwner | None:
-        """The run's owner, read only (None: the run has no owner record yet)."""
+        """The run's owner, read only (None: the run has no owner record: a new run, or a
+        legacy one). The operator never writes one (``ckpt claim`` does)."""
         ...
 
     def reachable(self) -> bool:
@@ -133,6 +149,41 @@ class CheckpointSource(Protocol):
 
 #: ``await factory(namespace, policy_name, spec)`` → the policy's source.
 SourceFactory = Callable[[str, str, CheckpointPolicySpec], Awaitable[CheckpointSource]]
+
+
+#: Components of a local path looked at, at most (a path is at most PATH_MAX = 4096 bytes).
+MAX_COMPONENTS = 2048
+
+
+def resolve_path(path: str) -> ResolvedPath:
+    """``path`` resolved as :class:`~ckpt_agent.storage.fs.LocalStorage` (the pods'
+    agents, ``ckpt``) opens it — ``..`` removed as text first (``os.path.abspath``), then
+    links resolved (``os.path.realpath``) — with every symbolic link met on the way
+    (``lstat`` of each component; nothing opened).
+
+    Components that do not exist yet end the walk (nothing below them can be a link); they
+    stay in :attr:`ResolvedPath.resolved` as written. ``ValueError`` for a relative path.
+    """
+    if not posixpath.isabs(path):
+        raise ValueError(f"not an absolute path: {path!r}")
+    normal = os.path.abspath(path)
+    links: list[PathLink] = []
+    prefix = "/"
+    for name in normal.split("/")[:MAX_COMPONENTS]:
+        if not name:
+            continue
+        prefix = posixpath.join(prefix, name)
+        try:
+            st = os.lstat(prefix)
+        except OSError:
+            break  # missing (or not a folder): nothing further down exists
+        if stat_mod.S_ISLNK(st.st_mode):
+            try:
+                target = os.readlink(prefix)
+            except OSError:
+                target = "?"
+            links.append(PathLink(prefix, target, os.path.realpath(prefix)))
+    return ResolvedPath(path, os.path.realpath(normal), tuple(links))
 
 
 def storage_options_for(
@@ -209,13 +260,12 @@ class StorageCheckpointSource:
             )
         return gc
 
-    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
-        return claim_owner(self.storage, run_id, owner)
-
     def run_owner(self, run_id: str) -> RunOwner | None:
         return read_owner(self.storage, run_id)
 
     def reachable(self) -> bool:
+        if isinstance(self.storage, AnchoredLocalStorage):
+            return self.storage.reachable()
         if isinstance(self.storage, LocalStorage):
             return self.storage.root.is_dir()
         return True
@@ -279,10 +329,6 @@ class ReportedCheckpointSource:
         del run_id
         return GcResult()
 
-    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
-        del run_id
-        return owner  # the owner record is in the storage; the pods' agents keep it
-
     def run_owner(self, run_id: str) -> RunOwner | None:
         del run_id
         return None  # not readable from here (the pods' agents check it)
@@ -309,7 +355,13 @@ class StorageSourceFactory:
     environment (``CKPT_S3_*``, the AWS chain: IRSA, instance profile) — the
     latter only where ``tenancy`` grants it. Nothing is opened for a policy that
     :func:`ckpt_operator.planners.tenancy.storage_refusal` refuses
-    (:class:`StorageAccessDeniedError`). S3 connect/read timeouts are capped at
+    (:class:`StorageAccessDeniedError`). A local path is then resolved
+    (:func:`~ckpt_agent.storage.anchored.resolve_path`) and checked again as the kernel
+    will open it (:func:`~ckpt_operator.planners.tenancy.resolved_refusal`:
+    :class:`GrantEscapeError` naming the link); the storage is rooted at the resolved
+    path and opened from the grant without following links
+    (:class:`~ckpt_agent.storage.anchored.AnchoredLocalStorage`), so a link swapped in
+    later is refused, not followed. S3 connect/read timeouts are capped at
     ``timeout_s``, and so is the wait for opening the storage.
     """
 
@@ -368,7 +420,7 @@ class StorageSourceFactory:
             return cached[1]
         try:
             storage = await asyncio.wait_for(
-                asyncio.to_thread(open_storage, spec.storage.url(), options), self._timeout_s
+                asyncio.to_thread(self._open, namespace, policy, spec, options), self._timeout_s
             )
         except TimeoutError:
             raise StorageTimeoutError(
@@ -379,6 +431,20 @@ class StorageSourceFactory:
             cached[1].close()
         self._cache[(namespace, policy)] = (fingerprint, source)
         return source
+
+    def _open(
+        self, namespace: str, policy: str, spec: CheckpointPolicySpec, options: StorageOptions
+    ) -> Storage:
+        """Open the policy's storage; a local path resolved, checked and anchored at its grant."""
+        if spec.storage.type != StorageType.LOCAL:
+            return open_storage(spec.storage.url(), options)
+        path = resolve_path(spec.storage.local.path)
+        grants = [resolve_path(g).resolved for g in granted_paths(namespace, self._tenancy)]
+        refusal = resolved_refusal(namespace, path, grants)
+        anchor = grant_anchor(path, grants)
+        if refusal is not None or anchor is None:
+            raise GrantEscapeError(f"policy {namespace}/{policy}: {refusal}")
+        return AnchoredLocalStorage(path.resolved, anchor, options)
 
     async def _secret(self, namespace: str, name: str) -> dict[str, str] | None:
         now = self._clock()

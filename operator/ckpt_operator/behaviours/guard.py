@@ -7,26 +7,29 @@ holds a handler forever. (Python cannot kill the thread; it ends when the
 backend's own timeouts fire — S3 connect/read timeouts are capped at the same
 value — and its result is dropped.)
 
-:func:`run_refusal` claims or reads a run's owner (:mod:`ckpt_agent.format.owner`)
-before anything else touches the run; :func:`read_refusal` only reads it (for
-paths that only look, e.g. the agent check).
+:func:`run_access` reads a run's owner (:mod:`ckpt_agent.format.owner`) before
+anything else touches the run; the operator never writes one. A run owned by
+another namespace is refused; a run with no owner record and checkpoints (a legacy
+run: :meth:`RunAccess.unclaimed`) is left alone until an administrator claims it
+(``ckpt claim``); a run with neither is new (its writer claims it at start).
+:func:`read_refusal` is the owner check alone, for paths that only look (the agent
+check).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sized
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckpt_agent.errors import CheckpointFormatError
-from ckpt_agent.format.owner import RunOwner
 from ckpt_operator.adapters.sources import CheckpointSource, StorageTimeoutError
 from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.model.jobs import JobFacts
-from ckpt_operator.planners.tenancy import owner_refusal
+from ckpt_operator.planners.tenancy import owner_refusal, unclaimed_refusal
 
-__all__ = ["read_refusal", "run_refusal", "storage_call"]
+__all__ = ["RunAccess", "read_refusal", "run_access", "storage_call"]
 
 T = TypeVar("T")
 
@@ -51,17 +54,38 @@ async def storage_call(
         raise StorageTimeoutError(f"{name} did not return within {timeout:.0f}s") from None
 
 
-async def run_refusal(
-    deps: Deps, source: CheckpointSource, run_id: str, job: JobFacts
-) -> str | None:
-    """Why ``job``'s namespace may not use run ``run_id`` (None: it may).
+@dataclass(frozen=True)
+class RunAccess:
+    """What a namespace may do with a run, from its owner record (read, never written)."""
 
-    A run without an owner record (new, or written before owners existed) is
-    claimed for ``job``'s namespace on first sight.
-    """
-    claim = RunOwner(job.namespace, job.name, job.uid, "operator", deps.clock())
-    owner = await storage_call(deps, source.claim_run, run_id, claim)
-    return owner_refusal(run_id, owner.namespace, job.namespace)
+    run_id: str
+    namespace: str
+    refusal: str | None = None
+    """Why the namespace may not touch the run at all (another namespace owns it, or its
+    owner record is unreadable); None: it may look."""
+    claimed: bool = False
+    """An owner record names the namespace (False: the run has none)."""
+
+    def unclaimed(self, checkpoints: Sized) -> str | None:
+        """Why a run that may be looked at must still be left alone (None: the namespace
+        owns it, or it is new: no record and no checkpoints, its writer claims it)."""
+        if self.refusal is not None or self.claimed:
+            return None
+        return unclaimed_refusal(self.run_id, self.namespace, len(checkpoints))
+
+
+async def run_access(
+    deps: Deps, source: CheckpointSource, run_id: str, namespace: str
+) -> RunAccess:
+    """Read run ``run_id``'s owner record for ``namespace`` (claims nothing)."""
+    try:
+        owner = await storage_call(deps, source.run_owner, run_id)
+    except CheckpointFormatError as e:
+        return RunAccess(run_id, namespace, f"run {run_id}: unreadable owner record ({e})")
+    if owner is None:
+        return RunAccess(run_id, namespace)
+    refusal = owner_refusal(run_id, owner.namespace, namespace)
+    return RunAccess(run_id, namespace, refusal, claimed=refusal is None)
 
 
 async def read_refusal(
@@ -69,11 +93,7 @@ async def read_refusal(
 ) -> str | None:
     """Why ``namespace`` may not read run ``run_id`` (None: it may), claiming nothing.
 
-    A run without an owner record is readable (its pods' agent claims it); an
-    unreadable record refuses (as :func:`run_refusal` would fail).
+    A run without an owner record is readable (only its activity is read: the agent
+    check); an unreadable record refuses.
     """
-    try:
-        owner = await storage_call(deps, source.run_owner, run_id)
-    except CheckpointFormatError as e:
-        return f"run {run_id}: unreadable owner record ({e})"
-    return None if owner is None else owner_refusal(run_id, owner.namespace, namespace)
+    return (await run_access(deps, source, run_id, namespace)).refusal

@@ -16,6 +16,7 @@ from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_agent.records import CheckpointRecord
 from ckpt_operator.adapters.sources import (
     CheckpointSource,
+    GrantEscapeError,
     ReportedCheckpointSource,
     StorageAccessDeniedError,
 )
@@ -26,7 +27,7 @@ from ckpt_operator.behaviours.deps import (
     cached_policy,
     set_job_status,
 )
-from ckpt_operator.behaviours.guard import run_refusal, storage_call
+from ckpt_operator.behaviours.guard import run_access, storage_call
 from ckpt_operator.kinds.registry import kind_of
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
@@ -91,7 +92,9 @@ async def run_checkpoints(
     deps: Deps, job: Mapping[str, Any], spec: CheckpointPolicySpec, known: KnownCheckpoints
 ) -> tuple[CheckpointSource, list[CheckpointRecord]] | None:
     """Where the run's checkpoints are read (its storage, or the pods' reports when the
-    storage is not reachable here) and what it lists; None: gave up."""
+    storage is not reachable here) and what it lists; None: gave up (the storage refused,
+    a link out of the grant, the run is another namespace's, or a legacy run nobody
+    claimed: never restarted from)."""
     facts = job_facts(job)
     reported = ReportedCheckpointSource(known.report.records())
     assert facts.policy is not None
@@ -99,7 +102,7 @@ async def run_checkpoints(
     try:
         source = await deps.sources(facts.namespace, facts.policy, spec)
     except StorageAccessDeniedError as e:
-        if spec.storage.type != StorageType.LOCAL:
+        if spec.storage.type != StorageType.LOCAL or isinstance(e, GrantEscapeError):
             await give_up(deps, job, "StorageAccessDenied", str(e))
             return None
         # a PVC or node path of the namespace: the pods' reports need no access
@@ -108,11 +111,20 @@ async def run_checkpoints(
     if not await storage_call(deps, source.reachable):
         log.info("%s: storage not reachable here; using the pods' reports", job_ref(job))
         source = reported
-    refusal = await run_refusal(deps, source, facts.run_id, facts)
-    if refusal is not None:
-        await give_up(deps, job, "RunOwnedElsewhere", refusal)
+    # the pods' reports: their agents check the owner at start (never a legacy run either)
+    access = (
+        None
+        if source is reported
+        else await run_access(deps, source, facts.run_id, facts.namespace)
+    )
+    if access is not None and access.refusal is not None:
+        await give_up(deps, job, "RunOwnedElsewhere", access.refusal)
         return None
     records = await storage_call(deps, source.list_checkpoints, facts.run_id)
+    unclaimed = None if access is None else access.unclaimed(records)
+    if unclaimed is not None:
+        await give_up(deps, job, "LegacyRunUnclaimed", unclaimed)
+        return None
     if not records and reported.records:  # the storage here is not the pods'
         log.info("%s: storage lists no checkpoint; using the pods' reports", job_ref(job))
         source, records = reported, reported.list_checkpoints(facts.run_id)

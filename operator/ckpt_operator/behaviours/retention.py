@@ -8,9 +8,9 @@ from typing import Any
 
 from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
-from ckpt_operator.adapters.sources import StorageAccessDeniedError
+from ckpt_operator.adapters.sources import GrantEscapeError, StorageAccessDeniedError
 from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs
-from ckpt_operator.behaviours.guard import run_refusal, storage_call
+from ckpt_operator.behaviours.guard import run_access, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
@@ -108,7 +108,7 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
     try:
         source = await deps.sources(namespace, name, spec)
     except StorageAccessDeniedError as e:
-        if spec.storage.type != StorageType.LOCAL:
+        if spec.storage.type != StorageType.LOCAL or isinstance(e, GrantEscapeError):
             return await _refuse_policy(deps, policy, str(e))
         return await _reported_status(deps, policy, jobs, now)  # a PVC: no access needed
     if not await storage_call(deps, source.reachable):
@@ -117,16 +117,24 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
     problems: list[str] = []
     for run_id, user in sorted(users.items()):
         try:
-            refusal = await run_refusal(deps, source, run_id, user)
-            if refusal is not None:
-                problems.append(f"job {user.name}: {refusal}")
+            access = await run_access(deps, source, run_id, namespace)
+            if access.refusal is not None:
+                problems.append(f"job {user.name}: {access.refusal}")
                 deps.events.emit(
-                    policy, "Warning", "RunOwnedElsewhere", f"job {user.name}: {refusal}"
+                    policy, "Warning", "RunOwnedElsewhere", f"job {user.name}: {access.refusal}"
                 )
                 continue
-            runs[run_id] = await storage_call(
+            listed = await storage_call(
                 deps, source.list_checkpoints, run_id, include_heartbeat=False
             )
+            unclaimed = access.unclaimed(listed)  # a legacy run: nothing deleted
+            if unclaimed is not None:
+                problems.append(f"job {user.name}: {unclaimed}")
+                deps.events.emit(
+                    policy, "Warning", "LegacyRunUnclaimed", f"job {user.name}: {unclaimed}"
+                )
+                continue
+            runs[run_id] = listed
         except (StorageError, ValueError) as e:
             problems.append(f"run {run_id[:253]}: listing failed: {summarize_error(e)}")
     plan = plan_policy_retention(runs, spec.retention, now)

@@ -5,7 +5,11 @@ mounted volumes. A CheckpointPolicy is written by a tenant, so everything it
 names is checked here before any storage is opened:
 
 * a local path must lie under a path the administrator granted to the
-  policy's namespace (``tenancy.localPaths``);
+  policy's namespace (``tenancy.localPaths``): as written (:func:`storage_refusal`,
+  no I/O) and as the kernel will open it (:func:`resolved_refusal`, over the facts
+  :func:`ckpt_operator.adapters.sources.resolve_path` gathered): no symbolic link on the
+  way may lead outside the namespace's grants, and the storage is then opened from
+  the grant (:func:`grant_anchor`) without following links;
 * a custom S3 endpoint must be one the administrator allowed
   (``tenancy.allowedS3Endpoints``): no request, signed or not, ever goes to a
   URL a tenant picked (server-side request forgery);
@@ -15,7 +19,9 @@ names is checked here before any storage is opened:
 
 And a run belongs to the namespace recorded in its ``OWNER.json``
 (:mod:`ckpt_agent.format.owner`): the operator never lists, deletes or
-restarts from a run owned by another namespace.
+restarts from a run owned by another namespace, and never claims a run: one
+with checkpoints but no owner record (a legacy run) is left alone
+(:func:`unclaimed_refusal`) until an administrator claims it (``ckpt claim``).
 
 Storage error text that reaches a status or an Event goes through
 :func:`summarize_error`: one line, bounded, no control characters, never a
@@ -27,6 +33,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
@@ -34,11 +41,17 @@ from ckpt_operator.model.config import ANY_NAMESPACE, TenancyConfig
 
 __all__ = [
     "MAX_ERROR_CHARS",
+    "PathLink",
+    "ResolvedPath",
     "endpoint_allowed",
+    "grant_anchor",
+    "granted_paths",
     "owner_refusal",
     "path_under",
+    "resolved_refusal",
     "storage_refusal",
     "summarize_error",
+    "unclaimed_refusal",
 ]
 
 #: Longest error summary written into a status or an Event.
@@ -46,6 +59,28 @@ MAX_ERROR_CHARS = 200
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+@dataclass(frozen=True)
+class PathLink:
+    """A symbolic link met on a written path."""
+
+    path: str
+    """The link itself: the written path up to and including it."""
+    target: str
+    """What the link says (``readlink``)."""
+    resolved: str
+    """Where it leads (``realpath`` of :attr:`path`)."""
+
+
+@dataclass(frozen=True)
+class ResolvedPath:
+    """A written absolute path, the path storage opens for it (``..`` removed as text, then
+    links resolved, as :class:`~ckpt_agent.storage.fs.LocalStorage` does), the links met."""
+
+    written: str
+    resolved: str
+    links: tuple[PathLink, ...] = ()
 
 
 def _endpoint(url: str) -> tuple[str, str, str] | None:
@@ -138,6 +173,57 @@ def storage_refusal(
             f"{namespace} the operator's own identity (chart value tenancy.operatorIdentity)"
         )
     return None
+
+
+def granted_paths(namespace: str, tenancy: TenancyConfig) -> list[str]:
+    """The local paths granted to ``namespace`` (as the administrator wrote them)."""
+    return [g.path for g in tenancy.local_paths if _for(g.namespace, namespace)]
+
+
+def resolved_refusal(namespace: str, path: ResolvedPath, grants: Sequence[str]) -> str | None:
+    """Why the operator must not open local ``path`` for ``namespace`` as the kernel resolves
+    it (None: it may). ``grants``: the namespace's granted paths, resolved.
+
+    Refused: a symbolic link on the way that leads outside every grant (even when a
+    ``..`` after it climbs back in), or a resolved path outside every grant.
+    """
+    for link in path.links:
+        if not any(path_under(link.resolved, g) for g in grants):
+            return (
+                f"local path {path.written!r} leaves the paths granted to namespace "
+                f"{namespace} through the symbolic link {link.path!r}, which points to "
+                f"{link.target!r} (resolved: {link.resolved!r}); the operator does not follow "
+                "it and touches nothing there. Point spec.storage.local.path at a real folder "
+                "inside the grant, or have whoever can write the volume remove the link"
+            )
+    if grant_anchor(path, grants) is None:
+        return (
+            f"local path {path.written!r} resolves to {path.resolved!r}, which is not under a "
+            f"path granted to namespace {namespace} (tenancy.localPaths): the operator does "
+            "not touch it"
+        )
+    return None
+
+
+def grant_anchor(path: ResolvedPath, grants: Sequence[str]) -> str | None:
+    """The outermost resolved grant holding ``path``'s resolved path (None: none does):
+    where the storage is opened from without following links."""
+    holding = [g for g in grants if path_under(path.resolved, g)]
+    return min(holding, key=len) if holding else None
+
+
+def unclaimed_refusal(run_id: str, namespace: str, checkpoints: int) -> str | None:
+    """Why the operator leaves run ``run_id`` alone although no namespace owns it (None:
+    it has no checkpoints: a new run, which its writer claims at start)."""
+    if checkpoints <= 0:
+        return None
+    return (
+        f"run {run_id} has {checkpoints} checkpoint(s) but no owner record (OWNER.json: "
+        "written before owner records existed, or by a trainer outside Kubernetes): the "
+        "operator neither deletes nor restarts from it. An administrator who knows whose "
+        f"it is claims it: ckpt claim --storage <url> --run-id {run_id} --namespace "
+        f"{namespace}"
+    )
 
 
 def owner_refusal(run_id: str, owner_namespace: str, namespace: str) -> str | None:

@@ -1,5 +1,6 @@
 """The run's owner record: written once; the agent claims its run at start and refuses a
-run another namespace owns (issue #17)."""
+run another namespace owns (issue #17), or a legacy run nobody claimed; an administrator
+claims one (issue #28)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 from ckpt_agent.errors import CheckpointFormatError, RunOwnershipError
 from ckpt_agent.format.owner import (
     RunOwner,
+    admin_claim,
     check_owner,
     claim_owner,
     owner_from_env,
+    owner_key,
     read_owner,
 )
 from ckpt_agent.policy import AgentConfig
@@ -81,3 +84,70 @@ def test_the_agent_claims_its_run_and_refuses_another_namespaces(
 def test_a_hostile_owner_record_is_a_format_error(raw: bytes) -> None:
     with pytest.raises(CheckpointFormatError, match=r"OWNER\.json"):
         RunOwner.from_bytes(raw)
+
+
+# --------------------------------------------------------------------------- legacy runs (#28)
+
+
+def _legacy(storage: LocalStorage, run_id: str = "r") -> None:
+    """Checkpoint data of a run written before owner records existed (no OWNER.json)."""
+    storage.commit(f"{run_id}/steps/full_step_000000000010/COMMIT", b"{}")
+
+
+def test_a_writer_refuses_a_legacy_run_on_every_rank(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    _legacy(storage)
+    for claim in (True, False):
+        with pytest.raises(RunOwnershipError, match="no owner record") as info:
+            check_owner(storage, "r", RunOwner("a"), claim=claim)
+        assert "ckpt claim --storage <url> --run-id r --namespace a" in str(info.value)
+    assert read_owner(storage, "r") is None  # nothing claimed
+    # a new run (nothing under steps/, e.g. only a stale heartbeat folder) is not legacy
+    storage.commit("n/heartbeat/rank_00000.json", b"{}")
+    assert check_owner(storage, "n", RunOwner("a"), claim=True).namespace == "a"
+    # once an administrator claimed the legacy run, its namespace's writer proceeds
+    admin_claim(storage, "r", RunOwner("a", claimed_by="admin"))
+    assert check_owner(storage, "r", RunOwner("a", "job"), claim=True).claimed_by == "admin"
+    with pytest.raises(RunOwnershipError, match="belongs to namespace a"):
+        check_owner(storage, "r", RunOwner("b"), claim=True)
+
+
+def test_admin_claim(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    a, b = RunOwner("a", claimed_by="admin"), RunOwner("b", claimed_by="admin")
+    assert admin_claim(storage, "r", a) == (None, a)  # unowned: claimed
+    assert admin_claim(storage, "r", RunOwner("a", "other")) == (a, a)  # already a's: kept
+    with pytest.raises(RunOwnershipError, match="--force"):
+        admin_claim(storage, "r", b)
+    assert read_owner(storage, "r") == a
+    assert admin_claim(storage, "r", b, force=True) == (a, b)
+    assert read_owner(storage, "r") == b
+    storage.commit(owner_key("u"), b"<html>")
+    with pytest.raises(CheckpointFormatError):
+        admin_claim(storage, "u", a)
+    assert admin_claim(storage, "u", a, force=True) == (None, a)
+
+
+def test_the_agent_refuses_to_resume_a_legacy_run_until_it_is_claimed(
+    ck_config: Callable[..., AgentConfig], ck_store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def start() -> None:
+        model = torch.nn.Linear(2, 2)
+        ck = Checkpointer(ck_config(), model=model, storage=ck_store)
+        try:
+            ck.start()
+            ck.save_now("test", step=1)
+            ck.wait()
+        finally:
+            ck.close()
+
+    monkeypatch.delenv("CKPT_NAMESPACE", raising=False)
+    start()  # outside Kubernetes: no owner record written
+    assert read_owner(ck_store, "run1") is None
+    monkeypatch.setenv("CKPT_NAMESPACE", "team-a")
+    with pytest.raises(RunOwnershipError, match="no owner record"):
+        start()
+    assert read_owner(ck_store, "run1") is None
+    admin_claim(ck_store, "run1", RunOwner("team-a", claimed_by="admin"))
+    start()
+    assert read_owner(ck_store, "run1").namespace == "team-a"  # type: ignore[union-attr]

@@ -199,26 +199,8 @@ def test_recovery_never_restarts_from_another_namespaces_run(
     assert asyncio.run(recover_job(deps, again)) is None and len(_events(world, "GaveUp")) == 1
 
 
-def test_a_legacy_run_is_claimed_by_the_first_namespace_seen_using_it(
-    world: Any, fixture: Any, tmp_path: Path
-) -> None:
-    root = tmp_path / "legacy"
-    _checkpoints(LocalStorage(root), RUN_B)  # written before owner records existed
-    deps = _deps(world, _everyone(root))
-    job_b = world.api.add_job(_job(fixture, TEAM_B, RUN_B))
-    world.api.add_policy(_policy(fixture, TEAM_B, _local(root)))
-
-    asyncio.run(recover_job(deps, job_b))
-    owner = read_owner(LocalStorage(root), RUN_B)
-    assert owner is not None and (owner.namespace, owner.job) == (TEAM_B, "mnist-ddp")
-    assert owner.claimed_by == "operator"
-    assert world.api.called("create_job") == ["mnist-ddp-r1"]  # B restarts from its own run
-
-    job_a = world.api.add_job(_job(fixture, TEAM_A, RUN_B))
-    world.api.add_policy(_policy(fixture, TEAM_A, _local(root)))
-    asyncio.run(recover_job(deps, job_a))
-    assert world.api.called("create_job") == ["mnist-ddp-r1"]
-    assert job_facts(world.api.jobs[(TEAM_A, "mnist-ddp")]).status.reason == "RunOwnedElsewhere"  # type: ignore[union-attr]
+# a legacy run (no OWNER.json): claimed by nobody but `ckpt claim` (issue #28):
+# test_resolved_grants.py::test_a_legacy_run_is_claimed_by_nobody_but_an_administrator
 
 
 def test_the_agent_check_never_reads_another_namespaces_run(
@@ -550,9 +532,9 @@ class _Stuck:
         self._block()
         return True
 
-    def claim_run(self, run_id: str, owner: RunOwner) -> RunOwner:
+    def run_owner(self, run_id: str) -> RunOwner | None:
         self._block()
-        return owner
+        return None
 
     def list_checkpoints(self, run_id: str, *, include_heartbeat: bool = True) -> list[Any]:
         self._block()
@@ -581,8 +563,8 @@ def test_a_stuck_storage_times_out_instead_of_holding_the_handler(world: Any, fi
 
     async def main() -> None:
         try:
-            with pytest.raises(StorageTimeoutError, match="claim_run did not return within"):
-                await storage_call(deps, stuck.claim_run, "r", RunOwner("a"))
+            with pytest.raises(StorageTimeoutError, match="run_owner did not return within"):
+                await storage_call(deps, stuck.run_owner, "r")
             with pytest.raises(StorageTimeoutError):  # retryable: the scheduler backs off
                 await recover_job(deps, job)
             with pytest.raises(StorageTimeoutError):
