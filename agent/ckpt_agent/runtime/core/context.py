@@ -409,10 +409,11 @@ class Engine:
         return SystemSignals(gpu_errors=gpu, write_latency_ms=latency, node_warning=node_warning)
 
     def check_owner(self) -> None:
-        """In a pod the webhook injected: claim the run for the pod's namespace (rank 0) or
+        """In a pod the webhook injected: claim a new run for the pod's namespace (rank 0) or
         check it; :class:`~ckpt_agent.errors.RunOwnershipError` when another namespace owns
-        it. The owner record is advisory for the agent: a storage that fails to answer is
-        logged, not fatal (the operator claims the run too)."""
+        it or it is a legacy run nobody claimed (``ckpt claim``). A storage that fails to
+        answer is logged, not fatal (the operator never claims: a run whose claim failed
+        is legacy from then on, until an administrator claims it)."""
         owner = owner_from_env()
         if owner is None:
             return
