@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpt_agent.cli.main import app
+from ckpt_agent.errors import UnsafePathError
 from ckpt_agent.format.owner import RunOwner, claim_owner, read_owner
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_operator.behaviours.recovery import recover_job
@@ -245,6 +246,13 @@ def test_a_link_swapped_in_after_the_check_is_refused_at_use(
     assert _tree(b) == before
     cond = _condition(world, TEAM_A)
     assert cond["reason"] == "StorageErrors" and "symbolic link" in cond["message"]
+
+    # restart planning on the same (cached) storage: refused, never planned from B's run
+    job = world.api.jobs[(TEAM_A, "mnist-ddp")]
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        asyncio.run(recover_job(deps, job))
+    assert world.api.called("create_job") == []
+    assert _tree(b) == before
 
 
 # --------------------------------------------------------------------------- legacy runs
