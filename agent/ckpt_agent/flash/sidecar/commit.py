@@ -2,7 +2,8 @@
 
 The sidecar serving rank 0 waits until every rank's part of a checkpoint is in
 storage with the same save token, verifies each one against its hash, publishes
-``COMMIT`` and hands the checkpoint to the
+``COMMIT`` (claiming the run's next writer generation at its first commit: from then
+on a newer writer fences it, docs/security.md "Fencing") and hands the checkpoint to the
 :class:`~ckpt_agent.persist.finalize.FinalizePipeline` (validate, verdict,
 catalog, retention, blob GC).
 
@@ -23,6 +24,7 @@ from dataclasses import replace
 from ckpt_agent.errors import CheckpointFormatError, NotFoundError
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.flash.sidecar.persisting import Handled, PartWriter
+from ckpt_agent.format.fence import claim
 from ckpt_agent.format.layout import MANIFEST_MAX_BYTES, rank_manifest_key, sha256_hex
 from ckpt_agent.format.manifest import RankManifest, RankRef
 from ckpt_agent.format.parts import verify_part
@@ -111,7 +113,16 @@ class Coordinator:
             verify_part(storage, self.run_id, ckpt_id, p.ref)
             if p.manifest.meta.world_size != desc.world_size:
                 raise CheckpointFormatError(f"{ckpt_id}: rank {r}'s part has another world size")
+        self._hold()
         return self.parts.writer.commit(meta, [parts[r] for r in sorted(parts)])
+
+    def _hold(self) -> None:
+        """Claim the run's next writer generation at this sidecar's first commit (the
+        sidecar commits for the trainer, so it is the writer that fences); from then on
+        the writer and the finalize pipeline check it (:mod:`ckpt_agent.persist.fencing`)."""
+        if self.parts.writer.fence is None:
+            fence = claim(self.parts.storage, self.run_id)
+            self.parts.writer.fence = self.parts.finalizer.fence = fence
 
     def read_part(self, ckpt_id: str, rank: int, token: str) -> WrittenRank | None:
         """Another rank's part in storage, if it is there and from the same save attempt."""

@@ -38,6 +38,7 @@ import torch
 
 from ckpt_agent.background import libc, lower_thread_priority
 from ckpt_agent.errors import CheckpointFormatError, StorageError
+from ckpt_agent.format.fence import Fence
 from ckpt_agent.format.heartbeat import Heartbeat, PackedRng, encode_heartbeats, read_heartbeat
 from ckpt_agent.format.layout import heartbeat_key
 from ckpt_agent.records import Json
@@ -253,6 +254,8 @@ class HeartbeatWriter:
         self._storage = storage
         self._run_id = run_id
         self._rank = rank
+        #: The writer generation of this process (rank 0; None: unfenced).
+        self.fence: Fence | None = None
         self.interval = interval
         self._ring: deque[Heartbeat] = deque(maxlen=ring)
         self._slot: tuple[int, HeartbeatCapture | Heartbeat] | None = None
@@ -286,6 +289,8 @@ class HeartbeatWriter:
             self._ring.clear()
             self._ring.extend(keep)
         if len(keep) != len(entries):
+            if self.fence is not None:
+                self.fence.check()
             key = heartbeat_key(self._run_id, self._rank)
             if keep:
                 self._storage.commit(key, encode_heartbeats(self._run_id, self._rank, keep))
@@ -331,6 +336,8 @@ class HeartbeatWriter:
 
     def _write(self, item: HeartbeatCapture | Heartbeat) -> None:
         try:
+            if self.fence is not None:  # a fenced writer's ring must not replace the holder's
+                self.fence.check()
             hb = item.heartbeat() if isinstance(item, HeartbeatCapture) else item
             self._ring.append(hb)
             data = encode_heartbeats(self._run_id, self._rank, list(self._ring))
@@ -360,6 +367,7 @@ class Heartbeats:
         self.writer = HeartbeatWriter(
             engine.storage, engine.run_id, engine.ranks.rank, interval=spec.flush_interval_seconds
         )
+        self.writer.fence = engine.parts.writer.fence  # rank 0's claim (None elsewhere)
         self._numpy = NumpyRngState()
         self._python = PythonRngState()
         self._cuda = torch.cuda.is_available()

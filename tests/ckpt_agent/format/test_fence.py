@@ -1,0 +1,140 @@
+"""Writer generations: keys, bounded records, claims (races included) and the fence check."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ckpt_agent.errors import CheckpointFormatError, FencedError
+from ckpt_agent.format import fence as fence_mod
+from ckpt_agent.format.fence import (
+    RECORD_MAX_BYTES,
+    Fence,
+    WriterRecord,
+    claim,
+    generations,
+    holder_of,
+    parse_writer_name,
+    read_writer,
+    writer_key,
+)
+from ckpt_agent.storage.fs import LocalStorage
+
+ENV = {
+    "CKPT_NAMESPACE": "team-a",
+    "CKPT_JOB_NAME": "llm",
+    "CKPT_POD_NAME": "llm-worker-0",
+    "CKPT_NODE_NAME": "gpu-17",
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStorage:
+    return LocalStorage(tmp_path / "root")
+
+
+def test_keys_sort_numerically_and_names_parse_back() -> None:
+    assert writer_key("r", 7) == "r/writers/000000000007.json"
+    assert parse_writer_name("000000000007.json") == 7
+    for bad in ("7.json", "000000000000.json", "00000000000x.json", "000000000007.tmp", "x"):
+        assert parse_writer_name(bad) is None
+    with pytest.raises(ValueError):
+        writer_key("r", 0)
+
+
+def test_record_round_trips_and_is_bounded_and_clean() -> None:
+    rec = WriterRecord.here(3, ENV)
+    back = WriterRecord.from_bytes(rec.to_bytes(), "w")
+    assert back == rec
+    assert (back.namespace, back.job, back.pod, back.node) == (
+        "team-a",
+        "llm",
+        "llm-worker-0",
+        "gpu-17",
+    )
+    assert (
+        "generation 3: pod llm-worker-0 on node gpu-17 in namespace team-a (job llm)"
+        in rec.describe()
+    )
+    hostile = json.dumps({"generation": 2, "pod": "\x1b]0;x\x07" + "p" * 999, "pid": True}).encode()
+    parsed = WriterRecord.from_bytes(hostile, "w")
+    assert parsed.pod.isprintable() and len(parsed.pod) <= 253 and parsed.pid == 0
+    for bad in (
+        b"[]",
+        b'{"generation": 0}',
+        b'{"generation": true}',
+        b"x" * (RECORD_MAX_BYTES + 1),
+    ):
+        with pytest.raises(CheckpointFormatError):
+            WriterRecord.from_bytes(bad, "w")
+
+
+def test_claims_are_dense_and_the_highest_holds(store: LocalStorage) -> None:
+    first = claim(store, "r", environ=ENV)
+    second = claim(store, "r", environ=ENV)
+    assert (first.generation, second.generation) == (1, 2)
+    assert generations(store, "r") == [1, 2]
+    holder = holder_of(store, "r")
+    assert holder is not None and holder.nonce == second.record.nonce
+    assert read_writer(store, "r", 1) == first.record
+    store.commit("r/writers/notes.txt", b"ignored")
+    assert generations(store, "r") == [1, 2]
+
+
+def test_concurrent_claims_get_distinct_generations(store: LocalStorage) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        fences = list(pool.map(lambda _: claim(store, "r", environ=ENV), range(8)))
+    assert sorted(f.generation for f in fences) == list(range(1, 9))
+
+
+def test_a_lost_race_claims_the_next_generation(
+    store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = fence_mod.generations
+    calls = {"n": 0}
+
+    def stale(storage: LocalStorage, run_id: str) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 1:  # the first listing misses a claim made meanwhile
+            claim(store, "r", environ=ENV)
+            return []
+        return real(storage, run_id)
+
+    monkeypatch.setattr(fence_mod, "generations", stale)
+    assert claim(store, "r", environ=ENV).generation == 2
+
+
+def test_check_fences_once_a_newer_generation_exists_and_stays_fenced(store: LocalStorage) -> None:
+    old = claim(store, "r", environ=ENV)
+    old.check()  # holds
+    assert old.fenced is None
+    newer = claim(
+        store,
+        "r",
+        environ={**ENV, "CKPT_POD_NAME": "llm-worker-0-retry", "CKPT_NODE_NAME": "gpu-3"},
+    )
+    with pytest.raises(FencedError) as ei:
+        old.check()
+    msg = str(ei.value)
+    assert "generation 2: pod llm-worker-0-retry on node gpu-3 in namespace team-a" in msg
+    assert "holds generation 1" in msg and "Stop this process" in msg
+    assert ei.value.generation == 1
+    store.delete_prefix("r/writers/")  # even if the claims vanish: fenced is sticky
+    with pytest.raises(FencedError):
+        old.check()
+    newer.check()
+
+
+def test_an_unreadable_newer_claim_still_fences(store: LocalStorage) -> None:
+    old = claim(store, "r", environ=ENV)
+    store.commit(writer_key("r", 2), b"garbage")
+    with pytest.raises(FencedError, match="generation 2"):
+        old.check()
+
+
+def test_a_fence_object_checks_with_one_stat(store: LocalStorage) -> None:
+    f = Fence(store, "r", WriterRecord(generation=5))
+    f.check()  # nothing newer: no claim files at all
