@@ -42,6 +42,9 @@ __all__ = ["claim"]
 #: A Kubernetes namespace name (RFC 1123 label).
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
+#: Longest --job (a Kubernetes object name; the record stays far below its 4 KiB cap).
+JOB_MAX = 253
+
 #: Runs listed without --run-id, at most.
 LIST_MAX = 1000
 
@@ -142,6 +145,8 @@ def claim(
             f"--namespace {plain(namespace, 80)!r} is not a Kubernetes namespace name "
             "(lowercase letters, digits and '-', at most 63 characters)"
         )
+    if len(job) > JOB_MAX:
+        raise fail(f"--job is {len(job)} characters long; a job name has at most {JOB_MAX}")
     try:
         checkpoints = list_checkpoints(store, run_id, include_heartbeat=False)
     except ValueError as e:  # not a run id (a format error is a ValueError too: explained)

@@ -74,6 +74,9 @@ def test_bad_input_and_hostile_records(tmp_path: Path) -> None:
     assert code == 2 and "not a Kubernetes namespace name" in out
     code, out = _invoke("claim", "-s", root, "-r", "../x", "-n", "team-a")
     assert code == 2
+    code, out = _invoke("claim", "-s", root, "-r", "legacy", "-n", "team-a", "--job", "j" * 5000)
+    assert code == 2 and "at most 253" in out
+    assert read_owner(storage, "legacy") is None
     storage.commit(owner_key("bad"), b"<html>")
     code, out = _invoke("claim", "-s", root, "-r", "bad", "-n", "team-a")
     assert code == 5 and "--force" in out
