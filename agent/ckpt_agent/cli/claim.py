@@ -123,18 +123,20 @@ def claim(
     ] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Give a run to a Kubernetes namespace: write its OWNER.json (an administrator's action).
+    """Give a run to a Kubernetes namespace: write its OWNER.json.
 
-    A run belongs to the namespace in its OWNER.json: only that namespace's jobs resume
-    it and only its policies' retention deletes from it. The trainer writes the record
-    when it creates a run; the operator never does. A run with checkpoints but no record
-    (a legacy run: written before owner records existed, or by a trainer outside
-    Kubernetes) may be anyone's, so nobody uses it — the operator reports it
-    (LegacyRunUnclaimed) and a trainer refuses to resume it — until you claim it here.
-    You need write access to the storage; the command adds no privilege.
+    An administrator's action. A run belongs to the namespace in its
+    OWNER.json: only that namespace's jobs resume it and only its policies'
+    retention deletes from it. The trainer writes the record when it creates
+    a run; the operator never does. A run with checkpoints but no record (a
+    legacy run: written before owner records existed, or by a trainer
+    outside Kubernetes) may be anyone's, so nobody uses it (the operator
+    reports LegacyRunUnclaimed, a trainer refuses to resume it) until you
+    claim it here. You need write access to the storage; the command adds
+    no privilege.
 
-    Claiming a run that does not exist yet reserves its id for the namespace. A run
-    already the namespace's is left as it is.
+    Claiming a run that does not exist yet reserves its id for the
+    namespace. A run already the namespace's is left as it is.
     """
     store = open_store(storage, load_policy(config))
     if not run_id:
