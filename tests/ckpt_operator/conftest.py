@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_agent.format.listing import Listing, ListingLimits
 from ckpt_agent.format.owner import RunOwner
 from ckpt_agent.persist.housekeeping import GcResult
 from ckpt_agent.policy import CheckpointPolicySpec
@@ -292,6 +293,9 @@ class FakeSource:
     ) -> list[CheckpointRecord]:
         self.listed.append((run_id, include_heartbeat))
         return list(self.runs.get(run_id, []))
+
+    def scan_checkpoints(self, run_id: str, limits: ListingLimits) -> Listing:
+        return Listing(records=self.list_checkpoints(run_id, include_heartbeat=False))
 
     def progress(self, run_id: str) -> list[tuple[int, float]]:
         return list(self.heartbeats.get(run_id, []))

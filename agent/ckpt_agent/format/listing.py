@@ -3,12 +3,21 @@
 Torch-free: the operator and ``ckpt list`` use it. A checkpoint exists for
 readers only once its ``COMMIT`` is published; its status comes from the
 validator's record for exactly that COMMIT.
+
+:func:`scan_checkpoints` is the one walk behind :func:`list_checkpoints`: one lazy,
+paginated listing of ``<run>/steps/`` taken folder by folder (a folder's keys are
+contiguous in key order), each COMMIT read as its folder ends, nothing kept of a folder
+but its record. :class:`ListingLimits` bounds it (keys examined, a deadline): the
+operator's retention pass never walks more of a run than its share of the pass allows,
+and learns that it did not see the whole run (:attr:`Listing.complete`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.errors import CheckpointNotFoundError, one_line
@@ -28,9 +37,19 @@ from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.base import Storage
 
-__all__ = ["list_checkpoints", "list_runs", "newest_heartbeat_record"]
+__all__ = [
+    "Listing",
+    "ListingLimits",
+    "list_checkpoints",
+    "list_runs",
+    "newest_heartbeat_record",
+    "scan_checkpoints",
+]
 
 log = logging.getLogger(__name__)
+
+#: Unreadable COMMITs of one listing named one per log line; the rest are counted in one.
+WARN_EACH = 5
 
 
 def list_runs(storage: Storage) -> list[str]:
@@ -51,6 +70,38 @@ def _take(it: Iterator[Any], n: int) -> Iterator[Any]:
         yield x
 
 
+@dataclass(frozen=True)
+class ListingLimits:
+    """How much of a run one listing may examine (None: no bound)."""
+
+    max_entries: int | None = None
+    """Keys of ``<run>/steps/`` looked at (each COMMIT read counts with its key)."""
+    deadline: float | None = None
+    """``clock()`` value after which the listing stops (checked before every key)."""
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass
+class Listing:
+    """What :func:`scan_checkpoints` found, and whether it saw the whole run."""
+
+    records: list[CheckpointRecord] = field(default_factory=list)
+    """Committed checkpoints seen, oldest first (step, then tier)."""
+    entries: int = 0
+    """Keys of ``<run>/steps/`` examined."""
+    cut: str = ""
+    """Why the listing stopped before the end of the run ("" when it saw all of it)."""
+    unreadable: int = 0
+    """COMMITs that could not be read or parsed (listed as corrupted)."""
+    largest_manifest: tuple[str, int] | None = None
+    """Key and size of the largest rank manifest (``rank_*.json``) seen, committed or not:
+    what a blob GC of the run would parse."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.cut
+
+
 def list_checkpoints(
     storage: Storage, run_id: str, *, include_broken: bool = True, include_heartbeat: bool = True
 ) -> list[CheckpointRecord]:
@@ -67,53 +118,129 @@ def list_checkpoints(
     newest L0 heartbeat of rank 0 is listed too
     (:func:`newest_heartbeat_record`), for the ladder's heartbeat rung.
     """
+    return scan_checkpoints(
+        storage, run_id, include_broken=include_broken, include_heartbeat=include_heartbeat
+    ).records
+
+
+@dataclass
+class _Folder:
+    """One checkpoint folder while the listing walks it: only what its record needs."""
+
+    name: str
+    commit: bool = False
+    validation: bool = False
+
+
+def scan_checkpoints(
+    storage: Storage,
+    run_id: str,
+    *,
+    include_broken: bool = True,
+    include_heartbeat: bool = True,
+    limits: ListingLimits | None = None,
+) -> Listing:
+    """:func:`list_checkpoints` with bounds: stops before the key past
+    ``limits.max_entries`` or once ``limits.deadline`` has passed, and says so in
+    :attr:`Listing.cut` (the records then cover the folders seen whole, in key order:
+    the oldest steps of each tier first). A folder the bound cuts through is left out.
+
+    Unreadable COMMITs are logged by name up to :data:`WARN_EACH` per listing, then
+    counted in one line (50,000 garbage COMMITs make one warning, not 50,000).
+    """
+    limits = limits or ListingLimits()
     prefix = steps_prefix(run_id)
-    folders: dict[str, set[str]] = {}
+    out = Listing()
+    bad: list[str] = []
+    current: _Folder | None = None
     for info in storage.list(prefix):
+        if limits.max_entries is not None and out.entries >= limits.max_entries:
+            out.cut = f"stopped after {out.entries:,} entries (the bound)"
+            current = None
+            break
+        if limits.deadline is not None and limits.clock() >= limits.deadline:
+            out.cut = f"stopped after {out.entries:,} entries (out of time)"
+            current = None
+            break
+        out.entries += 1
         rest = info.key[len(prefix) :]
         folder, _, name = rest.partition("/")
-        if name and "/" not in name:
-            folders.setdefault(folder, set()).add(name)
-    out: list[CheckpointRecord] = []
-    for folder, names in folders.items():
-        if COMMIT not in names:
+        if not name or "/" in name:
             continue
-        try:
-            tier, step = parse_checkpoint_id(folder)
-        except ValueError:
-            continue
-        try:
-            rec = _record(storage, run_id, folder, names)
-        except CheckpointNotFoundError:
-            continue  # deleted between listing and reading
-        except Exception as e:  # one bad COMMIT never hides the others
-            log.warning("run %s: %s is unreadable: %s", run_id, folder, one_line(e))
-            if include_broken:
-                out.append(
-                    CheckpointRecord(
-                        id=folder,
-                        step=step,
-                        tier=tier,
-                        status=CheckpointStatus.CORRUPTED,
-                        extra={"error": one_line(e)},
-                    )
-                )
-            continue
-        out.append(rec)
+        manifest = name.startswith("rank_") and name.endswith(".json")  # what the GC reads
+        if manifest and (out.largest_manifest is None or info.size > out.largest_manifest[1]):
+            out.largest_manifest = (info.key, info.size)
+        if current is None or current.name != folder:
+            if current is not None:
+                _add(storage, run_id, current, out, bad, include_broken)
+            current = _Folder(folder)
+        if name == COMMIT:
+            current.commit = True
+        elif name == VALIDATION:
+            current.validation = True
+    if current is not None:
+        _add(storage, run_id, current, out, bad, include_broken)
+    if len(bad) > WARN_EACH:
+        log.warning(
+            "run %s: %d more unreadable COMMIT(s), listed as corrupted (first: %s)",
+            run_id,
+            len(bad) - WARN_EACH,
+            bad[WARN_EACH],
+        )
     if include_heartbeat:
         hb = newest_heartbeat_record(storage, run_id)
         if hb is not None:
-            out.append(hb)
-    out.sort(key=lambda r: (r.step, list(Tier).index(r.tier)))
+            out.records.append(hb)
+    tiers = list(Tier)
+    out.records.sort(key=lambda r: (r.step, tiers.index(r.tier)))
     return out
 
 
-def _record(storage: Storage, run_id: str, folder: str, names: set[str]) -> CheckpointRecord:
+def _add(
+    storage: Storage,
+    run_id: str,
+    folder: _Folder,
+    out: Listing,
+    bad: list[str],
+    include_broken: bool,
+) -> None:
+    """The record of one folder seen whole, when it is a committed checkpoint."""
+    if not folder.commit:
+        return
+    try:
+        tier, step = parse_checkpoint_id(folder.name)
+    except ValueError:
+        return
+    try:
+        rec = _record(storage, run_id, folder.name, folder.validation)
+    except CheckpointNotFoundError:
+        return  # deleted between listing and reading
+    except Exception as e:  # one bad COMMIT never hides the others
+        error = one_line(e)
+        out.unreadable += 1
+        bad.append(folder.name)
+        if len(bad) <= WARN_EACH:
+            log.warning("run %s: %s is unreadable: %s", run_id, folder.name, error)
+        if include_broken:
+            out.records.append(
+                CheckpointRecord(
+                    id=folder.name,
+                    step=step,
+                    tier=tier,
+                    status=CheckpointStatus.CORRUPTED,
+                    extra={"error": error},
+                )
+            )
+        return
+    out.records.append(rec)
+
+
+def _record(storage: Storage, run_id: str, folder: str, has_verdict: bool) -> CheckpointRecord:
     """One checkpoint's record: its COMMIT, and the validator's verdict on exactly it."""
     committed = read_commit(storage, run_id, folder)
     status = CheckpointStatus.PENDING
     reason = ""
-    if VALIDATION in names:
+    if has_verdict:
         v = read_validation(storage, run_id, folder)
         if v is not None and v.commit_sha256 == committed.manifest_hash:
             status = v.status

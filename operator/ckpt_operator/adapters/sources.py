@@ -34,7 +34,7 @@ from typing import Protocol
 from ckpt_agent.errors import CheckpointFormatError
 from ckpt_agent.format.heartbeat import read_heartbeat
 from ckpt_agent.format.layout import parse_checkpoint_id
-from ckpt_agent.format.listing import list_checkpoints
+from ckpt_agent.format.listing import Listing, ListingLimits, list_checkpoints, scan_checkpoints
 from ckpt_agent.format.owner import RunOwner, read_owner
 from ckpt_agent.format.verify import verify_hashes
 from ckpt_agent.persist.housekeeping import (
@@ -115,6 +115,12 @@ class CheckpointSource(Protocol):
         ladder's rebuild rung); retention leaves it out (the ring is not a
         deletable checkpoint).
         """
+        ...
+
+    def scan_checkpoints(self, run_id: str, limits: ListingLimits) -> Listing:
+        """Retention's listing: the committed checkpoints (no heartbeat), bounded by
+        ``limits`` (:func:`ckpt_agent.format.listing.scan_checkpoints`: it says when it
+        stopped short)."""
         ...
 
     def progress(self, run_id: str) -> list[tuple[int, float]]:
@@ -223,6 +229,9 @@ class StorageCheckpointSource:
     ) -> list[CheckpointRecord]:
         return list_checkpoints(self.storage, run_id, include_heartbeat=include_heartbeat)
 
+    def scan_checkpoints(self, run_id: str, limits: ListingLimits) -> Listing:
+        return scan_checkpoints(self.storage, run_id, include_heartbeat=False, limits=limits)
+
     def progress(self, run_id: str) -> list[tuple[int, float]]:
         try:
             return [(hb.step, hb.time) for hb in read_heartbeat(self.storage, run_id, 0)]
@@ -305,6 +314,10 @@ class ReportedCheckpointSource:
     ) -> list[CheckpointRecord]:
         del run_id
         return [r for r in self.records if include_heartbeat or r.tier != Tier.HEARTBEAT]
+
+    def scan_checkpoints(self, run_id: str, limits: ListingLimits) -> Listing:
+        del limits  # the pods' report: in memory, already bounded
+        return Listing(records=self.list_checkpoints(run_id, include_heartbeat=False))
 
     def progress(self, run_id: str) -> list[tuple[int, float]]:
         del run_id

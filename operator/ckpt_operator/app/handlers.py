@@ -134,7 +134,7 @@ def make_runtime(deps: Deps) -> Runtime:
             recover,
             error_backoff_s=deps.config.recovery.error_backoff_s,
         ),
-        retention=RetentionLoop(reconcile, clock=deps.clock, tick_s=deps.config.retention.tick_s),
+        retention=RetentionLoop.from_config(reconcile, deps.config, clock=deps.clock),
         trainjob_recovery=RecoveryScheduler(
             functools.partial(cached_job, deps, kind=TRAINJOB),
             recover_train,

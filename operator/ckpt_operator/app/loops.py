@@ -22,6 +22,7 @@ from typing import Any
 
 from ckpt_agent.policy import RetentionSpec
 from ckpt_operator.model.bodies import Body, meta_of
+from ckpt_operator.model.config import OperatorConfig
 
 __all__ = ["MemoryReturn", "RecoveryScheduler", "RetentionLoop", "malloc_trim"]
 
@@ -117,7 +118,18 @@ class _Entry:
 
 
 class RetentionLoop:
-    """Runs ``reconcile(policy)`` for each known policy every ``reconcileIntervalSeconds``."""
+    """Runs ``reconcile(policy)`` for each known policy every ``reconcileIntervalSeconds``.
+
+    Fair and bounded (issue #28): due policies start in the order they fell due, up to
+    ``workers`` at once, never two passes of one policy together; each pass bounds itself
+    (:class:`~ckpt_operator.planners.retention_plan.PassBudget`: ``--retention-budget``)
+    and ``pass_timeout_s`` is the backstop: a pass still running then is cancelled (at an
+    ``await``: a storage call already in its thread finishes its unit there — one
+    listing, one batch of whole checkpoint deletions — and its result is dropped). So a
+    slow tenant holds one worker for at most a budget, and another tenant's pass waits
+    for a worker at most that long (with more slow tenants than workers, the tenants
+    that fell due earlier go first).
+    """
 
     def __init__(
         self,
@@ -125,14 +137,43 @@ class RetentionLoop:
         *,
         clock: Callable[[], float],
         tick_s: float = 10.0,
+        workers: int = 4,
+        pass_timeout_s: float | None = None,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self._reconcile = reconcile
         self._clock = clock
         self._tick_s = tick_s
+        self.workers = workers
+        self.pass_timeout_s = pass_timeout_s
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._policies: dict[Key, _Entry] = {}
+        self._running: dict[Key, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self.passes = 0
+        self.timeouts = 0
+        """Passes cancelled by ``pass_timeout_s`` (each also logged and in ``last_error``)."""
         self.last_error: str | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        reconcile: Callable[[Obj], Awaitable[object]],
+        config: OperatorConfig,
+        *,
+        clock: Callable[[], float],
+    ) -> RetentionLoop:
+        """The loop the operator runs: ``--retention-tick``, ``--retention-workers``, and
+        a backstop of the budget plus one storage call (``--storage-timeout``)."""
+        r = config.retention
+        return cls(
+            reconcile,
+            clock=clock,
+            tick_s=r.tick_s,
+            workers=r.workers,
+            pass_timeout_s=r.budget_s + config.storage_timeout_s,
+        )
 
     @staticmethod
     def interval_of(body: Mapping[str, Any]) -> float:
@@ -161,29 +202,74 @@ class RetentionLoop:
     def policies(self) -> frozenset[Key]:
         return frozenset(self._policies)
 
-    async def run_due(self) -> int:
-        """Reconcile every policy that is due; returns how many ran."""
+    @property
+    def running(self) -> frozenset[Key]:
+        """Policies whose pass is running or waiting for a worker."""
+        return frozenset(k for k, t in self._running.items() if not t.done())
+
+    def start_due(self) -> list[asyncio.Task[None]]:
+        """Start a pass of every due policy not already in one (earliest due first; each
+        waits for one of ``workers``); returns the tasks started."""
         now = self._clock()
-        n = 0
-        for key, entry in list(self._policies.items()):
-            if entry.due > now:
-                continue
+        due = [
+            (key, entry)
+            for key, entry in self._policies.items()
+            if entry.due <= now and key not in self.running
+        ]
+        due.sort(key=lambda ke: ke[1].due)  # stable: equal times keep their arrival order
+        started = []
+        for key, entry in due:
             entry.due = now + self.interval_of(entry.body)
+            task = asyncio.create_task(self._pass(key, entry.body), name=f"retention {key}")
+            self._running[key] = task
+            task.add_done_callback(functools.partial(self._finished, key))
+            started.append(task)
+        self.passes += 1
+        return started
+
+    def _finished(self, key: Key, task: asyncio.Task[None]) -> None:
+        if self._running.get(key) is task:
+            del self._running[key]
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        """The workers' semaphore of the running event loop (tests run several loops)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(self.workers))
+        return self._slots[1]
+
+    async def _pass(self, key: Key, body: Obj) -> None:
+        async with self._semaphore():
             try:
-                await self._reconcile(entry.body)
+                if self.pass_timeout_s is None:
+                    await self._reconcile(body)
+                else:
+                    await asyncio.wait_for(self._reconcile(body), self.pass_timeout_s)
                 self.last_error = None
             except asyncio.CancelledError:
                 raise
+            except TimeoutError:
+                self.timeouts += 1
+                self.last_error = (
+                    f"{key[0]}/{key[1]}: retention pass still running after "
+                    f"{self.pass_timeout_s:.0f}s: cancelled, resumes next interval"
+                )
+                log.warning("%s", self.last_error)
             except Exception as e:
                 self.last_error = f"{key[0]}/{key[1]}: {e}"
                 log.exception("retention of %s/%s failed", *key)
-            n += 1
-        self.passes += 1
-        return n
+
+    async def run_due(self) -> int:
+        """Reconcile every policy that is due and wait for those passes; returns how many
+        ran."""
+        started = self.start_due()
+        if started:
+            await asyncio.gather(*started, return_exceptions=True)
+        return len(started)
 
     async def _forever(self) -> None:
         while True:
-            await self.run_due()
+            self.start_due()  # passes run on their own: a slow one never holds the tick
             await asyncio.sleep(self._tick_s)
 
     def start(self) -> None:
@@ -196,6 +282,13 @@ class RetentionLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        passes = list(self._running.values())
+        self._running.clear()
+        for t in passes:
+            t.cancel()
+        for t in passes:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
 
 
 def malloc_trim() -> Callable[[], object] | None:

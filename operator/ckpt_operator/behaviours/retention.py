@@ -1,14 +1,35 @@
-"""Retention: apply a policy's retention to its runs' storage and report it in the status."""
+"""Retention: apply a policy's retention to its runs' storage and report it in the status.
+
+A pass is bounded (issue #28) by a :class:`~ckpt_operator.planners.retention_plan.PassBudget`
+(``--retention-budget`` seconds, ``--retention-max-entries`` listed entries): listings get
+half the time, split among the runs, and stop at their share
+(:func:`ckpt_agent.format.listing.scan_checkpoints`); deletions go in batches
+(:func:`~ckpt_operator.planners.retention_plan.deletion_batches`), each batch one call in a
+worker thread that checks the clock before every checkpoint. A pass stops only at a
+**safe point**: between two runs' listings, or between two whole checkpoint deletions —
+never inside one (``COMMIT`` first, then its folder:
+:func:`ckpt_agent.persist.housekeeping.delete_checkpoint`), so a cut leaves every
+checkpoint either committed and whole or gone from readers' sight (an uncommitted folder
+left by a failure is the blob GC's after its grace, as after a crash); deletions run newest
+first within a run, so nothing kept loses a dependency. What was not done is done by the
+next pass (at the policy's next interval): the condition says ``RetentionCutShort`` and a
+Warning Event says what was left.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ckpt_agent.format.listing import ListingLimits
 from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
-from ckpt_operator.adapters.sources import GrantEscapeError, StorageAccessDeniedError
+from ckpt_operator.adapters.sources import (
+    CheckpointSource,
+    GrantEscapeError,
+    StorageAccessDeniedError,
+)
 from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs
 from ckpt_operator.behaviours.guard import run_access, storage_call
 from ckpt_operator.behaviours.policies import write_policy_status
@@ -21,14 +42,25 @@ from ckpt_operator.planners.reports import (
     pod_reports,
     reported_status,
 )
-from ckpt_operator.planners.retention_plan import Deletion, plan_policy_retention, retention_status
+from ckpt_operator.planners.retention_plan import (
+    Deletion,
+    PassBudget,
+    deletion_batches,
+    manifest_refusal,
+    plan_policy_retention,
+    retention_status,
+)
 from ckpt_operator.planners.status import set_condition
 from ckpt_operator.planners.tenancy import summarize_error
 from ckpt_operator.planners.validation import parse_policy_spec
 
-__all__ = ["reconcile_retention"]
+__all__ = ["DELETE_BATCH", "reconcile_retention"]
 
 log = logging.getLogger(__name__)
+
+DELETE_BATCH = 100
+"""Checkpoints deleted per worker-thread call (each checkpoint: its COMMIT, then its
+folder, through the storage's batched delete)."""
 
 
 def _reconciled(current: Mapping[str, Any], reason: str, message: str, now: float) -> list[Obj]:
@@ -93,8 +125,45 @@ async def _reported_status(
     return await write_policy_status(deps, namespace, str(meta.name), build)
 
 
-async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | None:
-    """Apply a policy's retention to the storage of its jobs' runs; returns the status written."""
+def _delete_batch(
+    source: CheckpointSource,
+    batch: Sequence[Deletion],
+    stop_at: float,
+    clock: Callable[[], float],
+) -> tuple[list[Deletion], list[tuple[Deletion, StorageError]], Exception | None]:
+    """Delete ``batch`` one whole checkpoint after the other until ``stop_at`` (runs in a
+    worker thread; the clock is read between checkpoints only: the safe points). Returns
+    (done, failed, an unexpected error that stopped the batch)."""
+    done: list[Deletion] = []
+    failed: list[tuple[Deletion, StorageError]] = []
+    for d in batch:
+        if clock() >= stop_at:
+            break
+        try:
+            source.delete_checkpoint(d.run_id, d.checkpoint_id)
+        except StorageError as e:
+            failed.append((d, e))
+            continue
+        except Exception as e:
+            return done, failed, e
+        done.append(d)
+    return done, failed, None
+
+
+def _names(ids: Sequence[str]) -> str:
+    return ", ".join(ids[:5]) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
+
+
+async def reconcile_retention(
+    deps: Deps, policy: Mapping[str, Any], *, budget: PassBudget | None = None
+) -> Obj | None:
+    """Apply a policy's retention to the storage of its jobs' runs; returns the status written.
+
+    ``budget`` bounds the pass (default: ``--retention-budget`` seconds and
+    ``--retention-max-entries`` listed entries from now; see the module docstring).
+    """
+    cfg = deps.config.retention
+    budget = budget if budget is not None else PassBudget(cfg.budget_s, cfg.max_entries)
     meta = meta_of(policy)
     name, namespace = str(meta.name), str(meta.namespace)
     spec, _ = parse_policy_spec(policy.get("spec"))
@@ -114,8 +183,16 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
     if not await storage_call(deps, source.reachable):
         return await _reported_status(deps, policy, jobs, now)
     runs = {}
+    partial: set[str] = set()
+    largest: dict[str, tuple[str, int] | None] = {}
+    carried: list[str] = []
     problems: list[str] = []
-    for run_id, user in sorted(users.items()):
+    ordered = sorted(users.items())
+    for i, (run_id, user) in enumerate(ordered):
+        if budget.expired():
+            carried = [r for r, _ in ordered[i:]]
+            budget.cut(f"run(s) not listed this pass: {_names(carried)}")
+            break
         try:
             access = await run_access(deps, source, run_id, namespace)
             if access.refusal is not None:
@@ -124,9 +201,15 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
                     policy, "Warning", "RunOwnedElsewhere", f"job {user.name}: {access.refusal}"
                 )
                 continue
-            listed = await storage_call(
-                deps, source.list_checkpoints, run_id, include_heartbeat=False
+            left = len(ordered) - i
+            limits = ListingLimits(
+                max_entries=budget.entries_for(left),
+                deadline=budget.listing_deadline(left),
+                clock=budget.clock,
             )
+            listing = await storage_call(deps, source.scan_checkpoints, run_id, limits)
+            budget.spend(listing.entries)
+            listed = listing.records
             unclaimed = access.unclaimed(listed)  # a legacy run: nothing deleted
             if unclaimed is not None:
                 problems.append(f"job {user.name}: {unclaimed}")
@@ -134,23 +217,51 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
                     policy, "Warning", "LegacyRunUnclaimed", f"job {user.name}: {unclaimed}"
                 )
                 continue
+            if not listing.complete:
+                partial.add(run_id)
+                budget.cut(
+                    f"run {run_id}: listing {listing.cut}, {len(listed)} checkpoint(s) seen: "
+                    "only corrupted ones deleted, no blob GC"
+                )
             runs[run_id] = listed
+            largest[run_id] = listing.largest_manifest
         except (StorageError, ValueError) as e:
             problems.append(f"run {run_id[:253]}: listing failed: {summarize_error(e)}")
-    plan = plan_policy_retention(runs, spec.retention, now)
+    plan = plan_policy_retention(runs, spec.retention, now, partial=partial)
     deleted: list[Deletion] = []
-    for d in plan.deletions:
-        try:
-            await storage_call(deps, source.delete_checkpoint, d.run_id, d.checkpoint_id)
-        except StorageError as e:
+    tried = 0
+    for batch in deletion_batches(plan, DELETE_BATCH):
+        if budget.expired():
+            break
+        deadline = budget.deadline
+        stop_at = budget.clock() + deps.config.storage_timeout_s / 2
+        if deadline is not None:
+            stop_at = min(stop_at, deadline)
+        done, failed, error = await storage_call(
+            deps, _delete_batch, source, batch, stop_at, budget.clock
+        )
+        tried += len(done) + len(failed)
+        for d in done:
+            deleted.append(d)
+            deps.metrics.retention_deletions.inc()
+            deps.metrics.retention_bytes.inc(d.size_bytes)
+        for d, err in failed:
             deps.metrics.retention_errors.inc()
-            problems.append(f"deleting {d.run_id}/{d.checkpoint_id} failed: {summarize_error(e)}")
-            continue
-        deleted.append(d)
-        deps.metrics.retention_deletions.inc()
-        deps.metrics.retention_bytes.inc(d.size_bytes)
+            problems.append(f"deleting {d.run_id}/{d.checkpoint_id} failed: {summarize_error(err)}")
+        if error is not None:
+            raise error
+    planned = len(plan.deletions)
+    if tried < planned:
+        budget.cut(f"{planned - tried} deletion(s) left for the next pass")
     blobs = 0
-    for run_id in sorted({d.run_id for d in deleted}):
+    for run_id in sorted({d.run_id for d in deleted} - partial):
+        refusal = manifest_refusal(run_id, largest.get(run_id), cfg.gc_max_manifest_bytes)
+        if refusal is not None:
+            problems.append(refusal)
+            continue
+        if budget.expired():
+            budget.cut(f"blob GC of run {run_id} left for a later pass")
+            continue
         try:
             gc = await storage_call(deps, source.collect_garbage, run_id)
         except StorageError as e:
@@ -162,21 +273,28 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
             log.info("run %s: removed stale uncommitted folder(s) %s", run_id, gc.stale_folders)
     for warning in plan.warnings:
         log.warning("retention %s/%s: %s", namespace, name, warning)
+    cut = budget.summary(deleted=len(deleted), planned=planned) if budget.cut_short else ""
+    if cut:
+        log.info("retention %s/%s: %s", namespace, name, cut)
 
     def build(current: Mapping[str, Any]) -> Obj:
         previous = current.get("status")
-        status = retention_status(plan, deleted=deleted, previous=previous, jobs=len(jobs), now=now)
+        status = retention_status(
+            plan, deleted=deleted, previous=previous, jobs=len(jobs), now=now, carried=carried
+        )
         newest = newest_entry(status["lastValid"])
         if newest is not None:
             status["lastVerifiedCheckpoint"] = {**newest, "source": "storage"}
-        status["conditions"] = _reconciled(
-            current,
-            "StorageErrors" if problems else "RetentionApplied",
-            "; ".join(problems)
-            if problems
-            else f"{len(deleted)} checkpoint(s) deleted, {blobs} unreferenced blob(s) collected",
-            now,
-        )
+        if problems:
+            reason, message = "StorageErrors", "; ".join(problems + ([cut] if cut else []))
+        elif cut:
+            reason, message = "RetentionCutShort", cut
+        else:
+            reason = "RetentionApplied"
+            message = (
+                f"{len(deleted)} checkpoint(s) deleted, {blobs} unreferenced blob(s) collected"
+            )
+        status["conditions"] = _reconciled(current, reason, message, now)
         return status
 
     status = await write_policy_status(deps, namespace, name, build)
@@ -191,6 +309,8 @@ async def reconcile_retention(deps: Deps, policy: Mapping[str, Any]) -> Obj | No
             "RetentionApplied",
             f"deleted {len(deleted)} checkpoint(s): {ids}{more}",
         )
+    if cut:
+        deps.events.emit(policy, "Warning", "RetentionCutShort", cut[:1000])
     if problems:
         deps.metrics.retention_errors.inc()
         deps.events.emit(policy, "Warning", "RetentionErrors", "; ".join(problems)[:1000])

@@ -102,6 +102,20 @@ class RetentionConfig:
     """Loop granularity; each policy runs at its own ``retention.reconcileIntervalSeconds``."""
     gc_grace_s: float = GC_GRACE_S
     """Unreferenced blobs younger than this are left alone (a writer may be committing)."""
+    budget_s: float = 60.0
+    """Longest one policy's pass may work (listing, deleting, blob GC): past it the pass
+    stops at the next safe point (between two checkpoints' deletions), reports
+    ``RetentionCutShort`` and resumes at its next interval; a slow tenant delays the
+    others by at most this."""
+    workers: int = 4
+    """Policies' passes run at once (each also waits its turn among reconciliation's
+    ``--workers`` threads)."""
+    max_entries: int = 100_000
+    """Storage entries (keys under ``<run>/steps/``) one pass's listings may examine in
+    all; a run listed in part gets only its corrupted checkpoints deleted that pass."""
+    gc_max_manifest_bytes: int = 8 * 1024 * 1024
+    """Largest rank manifest the operator's blob GC parses (~26x its size in memory);
+    a run with a larger one gets no blob GC from the operator (``ckpt gc`` can)."""
 
 
 @dataclass(frozen=True)
@@ -281,6 +295,22 @@ def build_parser() -> argparse.ArgumentParser:
     a("--retention", type=_bool, help="apply retention to storage (default true)")
     a("--retention-tick", type=float, help="retention loop granularity, seconds")
     a("--gc-grace", type=float, help="blob GC grace period, seconds (default 3600)")
+    a(
+        "--retention-budget",
+        type=float,
+        help="longest retention pass of one policy, seconds (default 60)",
+    )
+    a("--retention-workers", type=int, help="policies' retention passes at once (default 4)")
+    a(
+        "--retention-max-entries",
+        type=int,
+        help="storage entries one pass may list (default 100000)",
+    )
+    a(
+        "--gc-max-manifest-bytes",
+        type=int,
+        help="largest rank manifest the blob GC parses (default 8 MiB)",
+    )
     a("--storage-timeout", type=float, help="longest wait per storage call, seconds (default 30)")
     a("--verify-timeout", type=float, help="longest restart planning, seconds (default 3600)")
     a("--workers", type=int, help="threads for reconciliation's blocking work (default 16)")
@@ -368,7 +398,21 @@ def parse_config(
         enabled=switch("retention", "retention", True),
         tick_s=float(pick("retention_tick", "retention-tick") or RetentionConfig.tick_s),
         gc_grace_s=float(pick("gc_grace", "gc-grace") or RetentionConfig.gc_grace_s),
+        budget_s=float(pick("retention_budget", "retention-budget") or RetentionConfig.budget_s),
+        workers=int(pick("retention_workers", "retention-workers") or RetentionConfig.workers),
+        max_entries=int(
+            pick("retention_max_entries", "retention-max-entries") or RetentionConfig.max_entries
+        ),
+        gc_max_manifest_bytes=int(
+            pick("gc_max_manifest_bytes", "gc-max-manifest-bytes")
+            or RetentionConfig.gc_max_manifest_bytes
+        ),
     )
+    if not (retention.budget_s > 0 and retention.workers >= 1 and retention.max_entries >= 1):
+        raise SystemExit(
+            "ckpt-operator: --retention-budget must be > 0, --retention-workers and "
+            "--retention-max-entries >= 1"
+        )
     storage_timeout = float(pick("storage_timeout", "storage-timeout") or d.storage_timeout_s)
     verify_timeout = float(pick("verify_timeout", "verify-timeout") or d.verify_timeout_s)
     if not (storage_timeout > 0 and verify_timeout > 0):
