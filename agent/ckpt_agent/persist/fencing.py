@@ -103,7 +103,7 @@ def _publish_exclusive(storage: Storage, key: str, data: bytes, fence: Fence) ->
         if storage.create_exclusive(key, data):
             return
         fence.check()  # a fenced writer never removes anything
-        log.warning("%s: removing what an older writer left there (this process holds)", key)
+        log.warning("%s: replacing what an earlier attempt or older writer left (we hold)", key)
         storage.delete(key)
     raise RetryableStorageError(
         f"{key}: another writer keeps publishing here although this process holds the run "
