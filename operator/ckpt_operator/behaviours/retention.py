@@ -150,6 +150,68 @@ def _delete_batch(
     return done, failed, None
 
 
+async def _delete_in_time(
+    deps: Deps,
+    source: CheckpointSource,
+    batch: Sequence[Deletion],
+    budget: PassBudget,
+    deleted: list[Deletion],
+    problems: list[str],
+) -> int:
+    """Delete ``batch`` in worker-thread calls while the budget lasts (each call also ends
+    well within the storage timeout); returns how many were tried (done or failed)."""
+    rest = batch
+    while rest and not budget.expired():
+        deadline = budget.deadline
+        stop_at = budget.clock() + deps.config.storage_timeout_s / 2
+        if deadline is not None:
+            stop_at = min(stop_at, deadline)
+        done, failed, error = await storage_call(
+            deps, _delete_batch, source, rest, stop_at, budget.clock
+        )
+        for d in done:
+            deleted.append(d)
+            deps.metrics.retention_deletions.inc()
+            deps.metrics.retention_bytes.inc(d.size_bytes)
+        for d, err in failed:
+            deps.metrics.retention_errors.inc()
+            problems.append(f"deleting {d.run_id}/{d.checkpoint_id} failed: {summarize_error(err)}")
+        if error is not None:
+            raise error
+        if not done and not failed:
+            break  # the clock is past stop_at already
+        rest = rest[len(done) + len(failed) :]
+    return len(batch) - len(rest)
+
+
+async def _collect(
+    deps: Deps,
+    source: CheckpointSource,
+    run_id: str,
+    largest: tuple[str, int] | None,
+    budget: PassBudget,
+    problems: list[str],
+) -> int:
+    """The run's blob GC, unless a rank manifest is over the limit or the budget is spent;
+    returns the blobs deleted."""
+    refusal = manifest_refusal(run_id, largest, deps.config.retention.gc_max_manifest_bytes)
+    if refusal is not None:
+        problems.append(refusal)
+        return 0
+    if budget.expired():
+        budget.cut(f"blob GC of run {run_id} left for a later pass")
+        return 0
+    try:
+        gc = await storage_call(deps, source.collect_garbage, run_id)
+    except StorageError as e:
+        problems.append(f"blob GC of {run_id} failed: {summarize_error(e)}")
+        return 0
+    deps.metrics.retention_bytes.inc(gc.freed_bytes)
+    if gc.stale_folders:
+        log.info("run %s: removed stale uncommitted folder(s) %s", run_id, gc.stale_folders)
+    return len(gc.deleted)
+
+
 def _names(ids: Sequence[str]) -> str:
     return ", ".join(ids[:5]) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
 
@@ -229,48 +291,22 @@ async def reconcile_retention(
             problems.append(f"run {run_id[:253]}: listing failed: {summarize_error(e)}")
     plan = plan_policy_retention(runs, spec.retention, now, partial=partial)
     deleted: list[Deletion] = []
-    tried = 0
-    for batch in deletion_batches(plan, DELETE_BATCH):
-        if budget.expired():
-            break
-        deadline = budget.deadline
-        stop_at = budget.clock() + deps.config.storage_timeout_s / 2
-        if deadline is not None:
-            stop_at = min(stop_at, deadline)
-        done, failed, error = await storage_call(
-            deps, _delete_batch, source, batch, stop_at, budget.clock
-        )
-        tried += len(done) + len(failed)
-        for d in done:
-            deleted.append(d)
-            deps.metrics.retention_deletions.inc()
-            deps.metrics.retention_bytes.inc(d.size_bytes)
-        for d, err in failed:
-            deps.metrics.retention_errors.inc()
-            problems.append(f"deleting {d.run_id}/{d.checkpoint_id} failed: {summarize_error(err)}")
-        if error is not None:
-            raise error
+    tried = blobs = 0
+    batches = deletion_batches(plan, DELETE_BATCH)
+    for k, batch in enumerate(batches):
+        n = await _delete_in_time(deps, source, batch, budget, deleted, problems)
+        tried += n
+        if n < len(batch):
+            break  # the budget is spent
+        run_id = batch[0].run_id
+        if k + 1 < len(batches) and batches[k + 1][0].run_id == run_id:
+            continue
+        # the run's last batch: its blobs, before a larger run takes what is left
+        if run_id not in partial and any(d.run_id == run_id for d in deleted):
+            blobs += await _collect(deps, source, run_id, largest.get(run_id), budget, problems)
     planned = len(plan.deletions)
     if tried < planned:
         budget.cut(f"{planned - tried} deletion(s) left for the next pass")
-    blobs = 0
-    for run_id in sorted({d.run_id for d in deleted} - partial):
-        refusal = manifest_refusal(run_id, largest.get(run_id), cfg.gc_max_manifest_bytes)
-        if refusal is not None:
-            problems.append(refusal)
-            continue
-        if budget.expired():
-            budget.cut(f"blob GC of run {run_id} left for a later pass")
-            continue
-        try:
-            gc = await storage_call(deps, source.collect_garbage, run_id)
-        except StorageError as e:
-            problems.append(f"blob GC of {run_id} failed: {summarize_error(e)}")
-            continue
-        blobs += len(gc.deleted)
-        deps.metrics.retention_bytes.inc(gc.freed_bytes)
-        if gc.stale_folders:
-            log.info("run %s: removed stale uncommitted folder(s) %s", run_id, gc.stale_folders)
     for warning in plan.warnings:
         log.warning("retention %s/%s: %s", namespace, name, warning)
     cut = budget.summary(deleted=len(deleted), planned=planned) if budget.cut_short else ""

@@ -124,3 +124,77 @@ def test_each_policy_runs_at_its_own_interval() -> None:
     loop.remove("ns", "slow")
     assert loop.policies == {("ns", "fast"), ("ns", "boom")}
     assert ran[:3] == ["fast", "slow", "boom"]
+
+
+def test_passes_run_concurrently_up_to_the_workers_earliest_due_first() -> None:
+    async def main() -> tuple[list[str], int]:
+        gate = asyncio.Event()
+        started: list[str] = []
+        peak = running = 0
+
+        async def reconcile(body: dict[str, Any]) -> None:
+            nonlocal peak, running
+            started.append(body["metadata"]["name"])
+            running += 1
+            peak = max(peak, running)
+            await gate.wait()
+            running -= 1
+
+        now = [0.0]
+        loop = RetentionLoop(reconcile, clock=lambda: now[0], workers=2)
+        for name in ("late", "early", "middle", "last"):
+            loop.upsert(policy(name, 60))
+        for name, due in (("late", 3.0), ("early", 1.0), ("middle", 2.0), ("last", 4.0)):
+            loop._policies[("ns", name)].due = due
+        now[0] = 10.0
+        tasks = loop.start_due()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert started == ["early", "middle"]  # two workers, the earliest due
+        assert loop.start_due() == []  # never a second pass of a policy in one
+        assert loop.running == {("ns", n) for n in ("late", "early", "middle", "last")}
+        gate.set()
+        await asyncio.gather(*tasks)
+        return started, peak
+
+    started, peak = asyncio.run(main())
+    assert started == ["early", "middle", "late", "last"] and peak == 2
+
+
+def test_a_pass_past_its_timeout_is_cancelled_and_the_others_go_on() -> None:
+    async def main() -> tuple[RetentionLoop, list[str]]:
+        done: list[str] = []
+
+        async def reconcile(body: dict[str, Any]) -> None:
+            if body["metadata"]["name"] == "stuck":
+                await asyncio.sleep(3600)
+            done.append(body["metadata"]["name"])
+
+        loop = RetentionLoop(reconcile, clock=lambda: 0.0, workers=1, pass_timeout_s=0.05)
+        loop.upsert(policy("stuck", 60))
+        loop.upsert(policy("fine", 60))
+        assert await loop.run_due() == 2
+        return loop, done
+
+    loop, done = asyncio.run(main())
+    assert done == ["fine"] and loop.timeouts == 1
+    assert loop.last_error is None  # the later pass succeeded
+    assert loop.running == frozenset()
+
+
+def test_stop_cancels_passes_in_flight() -> None:
+    async def main() -> RetentionLoop:
+        entered = asyncio.Event()
+
+        async def reconcile(body: dict[str, Any]) -> None:
+            entered.set()
+            await asyncio.sleep(3600)
+
+        loop = RetentionLoop(reconcile, clock=lambda: 0.0, tick_s=3600)
+        loop.upsert(policy("p", 60))
+        loop.start()
+        await entered.wait()
+        await loop.stop()
+        return loop
+
+    assert asyncio.run(main()).running == frozenset()
