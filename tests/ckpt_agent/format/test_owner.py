@@ -4,7 +4,7 @@ claims one (issue #28)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +16,16 @@ from ckpt_agent.format.owner import (
     admin_claim,
     check_owner,
     claim_owner,
+    has_checkpoints,
     owner_from_env,
     owner_key,
     read_owner,
 )
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_agent.storage import Storage
 from ckpt_agent.storage.fs import LocalStorage
+from tests.ckpt_agent.storage.conftest import make_s3, minio  # noqa: F401 - fixtures
 
 
 def test_owner_from_env() -> None:
@@ -151,3 +154,32 @@ def test_the_agent_refuses_to_resume_a_legacy_run_until_it_is_claimed(
     admin_claim(ck_store, "run1", RunOwner("team-a", claimed_by="admin"))
     start()
     assert read_owner(ck_store, "run1").namespace == "team-a"  # type: ignore[union-attr]
+
+
+@pytest.fixture(params=["fs", pytest.param("s3", marks=pytest.mark.s3)])
+def any_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
+    store: Storage
+    if request.param == "fs":
+        store = LocalStorage(tmp_path / "root")
+    else:
+        store = request.getfixturevalue("make_s3")()
+    yield store
+    store.close()
+
+
+def test_legacy_detection_and_admin_claim_on_every_backend(any_storage: Storage) -> None:
+    """The same rules over a listing of the backend (S3: one page of the run's steps/)."""
+    assert not has_checkpoints(any_storage, "r")
+    _legacy_on(any_storage, "r")
+    any_storage.commit("new/writers/00000001.json", b"{}")  # a writer's record: not legacy
+    assert has_checkpoints(any_storage, "r") and not has_checkpoints(any_storage, "new")
+    with pytest.raises(RunOwnershipError, match="no owner record"):
+        check_owner(any_storage, "r", RunOwner("a"), claim=True)
+    assert check_owner(any_storage, "new", RunOwner("a"), claim=True).namespace == "a"
+    before, now = admin_claim(any_storage, "r", RunOwner("a", claimed_by="admin"))
+    assert before is None and read_owner(any_storage, "r") == now
+    assert check_owner(any_storage, "r", RunOwner("a"), claim=False) == now
+
+
+def _legacy_on(storage: Storage, run_id: str) -> None:
+    storage.commit(f"{run_id}/steps/full_step_000000000010/COMMIT", b"{}")
