@@ -228,6 +228,7 @@ class FinalizePipeline:
     def validate(self, job: FinalizeJob) -> ValidationOutcome:
         """Load-check every rank's part; the verdict of the first failing rank wins."""
         outcome = self.validator.validate(job.checkpoint_id, job.expected)
+        outcome.expected_hash = job.manifest_hash  # recorded only while that COMMIT is there
         for r in range(1, job.world_size):  # every rank's part is loaded and checked
             other = self.validator.validate(job.checkpoint_id, None, rank=r)
             outcome.duration_s += other.duration_s
@@ -251,7 +252,8 @@ class FinalizePipeline:
     ) -> None:
         """Write the verdict (storage, catalog, metrics, event); self-heal bad blobs."""
         try:
-            self.validator.record(outcome)
+            if not self.validator.record(outcome):
+                return  # judged or removed while validated (expired, deleted): that stands
         except StorageError as e:
             log.warning("could not record the verdict on %s: %s", outcome.checkpoint_id, e)
         self.catalog.set_status(

@@ -16,7 +16,10 @@ otherwise. The checks, in order:
 
 The verdict is written next to the COMMIT (``VALIDATION.json``, bound to the
 COMMIT's hash) so that any reader — the operator, ``ckpt ls``, a restarted
-trainer — sees it. Corrupted checkpoints are never offered for resume.
+trainer — sees it, unless the checkpoint changed while it was validated: its
+COMMIT gone or replaced, or a final verdict (``expired``, ``corrupted``) stored
+meanwhile (:mod:`ckpt_agent.persist.verdicts`). Corrupted checkpoints are never offered for
+resume.
 
 This module is torch-free so that the child process starts fast.
 """
@@ -39,11 +42,12 @@ from typing import Any
 from ckpt_agent.background import lower_process_priority
 from ckpt_agent.errors import IntegrityError, StorageError, one_line
 from ckpt_agent.format.codec import Shuffler
-from ckpt_agent.format.layout import blob_key, sha256_hex, validation_key
+from ckpt_agent.format.layout import blob_key, sha256_hex
 from ckpt_agent.format.readers import check_tensor_bytes, read_commit, read_rank_manifest
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
 from ckpt_agent.format.statecheck import check_state
 from ckpt_agent.format.verdict import ValidationVerdict
+from ckpt_agent.persist.verdicts import write_verdict
 from ckpt_agent.policy.models import ValidationSpec
 from ckpt_agent.records import CheckpointStatus, Json
 from ckpt_agent.storage import open_storage
@@ -204,6 +208,9 @@ class ValidationOutcome:
     manifest_hash: str = ""
     bad_blobs: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    expected_hash: str = ""
+    """The COMMIT the caller asked to judge (its hash; empty: whatever was loaded). A
+    verdict is recorded only while that COMMIT is the checkpoint's (:meth:`Validator.record`)."""
 
     @property
     def valid(self) -> bool:
@@ -401,10 +408,11 @@ class Validator:
         outcome.duration_s = time.perf_counter() - t0
         return outcome
 
-    def record(self, outcome: ValidationOutcome) -> None:
-        """Write the verdict next to the COMMIT (only if the COMMIT is still the one judged)."""
-        if not outcome.manifest_hash:
-            return
+    def record(self, outcome: ValidationOutcome) -> bool:
+        """Write the verdict next to the COMMIT, unless the checkpoint changed while it was
+        validated (retired, deleted, re-saved: :func:`~ckpt_agent.persist.verdicts.write_verdict`;
+        the COMMIT judged is :attr:`ValidationOutcome.expected_hash`, else the one loaded);
+        returns whether the verdict in force is this one (False: the stored state stands)."""
         rec = ValidationVerdict(
             checkpoint_id=outcome.checkpoint_id,
             commit_sha256=outcome.manifest_hash,
@@ -414,7 +422,8 @@ class Validator:
             checks=tuple(outcome.checks),
             duration_s=outcome.duration_s,
         )
-        self.storage.commit(validation_key(self.run_id, outcome.checkpoint_id), rec.to_bytes())
+        judged = outcome.expected_hash or outcome.manifest_hash
+        return write_verdict(self.storage, self.run_id, rec, judged)
 
 
 # --------------------------------------------------------------------------- child process

@@ -35,6 +35,7 @@ from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.readers import read_capped
 from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.persist.housekeeping import append_audit, who
+from ckpt_agent.persist.verdicts import write_verdict
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.runtime.core.context import Engine
 
@@ -99,22 +100,22 @@ def record_verdict(
     seconds: float,
     manifest_hash: str | None = None,
 ) -> None:
-    """Record a verdict found while resuming (in storage and in the catalog)."""
+    """Record a verdict found while resuming (in storage and in the catalog), unless the
+    checkpoint was judged final or removed meanwhile (:func:`write_verdict`: that stands)."""
     mh = manifest_hash or rec.manifest_hash
     if mh and e.ranks.coordinator:
+        verdict = ValidationVerdict(
+            checkpoint_id=rec.id,
+            commit_sha256=mh,
+            status=status,
+            reason=reason,
+            validated_at=time.time(),
+            checks=("hashes", "load (resume)", "shapes"),
+            duration_s=seconds,
+        )
         try:
-            e.storage.commit(
-                validation_key(e.run_id, rec.id),
-                ValidationVerdict(
-                    checkpoint_id=rec.id,
-                    commit_sha256=mh,
-                    status=status,
-                    reason=reason,
-                    validated_at=time.time(),
-                    checks=("hashes", "load (resume)", "shapes"),
-                    duration_s=seconds,
-                ).to_bytes(),
-            )
+            if not write_verdict(e.storage, e.run_id, verdict, mh):
+                return
         except StorageError as err:
             log.warning("could not record the verdict on %s: %s", rec.id, err)
     e.catalog.set_status(e.run_id, rec.id, status, reason, validate_s=seconds)
