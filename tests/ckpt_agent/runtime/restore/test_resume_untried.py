@@ -197,6 +197,27 @@ def test_step_10_is_tried_before_going_back_even_when_this_machine_cannot_load_i
     job.stop()
 
 
+def test_a_pending_checkpoint_the_start_did_not_verify_is_left_as_it_is(
+    odd_run: AgentConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 10's validation never finished (no verdict: pending) and it is older than the
+    newest valid checkpoint, so the start does not verify it: resuming step 5 must not
+    retire it either (it was not tried), and says so."""
+    store = _store(odd_run)
+    store.delete(validation_key(RUN, _id(10)))
+    job = Job(seed=1)
+    with caplog.at_level("WARNING"):
+        point = job.start(odd_run)
+    assert point.checkpoint_id == _id(5), point
+    assert _statuses(store) == {
+        5: CheckpointStatus.VALID,
+        10: CheckpointStatus.PENDING,
+        12: CheckpointStatus.EXPIRED,
+    }
+    assert any(_id(10) in m and "not tried" in m for m in caplog.messages), caplog.messages
+    job.stop()
+
+
 def test_start_verifies_at_most_the_bound_of_candidates_and_says_so(
     odd_run: AgentConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
