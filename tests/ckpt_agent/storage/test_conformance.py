@@ -239,6 +239,7 @@ def test_delete_many_deletes_in_batches_and_ignores_missing(storage: Storage) ->
 def test_create_exclusive_creates_once_and_never_replaces(storage: Storage) -> None:
     assert storage.atomic_create
     assert storage.create_exclusive("x/claim", b"first")
+    assert getattr(storage, "conditional_put", True) is True  # MinIO honours If-None-Match
     assert storage.create_exclusive("x/claim", b"first")  # our own retried request
     assert not storage.create_exclusive("x/claim", b"second")
     assert storage.read("x/claim") == b"first"
