@@ -196,21 +196,31 @@ def test_workers_a_garbage_tenant_does_not_delay_another_at_all(
 def test_a_cut_pass_resumes_and_the_garbage_shrinks_pass_after_pass(
     world: Any, fixture: Any, tmp_path: Path, tenant_b: Path
 ) -> None:
-    """What a pass cut short left is done by the next ones: each deletes some garbage
-    (the listing has half the budget, deleting the other half). A smaller tenant and
-    budget than above: the same mechanism, a shorter test."""
+    """What a pass cut short left is done by the next ones. Cut here by the entry bound
+    (deterministic: 300 entries a pass) on a smaller tenant: each pass deletes the
+    garbage it saw, until none is left and the pass is whole again."""
     root = tmp_path / "small-a"
-    _garbage(root, RUN_A, range(3000))
+    _garbage(root, RUN_A, range(1000))
     claim_owner(LocalStorage(root), RUN_A, RunOwner(TEAM_A, "a", "uid-a", "agent", 1.0))
-    deps = _setup(world, fixture, {TEAM_A: root, TEAM_B: tenant_b}, workers=2, budget_s=0.3)
+    deps = _setup(world, fixture, {TEAM_A: root, TEAM_B: tenant_b}, workers=2, budget_s=600)
+    deps = replace(
+        deps, config=replace(deps.config, retention=replace(deps.config.retention, max_entries=300))
+    )
     policy = world.api.policies[(TEAM_A, POLICY)]
     steps = root / RUN_A / "steps"
-    counts = [len(os.listdir(steps))]
-    for _ in range(2):
+
+    def left() -> int:
+        return len(os.listdir(steps)) if steps.exists() else 0  # pruned once empty
+
+    counts, reasons = [left()], []
+    while counts[-1] and len(counts) < 10:
         asyncio.run(reconcile_retention(deps, policy))
-        counts.append(len(os.listdir(steps)))
-    assert counts[0] > counts[1] > counts[2], counts
-    assert world.counter("ckpt_operator_retention_deletions_total") == counts[0] - counts[2]
+        counts.append(left())
+        reasons.append(_condition(world, TEAM_A)["reason"])
+    # 299 whole folders a pass (the bound cuts through the 300th), the last pass whole
+    assert counts == [1000, 701, 402, 103, 0], counts
+    assert reasons == ["RetentionCutShort"] * 3 + ["RetentionApplied"]
+    assert world.counter("ckpt_operator_retention_deletions_total") == 1000
 
 
 # --------------------------------------------------------------------------- config
