@@ -92,9 +92,11 @@ def _install_kill(kill: dict[str, Any]) -> None:
         return commits["n"] >= after and not (marker and os.path.exists(marker))
 
     original_commit = fs.LocalStorage.commit
+    original_exclusive = fs.LocalStorage.create_exclusive
     original_write = fs_writer.FileWriter._write
 
-    def commit(self: fs.LocalStorage, key: str, data: bytes) -> None:
+    def before(key: str) -> bool:
+        """Fire at the point; True when ``key`` is a routine COMMIT (counted once published)."""
         name = key.rsplit("/", 1)[-1]
         routine = "/steps/" in key and "heartbeat" not in key
         if armed() and routine:
@@ -104,9 +106,21 @@ def _install_kill(kill: dict[str, Any]) -> None:
                 _fire(marker)
             if point == "verdict" and name == VALIDATION:
                 _fire(marker)
+        return routine and name == COMMIT
+
+    def commit(self: fs.LocalStorage, key: str, data: bytes) -> None:
+        counted = before(key)
         original_commit(self, key, data)
-        if routine and name == COMMIT:
+        if counted:
             commits["n"] += 1
+
+    def create_exclusive(self: fs.LocalStorage, key: str, data: bytes) -> bool:
+        # the fenced writer publishes its COMMIT and rank manifest this way (issue #28)
+        counted = before(key)
+        won = original_exclusive(self, key, data)
+        if counted and won:
+            commits["n"] += 1
+        return won
 
     def write(self: fs_writer.FileWriter, data: memoryview) -> None:
         if point == "blob" and "/blobs/" in self.key and armed() and len(data) > 1:
@@ -115,6 +129,7 @@ def _install_kill(kill: dict[str, Any]) -> None:
         original_write(self, data)
 
     fs.LocalStorage.commit = commit  # type: ignore[method-assign]
+    fs.LocalStorage.create_exclusive = create_exclusive  # type: ignore[method-assign]
     fs_writer.FileWriter._write = write  # type: ignore[method-assign]
 
 
@@ -126,6 +141,7 @@ def _install_delay(delay: dict[str, Any]) -> None:
     marker = delay.get("marker")
     commits = {"n": 0}
     original_commit = fs.LocalStorage.commit
+    original_exclusive = fs.LocalStorage.create_exclusive
     original_write = fs_writer.FileWriter._write
 
     def commit(self: fs.LocalStorage, key: str, data: bytes) -> None:
@@ -133,12 +149,19 @@ def _install_delay(delay: dict[str, Any]) -> None:
         if "/steps/" in key and key.endswith("/COMMIT"):
             commits["n"] += 1
 
+    def create_exclusive(self: fs.LocalStorage, key: str, data: bytes) -> bool:
+        won = original_exclusive(self, key, data)
+        if won and "/steps/" in key and key.endswith("/COMMIT"):
+            commits["n"] += 1
+        return won
+
     def write(self: fs_writer.FileWriter, data: memoryview) -> None:
         if "/blobs/" in self.key and commits["n"] >= after and _claim(marker):
             time.sleep(seconds)
         original_write(self, data)
 
     fs.LocalStorage.commit = commit  # type: ignore[method-assign]
+    fs.LocalStorage.create_exclusive = create_exclusive  # type: ignore[method-assign]
     fs_writer.FileWriter._write = write  # type: ignore[method-assign]
 
 

@@ -86,11 +86,18 @@ class KillingStorage(LocalStorage):
     kill_after: int = 0
 
     def commit(self, key: str, data: bytes) -> None:
+        self._maybe_die(key)
+        super().commit(key, data)
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:  # a fenced writer's publish
+        self._maybe_die(key)
+        return super().create_exclusive(key, data)
+
+    def _maybe_die(self, key: str) -> None:
         if self.kill_suffix and key.endswith(self.kill_suffix) and "/steps/" in key:
             self.kill_after -= 1
             if self.kill_after < 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-        super().commit(key, data)
 
 
 def store(out: Path, kill_suffix: str | None = None, kill_after: int = 0) -> LocalStorage:

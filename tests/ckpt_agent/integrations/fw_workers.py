@@ -28,13 +28,23 @@ class MarkedStorage(LocalStorage):
         self.delay = float(os.environ.get("COMMIT_DELAY_S", "0"))
 
     def commit(self, key: str, data: bytes) -> None:
+        self._publish(key, lambda: super(MarkedStorage, self).commit(key, data))
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:  # a fenced writer's COMMIT
+        won: list[bool] = []
+        self._publish(
+            key, lambda: won.append(super(MarkedStorage, self).create_exclusive(key, data))
+        )
+        return won[0]
+
+    def _publish(self, key: str, publish: Any) -> None:
         if not key.endswith("/COMMIT"):
-            super().commit(key, data)
+            publish()
             return
         (self.out / "committing").write_text(key)
         if self.delay:
             time.sleep(self.delay)
-        super().commit(key, data)
+        publish()
         with (self.out / "commits").open("a") as f:
             f.write(key + "\n")
 
