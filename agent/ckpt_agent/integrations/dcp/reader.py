@@ -36,7 +36,6 @@ from ckpt_agent.errors import (
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.layout import (
     parse_checkpoint_id,
-    validation_key,
 )
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import RankManifest
@@ -56,6 +55,7 @@ from ckpt_agent.integrations.dcp.common import (
 from ckpt_agent.integrations.dcp.writer import DcpWriter
 from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.persist.validate import load_check
+from ckpt_agent.persist.verdicts import write_verdict
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, Json, Lineage
 from ckpt_agent.runtime.core.serialization import (
@@ -328,7 +328,8 @@ class DcpReader(StorageReader):
                 validated_at=time.time(),
                 checks=("hashes (DCP load)",),
             )
-            self.storage.commit(validation_key(self.run_id, ckpt_id), rec.to_bytes())
+            # read-before-write: a checkpoint retired or re-saved meanwhile keeps its verdict
+            write_verdict(self.storage, self.run_id, rec, committed.manifest_hash)
         except Exception as e:  # the verdict is a courtesy; the load fails either way
             log.warning("could not record the verdict on %s: %s", ckpt_id, one_line(e))
 
