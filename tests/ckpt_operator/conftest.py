@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -313,6 +313,10 @@ class FakeSource:
             raise StorageError(f"permission denied deleting {checkpoint_id}")
         self.deleted.append((run_id, checkpoint_id))
         self.runs[run_id] = [r for r in self.runs.get(run_id, []) if r.id != checkpoint_id]
+
+    def delete_checkpoints(self, run_id: str, checkpoint_ids: Sequence[str]) -> None:
+        for ckpt in checkpoint_ids:  # the first failure stops the rest, as batched
+            self.delete_checkpoint(run_id, ckpt)
 
     def collect_garbage(self, run_id: str) -> GcResult:
         self.gc_runs.append(run_id)

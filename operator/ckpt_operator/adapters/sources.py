@@ -28,7 +28,7 @@ import os
 import posixpath
 import stat as stat_mod
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from ckpt_agent.errors import CheckpointFormatError
@@ -41,6 +41,7 @@ from ckpt_agent.persist.housekeeping import (
     GcResult,
     ManifestCache,
     delete_checkpoint,
+    delete_checkpoints,
     gc_blobs,
 )
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
@@ -133,6 +134,11 @@ class CheckpointSource(Protocol):
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         """Expire (remove the COMMIT) and delete the checkpoint's folder."""
+        ...
+
+    def delete_checkpoints(self, run_id: str, checkpoint_ids: Sequence[str]) -> None:
+        """:meth:`delete_checkpoint` of several: their COMMITs in one batched delete (S3
+        ``DeleteObjects``), then their folders."""
         ...
 
     def collect_garbage(self, run_id: str) -> GcResult:
@@ -255,6 +261,9 @@ class StorageCheckpointSource:
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         delete_checkpoint(self.storage, run_id, checkpoint_id)
 
+    def delete_checkpoints(self, run_id: str, checkpoint_ids: Sequence[str]) -> None:
+        delete_checkpoints(self.storage, run_id, checkpoint_ids)
+
     def collect_garbage(self, run_id: str) -> GcResult:
         gc = gc_blobs(
             self.storage,
@@ -337,6 +346,10 @@ class ReportedCheckpointSource:
             f"cannot delete {run_id}/{checkpoint_id}: the storage is not reachable from the "
             "operator (retention of PVC storage runs in the pods)"
         )
+
+    def delete_checkpoints(self, run_id: str, checkpoint_ids: Sequence[str]) -> None:
+        for checkpoint_id in checkpoint_ids:
+            self.delete_checkpoint(run_id, checkpoint_id)
 
     def collect_garbage(self, run_id: str) -> GcResult:
         del run_id

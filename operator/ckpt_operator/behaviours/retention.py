@@ -5,14 +5,16 @@ A pass is bounded (issue #28) by a :class:`~ckpt_operator.planners.retention_pla
 half the time, split among the runs, and stop at their share
 (:func:`ckpt_agent.format.listing.scan_checkpoints`); deletions go in batches
 (:func:`~ckpt_operator.planners.retention_plan.deletion_batches`), each batch one call in a
-worker thread that checks the clock before every checkpoint. A pass stops only at a
-**safe point**: between two runs' listings, or between two whole checkpoint deletions —
-never inside one (``COMMIT`` first, then its folder:
-:func:`ckpt_agent.persist.housekeeping.delete_checkpoint`), so a cut leaves every
+worker thread that checks the clock before every chunk of :data:`DELETE_CHUNK` checkpoints.
+A pass stops only at a **safe point**: between two runs' listings, or between two
+chunks of whole checkpoint deletions — never inside one (a chunk's COMMITs first, in one
+batched delete, then their folders:
+:func:`ckpt_agent.persist.housekeeping.delete_checkpoints`), so a cut leaves every
 checkpoint either committed and whole or gone from readers' sight (an uncommitted folder
-left by a failure is the blob GC's after its grace, as after a crash); deletions run newest
-first within a run, so nothing kept loses a dependency. What was not done is done by the
-next pass (at the policy's next interval): the condition says ``RetentionCutShort`` and a
+left by a failure is the blob GC's after its grace, as after a crash); deletions run
+newest first within a run, so nothing kept loses a dependency. What was not done is done
+by the next pass (at the policy's next interval): the condition says
+``RetentionCutShort`` and a
 Warning Event says what was left.
 """
 
@@ -54,13 +56,16 @@ from ckpt_operator.planners.status import set_condition
 from ckpt_operator.planners.tenancy import summarize_error
 from ckpt_operator.planners.validation import parse_policy_spec
 
-__all__ = ["DELETE_BATCH", "reconcile_retention"]
+__all__ = ["DELETE_BATCH", "DELETE_CHUNK", "reconcile_retention"]
 
 log = logging.getLogger(__name__)
 
 DELETE_BATCH = 100
-"""Checkpoints deleted per worker-thread call (each checkpoint: its COMMIT, then its
-folder, through the storage's batched delete)."""
+"""Checkpoints deleted per worker-thread call (one run's)."""
+DELETE_CHUNK = 10
+"""Checkpoints per :meth:`~ckpt_operator.adapters.sources.CheckpointSource.delete_checkpoints`
+call: their COMMITs in one batched delete (S3 ``DeleteObjects``), then their folders; the
+pass's clock is read between chunks, so a pass overruns its budget by one chunk at most."""
 
 
 def _reconciled(current: Mapping[str, Any], reason: str, message: str, now: float) -> list[Obj]:
@@ -131,22 +136,34 @@ def _delete_batch(
     stop_at: float,
     clock: Callable[[], float],
 ) -> tuple[list[Deletion], list[tuple[Deletion, StorageError]], Exception | None]:
-    """Delete ``batch`` one whole checkpoint after the other until ``stop_at`` (runs in a
-    worker thread; the clock is read between checkpoints only: the safe points). Returns
-    (done, failed, an unexpected error that stopped the batch)."""
+    """Delete ``batch`` (one run's) :data:`DELETE_CHUNK` whole checkpoints at a time —
+    their COMMITs in one batched delete, then their folders — until ``stop_at`` (runs in a
+    worker thread; the clock is read between chunks only: the safe points). A chunk that
+    fails is retried one checkpoint at a time, so each failure is named and the others
+    still go. Returns (done, failed, an unexpected error that stopped the batch)."""
     done: list[Deletion] = []
     failed: list[tuple[Deletion, StorageError]] = []
-    for d in batch:
+    for i in range(0, len(batch), DELETE_CHUNK):
         if clock() >= stop_at:
             break
+        chunk = batch[i : i + DELETE_CHUNK]
         try:
-            source.delete_checkpoint(d.run_id, d.checkpoint_id)
-        except StorageError as e:
-            failed.append((d, e))
+            source.delete_checkpoints(chunk[0].run_id, [d.checkpoint_id for d in chunk])
+            done += chunk
             continue
+        except StorageError:
+            pass  # which ones went is not known: one at a time (a delete is idempotent)
         except Exception as e:
             return done, failed, e
-        done.append(d)
+        for d in chunk:
+            try:
+                source.delete_checkpoint(d.run_id, d.checkpoint_id)
+            except StorageError as e:
+                failed.append((d, e))
+                continue
+            except Exception as e:
+                return done, failed, e
+            done.append(d)
     return done, failed, None
 
 

@@ -17,7 +17,7 @@ from ckpt_agent.records import CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.fs import LocalStorage
 from ckpt_operator.adapters.sources import StorageCheckpointSource
 from ckpt_operator.behaviours.deps import Deps
-from ckpt_operator.behaviours.retention import DELETE_BATCH, reconcile_retention
+from ckpt_operator.behaviours.retention import DELETE_BATCH, DELETE_CHUNK, reconcile_retention
 from ckpt_operator.model import constants as c
 from ckpt_operator.planners.retention_plan import PassBudget
 
@@ -77,15 +77,20 @@ def test_a_pass_stops_between_deletions_at_its_budget_small_runs_first(
     policy = fixture("checkpointpolicy.json")
     status = asyncio.run(reconcile_retention(world.deps, policy, budget=budget))
     deleted = world.source.deleted
-    # the small run first (whole), then the garbage run until the clock reached 50
+    # the small run first (whole), then the garbage run a chunk at a time until the clock
+    # reached 50: the chunk begun before then is finished (whole checkpoints), no other
     small = [("b-small", checkpoint_id(Tier.PULSE, s)) for s in (2, 1)]  # newest first
     assert deleted[:2] == small
-    assert len(deleted) == 50 and {r for r, _ in deleted[2:]} == {"a-garbage"}
-    assert status["deletedByRetention"] == 50
+    n = 2 + DELETE_CHUNK * -(-48 // DELETE_CHUNK)
+    assert len(deleted) == n and {r for r, _ in deleted[2:]} == {"a-garbage"}
+    assert deleted[2:] == [
+        ("a-garbage", checkpoint_id(Tier.PULSE, s)) for s in range(249, 251 - n, -1)
+    ]
+    assert status is not None and status["deletedByRetention"] == n
     cond = _condition(world)
     assert cond["status"] == "False" and cond["reason"] == "RetentionCutShort"
-    assert "50 of 252 planned deletion(s) done" in cond["message"]
-    assert "202 deletion(s) left for the next pass" in cond["message"]
+    assert f"{n} of 252 planned deletion(s) done" in cond["message"]
+    assert f"{252 - n} deletion(s) left for the next pass" in cond["message"]
     assert world.events.reasons() == ["RetentionApplied", "RetentionCutShort"]
     assert world.source.gc_runs == ["b-small"]  # right after its deletions; a-garbage: no time
     # the next pass (a fresh budget) goes on where this one stopped
@@ -105,7 +110,8 @@ def test_runs_not_reached_keep_their_last_valid(world: Any, fixture: Any, rec: A
     assert set(before) == {"r1", "r2"}
     spent = PassBudget(0.0, None)  # nothing left from the start
     status = asyncio.run(reconcile_retention(world.deps, policy, budget=spent))
-    assert status["lastValid"] == before and world.source.listed.count(("r1", False)) == 1
+    assert status is not None and status["lastValid"] == before
+    assert world.source.listed.count(("r1", False)) == 1
     cond = _condition(world)
     assert (
         cond["reason"] == "RetentionCutShort"
@@ -178,3 +184,41 @@ def test_batches_are_whole_checkpoints_of_one_run(world: Any, fixture: Any, rec:
     world.api.add_job(_job(fixture, "job-r", "r"))
     asyncio.run(reconcile_retention(world.deps, fixture("checkpointpolicy.json")))
     assert len(world.source.deleted) == n
+
+
+def test_real_storage_gets_a_chunks_commits_in_one_batched_delete(
+    world: Any, fixture: Any, tmp_path: Path
+) -> None:
+    """25 garbage checkpoints: 3 batched COMMIT deletes (S3: 3 DeleteObjects), not 25."""
+    root = tmp_path / "store"
+    for step in range(25):
+        folder = root / "g-run" / "steps" / checkpoint_id(Tier.PULSE, step)
+        folder.mkdir(parents=True)
+        (folder / "COMMIT").write_bytes(b"garbage")
+    calls: list[int] = []
+
+    class Counting(LocalStorage):
+        def delete_many(self, keys: Any) -> int:
+            keys = list(keys)
+            calls.append(len(keys))
+            return super().delete_many(keys)
+
+    storage = Counting(root)
+    claim_owner(storage, "g-run", RunOwner(NS, "job-g", "uid", "agent", 1.0))
+    source = StorageCheckpointSource(storage, gc_grace_s=0)
+
+    async def factory(namespace: str, policy: str, spec: Any) -> Any:
+        return source
+
+    deps = Deps(
+        api=world.api,
+        events=world.events,
+        metrics=world.metrics,
+        sources=factory,
+        config=world.deps.config,
+        clock=world.clock,
+    )
+    world.api.add_job(_job(fixture, "job-g", "g-run"))
+    asyncio.run(reconcile_retention(deps, fixture("checkpointpolicy.json")))
+    assert calls[:3] == [DELETE_CHUNK, DELETE_CHUNK, 25 - 2 * DELETE_CHUNK]
+    assert not (root / "g-run" / "steps").exists()
