@@ -25,8 +25,6 @@ through :func:`~ckpt_agent.cli.common.safe`.
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -39,7 +37,6 @@ from ckpt_agent.cli.claim import EPILOG as CLAIM_EPILOG
 from ckpt_agent.cli.claim import claim
 from ckpt_agent.cli.common import (
     EXIT_CODES_HELP,
-    STATUS_STYLE,
     ConfigOpt,
     ExitCode,
     RunOpt,
@@ -47,7 +44,6 @@ from ckpt_agent.cli.common import (
     console,
     err,
     fail,
-    flags_of,
     guarded,
     human_size,
     load_policy,
@@ -57,8 +53,8 @@ from ckpt_agent.cli.common import (
     records_of,
     safe,
     say,
-    when,
 )
+from ckpt_agent.cli.ls import ls
 from ckpt_agent.cli.recover import recover
 from ckpt_agent.cli.report import report
 from ckpt_agent.cli.sidecar import sidecar
@@ -71,7 +67,7 @@ from ckpt_agent.persist.housekeeping import (
 )
 from ckpt_agent.persist.validate import load_check
 from ckpt_agent.policy.models import Tier
-from ckpt_agent.records import CheckpointRecord, CheckpointStatus
+from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = ["app", "main", "recover_app", "recover_main"]
@@ -116,90 +112,7 @@ app = typer.Typer(
 )
 
 
-# --------------------------------------------------------------------------- ls
-
-
-def _finite(x: float) -> float | None:
-    """A stored number for JSON: ``nan``/``inf`` (not JSON) become null."""
-    return x if isinstance(x, int) or math.isfinite(x) else None
-
-
-def _reason(r: CheckpointRecord) -> str:
-    return str(r.extra.get("status_reason") or r.extra.get("error") or "")
-
-
-@app.command("ls", epilog=EXIT_CODES_HELP)
-@guarded
-def ls(
-    storage: StorageOpt = "",
-    run_id: RunOpt = "",
-    config: ConfigOpt = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print JSON (stored strings verbatim) for scripts.")
-    ] = False,
-) -> None:
-    """List a run's committed checkpoints: tier, status, retention class, size, flags.
-
-    Only checkpoints whose COMMIT is published are listed; the newest L0
-    heartbeat is shown too. Status comes from the validator's verdict
-    (pending = not validated yet, never offered for resume); a corrupted
-    checkpoint's reason is printed under the table.
-    """
-    cfg = load_policy(config)
-    store = open_store(storage, cfg)
-    records = records_of(store, run_id)
-    if as_json:
-        rows = [
-            {
-                "id": r.id,
-                "step": r.step,
-                "tier": r.tier.value,
-                "status": r.status.value,
-                "class": effective_class(r, cfg.retention).value,
-                "score": _finite(r.score),
-                "size_bytes": r.size_bytes,
-                "created_at": _finite(r.created_at),
-                "flags": flags_of(r),
-                "manifest_hash": r.manifest_hash,
-                "reason": _reason(r),
-            }
-            for r in records
-        ]
-        typer.echo(json.dumps(rows, indent=2, allow_nan=False))
-        return
-    table = Table(title=safe(f"{run_id} @ {store.url}"))
-    for col in (
-        "checkpoint",
-        "step",
-        "tier",
-        "status",
-        "class",
-        "score",
-        "size",
-        "committed",
-        "flags",
-    ):
-        table.add_column(
-            col,
-            justify="right" if col in ("step", "score", "size") else "left",
-            no_wrap=col in ("checkpoint", "status"),
-        )
-    for r in records:
-        table.add_row(
-            safe(r.id),
-            str(r.step),
-            r.tier.value,
-            f"[{STATUS_STYLE[r.status]}]{r.status.value}[/]",
-            effective_class(r, cfg.retention).value,
-            f"{r.score:.2f}",
-            human_size(r.size_bytes) if r.tier != Tier.HEARTBEAT else "-",
-            when(r.created_at),
-            safe(flags_of(r)),
-        )
-    console.print(table)
-    for r in records:
-        if r.status == CheckpointStatus.CORRUPTED:
-            say(f"[red]{safe(r.id)}[/]: {safe(_reason(r))}")
+app.command("ls", epilog=EXIT_CODES_HELP)(ls)  # cli/ls.py
 
 
 # --------------------------------------------------------------------------- verify
