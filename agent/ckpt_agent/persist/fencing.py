@@ -3,13 +3,13 @@
 A :class:`~ckpt_agent.format.fence.Fence` (the writer's claimed generation) is checked
 before a save's first write (:func:`prepare_save`), right before the ``COMMIT``
 (:func:`publish_commit`) and before every batch of deletes (retention and blob GC take
-:meth:`Fence.check` as their guard). ``COMMIT`` files and the coordinator's rank
+:meth:`Fence.check` as their guard). ``COMMIT`` files and rank
 manifests are created with :meth:`~ckpt_agent.storage.base.Storage.create_exclusive`:
 a fenced writer's late write can never replace the holder's committed files. The
 holder removes what an older generation (or its own earlier attempt) left at a
 checkpoint id it saves (uncommitted debris, or a checkpoint of a fenced writer); a
-fenced writer deletes nothing. Without a fence (a rank that is not the coordinator,
-tools) the old behaviour holds: replace in place.
+fenced writer deletes nothing. Without a fence (tools, a writer built outside a
+checkpointer or sidecar) the old behaviour holds: replace in place.
 """
 
 from __future__ import annotations

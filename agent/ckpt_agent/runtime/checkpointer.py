@@ -80,7 +80,7 @@ from ckpt_agent.runtime.dist.rank_group import RankGroup
 from ckpt_agent.runtime.restore.agreed import agreed_resume_point
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint
-from ckpt_agent.runtime.save.fencing import claim_writer
+from ckpt_agent.runtime.save.fencing import claim_writer, follow_writer
 from ckpt_agent.runtime.save.heartbeat import Heartbeats
 from ckpt_agent.runtime.save.persister import Persister
 from ckpt_agent.runtime.save.saving import SavePath
@@ -266,8 +266,7 @@ class Checkpointer:
             e.metrics.serve(e.config.metrics_port, e.config.metrics_addr)
         try:
             e.check_owner()
-            if self._flash is None:  # the flash sidecar claims for itself
-                claim_writer(e.parts, e.run_id, coordinator=e.ranks.coordinator)
+            claim_writer(e, persists_here=self._flash is None)  # rank 0; the sidecar claims
             if self._group is not None:
                 self._group.setup()
             shm = None
@@ -279,6 +278,7 @@ class Checkpointer:
                 resume = agreed_resume_point(self._restorer, self._group)
             else:
                 resume = self._restorer.resume_point()
+            follow_writer(e, persists_here=self._flash is None)  # other ranks: rank 0's claim
         except BaseException as err:
             e.event("resume_failed", error=f"{type(err).__name__}: {err}")
             e.metrics.recovered("failed")

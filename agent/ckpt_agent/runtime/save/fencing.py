@@ -1,18 +1,22 @@
-"""The checkpointer's writer generation: claimed at start, handed to the writer and the
-finalize pipeline (:mod:`ckpt_agent.persist.fencing`, :mod:`ckpt_agent.format.fence`).
+"""The checkpointer's writer generation: claimed at start, handed to the writer, the
+finalize pipeline and the heartbeat ring (:mod:`ckpt_agent.persist.fencing`,
+:mod:`ckpt_agent.format.fence`).
 
-The process that writes and deletes in the run claims: rank 0 with the in-process
-persister. With flash checkpoints the sidecar persists and claims for itself
-(:mod:`ckpt_agent.flash.sidecar`); ranks that are not the coordinator write only their
-own rank manifests and never delete, and rank 0's COMMIT (checked, exclusive) decides.
+Rank 0 with the in-process persister claims, before the resume. With several ranks the
+others *follow*: once the resume's collective returned (rank 0 claimed before it
+entered), each reads the run's highest generation and checks it like rank 0 does, so a
+zombie job's every rank stops at its next save. With flash checkpoints the sidecar
+persists and claims for itself (:mod:`ckpt_agent.flash.sidecar.commit`): the trainer
+holds nothing.
 """
 
 from __future__ import annotations
 
-from ckpt_agent.format.fence import Fence, claim
+from ckpt_agent.format.fence import Fence, WriterRecord, claim, holder_of
 from ckpt_agent.persist.builder import PersistParts
+from ckpt_agent.runtime.core.context import Engine
 
-__all__ = ["claim_writer", "hold"]
+__all__ = ["claim_writer", "follow_writer", "hold"]
 
 
 def hold(parts: PersistParts, fence: Fence) -> None:
@@ -21,10 +25,24 @@ def hold(parts: PersistParts, fence: Fence) -> None:
     parts.finalizer.fence = fence
 
 
-def claim_writer(parts: PersistParts, run_id: str, *, coordinator: bool) -> Fence | None:
-    """Claim the next generation of ``run_id`` for this process (the coordinator only)."""
-    if not coordinator:
+def claim_writer(engine: Engine, *, persists_here: bool) -> Fence | None:
+    """Rank 0, before the resume: claim the run's next generation for this process."""
+    if not (persists_here and engine.ranks.coordinator):
         return None
-    fence = claim(parts.storage, run_id)
-    hold(parts, fence)
+    fence = claim(engine.storage, engine.run_id)
+    hold(engine.parts, fence)
+    engine.event("writer_claimed", generation=fence.generation)
+    return fence
+
+
+def follow_writer(engine: Engine, *, persists_here: bool) -> Fence | None:
+    """The other ranks, after the resume's collective: check rank 0's generation (the
+    run's highest; None when no writer ever claimed the run)."""
+    if not persists_here or engine.ranks.coordinator or not engine.ranks.distributed:
+        return None
+    holder = holder_of(engine.storage, engine.run_id)
+    if holder is None:
+        return None
+    fence = Fence(engine.storage, engine.run_id, WriterRecord.here(holder.generation))
+    hold(engine.parts, fence)
     return fence
