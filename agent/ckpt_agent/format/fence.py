@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ckpt_agent.errors import CheckpointFormatError, FencedError, NotFoundError, StorageError
 from ckpt_agent.format.layout import loads, run_prefix
-from ckpt_agent.policy.agent_config import ENV_JOB_NAME, ENV_NAMESPACE
+from ckpt_agent.policy.agent_config import ENV_JOB_NAME, ENV_NAMESPACE, ENV_NODE_NAME, ENV_POD_NAME
 from ckpt_agent.storage.base import Storage
 
 __all__ = [
@@ -62,9 +62,6 @@ GENERATION_DIGITS = 12
 GENERATION_MAX = 10**GENERATION_DIGITS - 1
 #: Lost races retried by :func:`claim` before it gives up.
 CLAIM_ATTEMPTS = 64
-#: The pod and node the downward API may give (``CKPT_POD_NAME`` else ``HOSTNAME``).
-ENV_POD_NAME = "CKPT_POD_NAME"
-ENV_NODE_NAME = "CKPT_NODE_NAME"
 
 
 def writers_prefix(run_id: str) -> str:

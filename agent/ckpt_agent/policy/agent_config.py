@@ -26,6 +26,8 @@ Environment contract (all optional):
 ``CKPT_WORK_DIR``    local directory for the catalog and the decision log
 ``CKPT_NAMESPACE``   the pod's namespace (downward API): the owner the run is claimed for
 ``CKPT_JOB_NAME``    the PyTorchJob's name, ``CKPT_JOB_UID`` its uid (owner record, humans)
+``CKPT_POD_NAME``    the pod's name, ``CKPT_NODE_NAME`` its node (downward API): the
+                     writer record of a fenced run names them
 ==================== ===========================================================
 """
 
@@ -76,6 +78,8 @@ ENV_WORK_DIR = "CKPT_WORK_DIR"
 ENV_NAMESPACE = "CKPT_NAMESPACE"
 ENV_JOB_NAME = "CKPT_JOB_NAME"
 ENV_JOB_UID = "CKPT_JOB_UID"
+ENV_POD_NAME = "CKPT_POD_NAME"
+ENV_NODE_NAME = "CKPT_NODE_NAME"
 
 
 DEFAULT_RUN_ID = "local"

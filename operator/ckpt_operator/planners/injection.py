@@ -13,7 +13,10 @@ What the training container (``spec.agent.containerName``, default
   ``CKPT_MTBF_SECONDS`` (:mod:`ckpt_operator.planners.runfacts`), ``CKPT_SHM_DIR``,
   ``CKPT_SIGNAL_FILE``, ``CKPT_METRICS_PORT``, ``CKPT_WORK_DIR``,
   ``CKPT_NAMESPACE`` (downward API), ``CKPT_JOB_NAME``, ``CKPT_JOB_UID`` (the owner
-  the agent claims the run for, :mod:`ckpt_agent.format.owner`),
+  the agent claims the run for, :mod:`ckpt_agent.format.owner`), ``CKPT_POD_NAME``
+  and ``CKPT_NODE_NAME`` (downward API: the writer generation's record names them,
+  so a fenced writer's error and ``ckpt ls`` say which pod on which node holds the
+  run, :mod:`ckpt_agent.format.fence`),
   ``CKPT_TERMINATION_LOG`` (the container's ``terminationMessagePath``, set to the
   Kubernetes default with policy ``File`` when absent: the agent keeps its checkpoint
   report there, :mod:`ckpt_agent.format.termination`, for the operator); for S3 the
@@ -51,6 +54,8 @@ from ckpt_agent.policy.agent_config import (
     ENV_JOB_UID,
     ENV_METRICS_PORT,
     ENV_NAMESPACE,
+    ENV_NODE_NAME,
+    ENV_POD_NAME,
     ENV_RESUME_FROM,
     ENV_RUN_ID,
     ENV_SHM_DIR,
@@ -213,6 +218,8 @@ def _agent_env(
         {"name": ENV_METRICS_PORT, "value": str(metrics_port)},
         {"name": ENV_WORK_DIR, "value": c.WORK_DIR},
         {"name": ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
     env += [
         {"name": name, "value": value}

@@ -334,3 +334,26 @@ def test_a_custom_termination_message_path_is_kept(fixture: Any) -> None:
     assert ctr["terminationMessagePath"] == "/tmp/why"
     assert ctr["terminationMessagePolicy"] == "FallbackToLogsOnError"  # a report wins anyway
     assert env_of(ctr)["CKPT_TERMINATION_LOG"] == "/tmp/why"
+
+
+def test_pod_and_node_names_come_from_the_downward_api(fixture: Any) -> None:
+    """The writer record of a fenced run names the pod and node (#28): the training
+    container and the sidecar (the sidecar claims when it persists) get both."""
+    pod = admitted_pod(fixture)
+    spec = policy_spec(fixture, agent__sidecar=True, agent__image="ghcr.io/x/agent:0.1.0")
+    out = apply_patch(pod, build_pod_patch(pod, spec, {}, ctx()).ops)
+    for ctr in (container(out), out["spec"]["initContainers"][1]):
+        env = env_of(ctr)
+        assert env["CKPT_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["CKPT_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_a_users_own_pod_name_env_is_kept(fixture: Any) -> None:
+    pod = admitted_pod(fixture)
+    container(pod)["env"].append({"name": "CKPT_POD_NAME", "value": "mine"})
+    result = build_pod_patch(pod, policy_spec(fixture), {}, ctx())
+    env = container(apply_patch(pod, result.ops))["env"]
+    assert [e for e in env if e["name"] == "CKPT_POD_NAME"] == [
+        {"name": "CKPT_POD_NAME", "value": "mine"}
+    ]
+    assert env_of({"env": env})["CKPT_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
