@@ -23,12 +23,13 @@ holder. Torch-free; the pure parts (keys, records, the message) do no I/O.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ckpt_agent.errors import CheckpointFormatError, FencedError, NotFoundError, StorageError
@@ -50,6 +51,8 @@ __all__ = [
     "writer_key",
     "writers_prefix",
 ]
+
+log = logging.getLogger(__name__)
 
 WRITERS = "writers"
 RECORD_VERSION = 1
@@ -205,6 +208,9 @@ class Fence:
         self.record = record
         self._lock = threading.Lock()
         self._fenced: FencedError | None = None
+        #: Called once, with the holder's record (None: unreadable), when this writer is
+        #: first found fenced (the agent's termination report says so for the operator).
+        self.on_fenced: Callable[[WriterRecord | None], None] | None = None
 
     @property
     def generation(self) -> int:
@@ -232,9 +238,16 @@ class Fence:
         except (StorageError, CheckpointFormatError, ValueError):
             holder = None
         with self._lock:
+            first = self._fenced is None
             if self._fenced is None:
                 self._fenced = fenced_error(self.run_id, self.record, holder)
-            raise self._fenced
+            err = self._fenced
+        if first and self.on_fenced is not None:
+            try:
+                self.on_fenced(holder)
+            except Exception:  # telling about it must not hide the error itself
+                log.exception("run %s: reporting that this writer was fenced failed", self.run_id)
+        raise err
 
 
 def claim(

@@ -19,6 +19,13 @@ Format, version 1: one line of JSON, then ``\\n``::
               "f": "<flags: l lightweight, a approximate, e emergency>",
               "vt": <unix time of a corrupted verdict>}, ...]}
 
+A writer stopped because a newer writer holds its run (:class:`~ckpt_agent.errors.FencedError`,
+:mod:`ckpt_agent.format.fence`) adds ``"fenced": {"g": <its generation>, "hg": <the
+holder's generation>, "pod": "<holder's pod>", "node": "<holder's node>", "at": <unix
+time>}`` (:class:`FencedReport`): the operator tells a fenced exit from a crash by it
+(an Event naming the holder, and no restart: the holder is already running). Readers
+that do not know the key ignore it.
+
 ``cps`` is newest first (step, then tier); ``p``, ``f`` and ``vt`` are left out when empty.
 Statuses: ``valid``, and ``corrupted`` (failed validation, or found corrupted by a resume),
 which carries ``vt``, the time it was known corrupted: ``at`` is the commit's time, the same
@@ -40,6 +47,7 @@ only, so a kill between the two leaves the new report followed by stale bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -60,6 +68,7 @@ __all__ = [
     "MAX_BYTES",
     "VERSION",
     "CheckpointReport",
+    "FencedReport",
     "ReportedCheckpoint",
     "TerminationLog",
     "encode_report",
@@ -87,6 +96,56 @@ MAX_PARSE_CHARS = 16384
 _REPORTED = (CheckpointStatus.VALID, CheckpointStatus.CORRUPTED)
 _TIER_ORDER = {Tier.HEARTBEAT: 0, Tier.PULSE: 1, Tier.FULL: 2}
 _FLAGS = (("l", "lightweight"), ("a", "approximate"), ("e", "emergency"))
+#: Characters kept of a fenced report's pod and node names (Kubernetes names: 253).
+_NAME_CHARS = 253
+
+
+@dataclass(frozen=True)
+class FencedReport:
+    """This writer stopped because a newer writer holds the run (a fenced exit, not a crash)."""
+
+    generation: int
+    """The stopped writer's generation."""
+    holder: int
+    """The holder's generation (0: unknown)."""
+    pod: str = ""
+    node: str = ""
+    at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "g": self.generation,
+            "hg": self.holder,
+            "pod": self.pod[:_NAME_CHARS],
+            "node": self.node[:_NAME_CHARS],
+            "at": round(self.at, 3),
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> FencedReport:
+        if not isinstance(data, Mapping):
+            raise TerminationReportError(f"'fenced' is {type(data).__name__}, not a map")
+        try:
+            g, hg = data["g"], data.get("hg", 0)
+            for n in (g, hg):
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise ValueError(f"generation {n!r} is not a non-negative integer")
+            pod, node = data.get("pod", ""), data.get("node", "")
+            if not isinstance(pod, str) or not isinstance(node, str):
+                raise ValueError("pod and node must be strings")
+            return cls(g, hg, pod[:_NAME_CHARS], node[:_NAME_CHARS], _time(data.get("at", 0.0)))
+        except (KeyError, ValueError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise TerminationReportError(f"bad 'fenced' entry: {_clip(what)}") from None
+
+    def describe(self) -> str:
+        """The holder, for a person: generation, pod, node."""
+        who = f"generation {self.holder or '?'}"
+        if self.pod:
+            who += f", pod {self.pod}"
+        if self.node:
+            who += f" on node {self.node}"
+        return who
 
 
 @dataclass(frozen=True)
@@ -220,6 +279,8 @@ class CheckpointReport:
     run_id: str
     checkpoints: tuple[ReportedCheckpoint, ...] = ()
     written_at: float = 0.0
+    fenced: FencedReport | None = None
+    """Set when the writer stopped because a newer writer holds the run."""
 
     @classmethod
     def from_records(
@@ -263,6 +324,8 @@ def _line(report: CheckpointReport, entries: Sequence[ReportedCheckpoint]) -> by
         "at": round(report.written_at, 3),
         "cps": [e.to_json() for e in entries],
     }
+    if report.fenced is not None:
+        doc["fenced"] = report.fenced.to_json()
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode()
 
 
@@ -326,7 +389,10 @@ def parse_report(text: str | bytes) -> CheckpointReport:
     except ValueError as e:
         raise TerminationReportError(f"checkpoint report of run {run!r}: {e}") from None
     entries = merge_checkpoints(ReportedCheckpoint.from_json(e) for e in cps)
-    return CheckpointReport(run, entries, at)
+    fenced = doc.get("fenced")
+    return CheckpointReport(
+        run, entries, at, None if fenced is None else FencedReport.from_json(fenced)
+    )
 
 
 def _no_constant(name: str) -> object:
@@ -340,6 +406,9 @@ class TerminationLog:
         self.path = os.fspath(path)
         self.max_bytes = max_bytes
         self.failed = False
+        #: Set by :meth:`mark_fenced`: every later report says so.
+        self.fenced: FencedReport | None = None
+        self._last: tuple[str, tuple[CheckpointRecord, ...]] | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TerminationLog | None:
@@ -353,7 +422,11 @@ class TerminationLog:
 
     def write(self, run_id: str, records: Iterable[CheckpointRecord]) -> CheckpointReport:
         """Rewrite the file with the run's verified ``records``; a failure is logged once."""
-        report = CheckpointReport.from_records(run_id, records, time.time())
+        kept = tuple(records)
+        self._last = (run_id, kept)
+        report = dataclasses.replace(
+            CheckpointReport.from_records(run_id, kept, time.time()), fenced=self.fenced
+        )
         try:
             data = encode_report(report, self.max_bytes)
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -372,3 +445,9 @@ class TerminationLog:
                 )
             self.failed = True
         return report
+
+    def mark_fenced(self, run_id: str, fenced: FencedReport) -> CheckpointReport:
+        """Rewrite the report saying this writer was fenced (its last checkpoints kept)."""
+        self.fenced = fenced
+        last_run, records = self._last if self._last is not None else (run_id, ())
+        return self.write(run_id, records if last_run == run_id else ())

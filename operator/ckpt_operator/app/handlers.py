@@ -59,7 +59,7 @@ from ckpt_operator.behaviours.attempts import attempt_due, observe_trainjob, rec
 from ckpt_operator.behaviours.deps import Deps, cached_job
 from ckpt_operator.behaviours.disruption import signal_node, signal_pod
 from ckpt_operator.behaviours.policies import reconcile_policy
-from ckpt_operator.behaviours.recovery import observe_job, recover_job
+from ckpt_operator.behaviours.recovery import observe_job, recover_job, report_fenced_pod
 from ckpt_operator.behaviours.retention import reconcile_retention
 from ckpt_operator.kinds.trainjob import TRAINJOB, add_inject_patch, jobset_trainjob, pod_ended_at
 from ckpt_operator.model import constants as c
@@ -352,10 +352,12 @@ async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: P
         index.remove(pod)
         uid = str(meta_of(pod).uid or "")
         deps.reported_pods.forget(uid)
+        deps.fenced_pods.forget(uid)
         deps.agent_answers.forget(uid)
         return
     index.upsert(pod)
     await report_unprotected(deps, pod)
+    await report_fenced_pod(deps, pod)
 
 
 async def on_training_pod_event(

@@ -74,6 +74,9 @@ class Deps:
     """Nodes' pools and finished jobs' running time and failures per pool (MTBF)."""
     reported_pods: ReportedPods = field(default_factory=ReportedPods)
     """Unprotected pods already reported (dropped when the pod is deleted)."""
+    fenced_pods: ReportedPods = field(default_factory=ReportedPods)
+    """Pods whose writer was fenced, already reported (``WriterFenced``; dropped when the
+    pod is deleted)."""
     probe: AgentProbe = probe_agent
     """Probes a pod's agent metrics port (ip, port, timeout): the agent check's live signal
     when the storage is out of the operator's reach."""

@@ -28,7 +28,7 @@ from ckpt_operator.behaviours.restart_steps import (
     run_checkpoints,
     take_reports,
 )
-from ckpt_operator.kinds.registry import kind_of
+from ckpt_operator.kinds.registry import kind_of, owner_of
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import (
@@ -41,6 +41,7 @@ from ckpt_operator.model.jobs import (
 )
 from ckpt_operator.planners.agent_presence import AGENT_MISSING
 from ckpt_operator.planners.attempt_plan import planning_view
+from ckpt_operator.planners.fenced import FencedPod, fenced_message, fenced_pods
 from ckpt_operator.planners.manual import (
     RecoverRequest,
     blocked_reason,
@@ -63,7 +64,7 @@ from ckpt_operator.planners.restart import (
 )
 from ckpt_operator.planners.validation import annotation_errors
 
-__all__ = ["observe_job", "recover_job"]
+__all__ = ["observe_job", "recover_job", "report_fenced_pod"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,11 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     spec = await load_policy_spec(deps, job)
     if spec is None:
         return deps.config.recovery.policy_missing_retry_s
+    if not facts.handled and facts.failed and not facts.restarted_as:
+        fenced = fenced_pods(await job_pods(deps, job))
+        if fenced:  # not a crash: a newer writer holds the run and is already running
+            await _fenced_job(deps, job, fenced)
+            return None
     if facts.status is None or facts.status.state not in ("BackingOff", "Restarting"):
         deps.events.emit(
             job,
@@ -248,6 +254,52 @@ async def _recover_manually(
     await _restart(deps, job, outcome)
     await annotate_job(deps, job, handled)
     return None
+
+
+def _post_fenced(
+    deps: Deps, job: Mapping[str, Any] | None, pod: Mapping[str, Any] | None, found: FencedPod
+) -> str:
+    """The ``WriterFenced`` Event on the job (and the pod), once per pod."""
+    name = meta_of(job).name if job is not None else "its job"
+    message = fenced_message(str(name), found)
+    uid = str(meta_of(pod).uid or "") if pod is not None else ""
+    if uid and deps.fenced_pods.reported(uid):
+        return message
+    if uid:
+        deps.fenced_pods.mark(uid)
+    if pod is not None:
+        deps.events.emit(pod, "Warning", "WriterFenced", message)
+    if job is not None:
+        deps.events.emit(job, "Warning", "WriterFenced", message)
+    return message
+
+
+async def _fenced_job(deps: Deps, job: Mapping[str, Any], fenced: list[FencedPod]) -> None:
+    """A job that failed because its writer was fenced: Events naming the holder, no
+    restart (the holder is already running), the status says why."""
+    by_name = {
+        str(meta_of(p).name): p
+        for p in deps.pod_index(kind_of(job)).of_job(job_facts(job).namespace, job_facts(job).name)
+    }
+    messages = [_post_fenced(deps, job, by_name.get(f.pod), f) for f in fenced]
+    await set_job_status(deps, job, "GaveUp", "WriterFenced", messages[0])
+
+
+async def report_fenced_pod(deps: Deps, pod: Mapping[str, Any]) -> bool:
+    """A training pod whose container stopped fenced (a zombie of a job already restarted,
+    or of a second job on the same run id): the ``WriterFenced`` Event on it and its job,
+    once per pod. True when posted now."""
+    uid = str(meta_of(pod).uid or "")
+    if not uid or deps.fenced_pods.reported(uid):
+        return False
+    found = fenced_pods([pod])
+    if not found:
+        return False
+    owner = owner_of(pod)
+    namespace = str(meta_of(pod).namespace or "")
+    job = deps.job_cache(owner[0]).get(namespace, owner[1]) if owner is not None else None
+    _post_fenced(deps, job, pod, found[0])
+    return True
 
 
 def _pool_success(deps: Deps, job: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ from ckpt_agent.format.termination import (
     MAX_BYTES,
     VERSION,
     CheckpointReport,
+    FencedReport,
     ReportedCheckpoint,
     TerminationLog,
     encode_report,
@@ -304,3 +305,44 @@ def test_from_env(tmp_path: Path) -> None:
     # no variable: the Kubernetes default only when the kubelet created it (never created here)
     default = TerminationLog.from_env({})
     assert default is None or Path(default.path).is_file()
+
+
+def test_a_fenced_report_round_trips_within_the_bound_with_long_names() -> None:
+    """A fenced exit (#28) is told by the report: the holder's generation, pod, node."""
+    fenced = FencedReport(3, 4, "p" * 400, "n" * 400, 1_764_500_000.5)
+    report = CheckpointReport.from_records(RUN, [rec(s) for s in range(100)], 1.0)
+    report = CheckpointReport(RUN, report.checkpoints, 1.0, fenced)
+    data = encode_report(report)
+    assert len(data) <= MAX_BYTES
+    back = parse_report(data)
+    assert back.fenced == FencedReport(3, 4, "p" * 253, "n" * 253, 1_764_500_000.5)
+    assert back.checkpoints  # the newest checkpoints still fit
+    assert parse_report(encode_report(CheckpointReport(RUN, (), 1.0))).fenced is None
+
+
+@pytest.mark.parametrize(
+    ("fenced", "match"),
+    [
+        ('"x"', "not a map"),
+        ("{}", "missing field"),
+        ('{"g": -1}', "non-negative"),
+        ('{"g": true}', "non-negative"),
+        ('{"g": 1, "pod": 5}', "strings"),
+        ('{"g": 1, "at": "x"}', "not a number"),
+    ],
+)
+def test_a_bad_fenced_entry_is_a_report_error(fenced: str, match: str) -> None:
+    text = f'{{"format": "{FORMAT}", "v": {VERSION}, "run": "r", "cps": [], "fenced": {fenced}}}'
+    with pytest.raises(TerminationReportError, match=match):
+        parse_report(text)
+
+
+def test_mark_fenced_keeps_the_last_checkpoints_of_the_same_run(tmp_path: Path) -> None:
+    log = TerminationLog(tmp_path / "term")
+    log.write(RUN, [rec(5)])
+    log.mark_fenced(RUN, FencedReport(1, 2, "pod-b", "node-b", 2.0))
+    back = parse_report((tmp_path / "term").read_text())
+    assert [c.step for c in back.checkpoints] == [5] and back.fenced is not None
+    log.mark_fenced("other", FencedReport(1, 2))
+    back = parse_report((tmp_path / "term").read_text())
+    assert back.run_id == "other" and back.checkpoints == ()

@@ -8,21 +8,49 @@ entered), each reads the run's highest generation and checks it like rank 0 does
 zombie job's every rank stops at its next save. With flash checkpoints the sidecar
 persists and claims for itself (:mod:`ckpt_agent.flash.sidecar.commit`): the trainer
 holds nothing.
+
+Once fenced, the container's termination report says so (:func:`report_fenced`).
 """
 
 from __future__ import annotations
 
+import time
+
 from ckpt_agent.format.fence import Fence, WriterRecord, claim, holder_of
+from ckpt_agent.format.termination import FencedReport, TerminationLog
 from ckpt_agent.persist.builder import PersistParts
 from ckpt_agent.runtime.core.context import Engine
 
-__all__ = ["claim_writer", "follow_writer", "hold"]
+__all__ = ["claim_writer", "follow_writer", "hold", "report_fenced"]
+
+
+def report_fenced(report: TerminationLog | None, fence: Fence) -> None:
+    """Once ``fence`` is found fenced, the container's termination report says so, naming
+    the holder: the operator tells this exit from a crash (an Event, no restart)."""
+    if report is None:
+        return
+
+    def tell(holder: WriterRecord | None) -> None:
+        assert report is not None
+        report.mark_fenced(
+            fence.run_id,
+            FencedReport(
+                generation=fence.generation,
+                holder=holder.generation if holder is not None else 0,
+                pod=holder.pod if holder is not None else "",
+                node=holder.node if holder is not None else "",
+                at=time.time(),
+            ),
+        )
+
+    fence.on_fenced = tell
 
 
 def hold(parts: PersistParts, fence: Fence) -> None:
     """Hand ``fence`` to the parts that write and delete (writer, finalize pipeline)."""
     parts.writer.fence = fence
     parts.finalizer.fence = fence
+    report_fenced(parts.finalizer.report, fence)
 
 
 def claim_writer(engine: Engine, *, persists_here: bool) -> Fence | None:
