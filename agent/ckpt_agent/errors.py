@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
+from ckpt_agent.text import clean
+
 __all__ = [
     "CandidateRejectedError",
     "CheckpointError",
@@ -246,6 +248,8 @@ class ShmError(CkptError, RuntimeError):
 
 def one_line(e: BaseException) -> str:
     """``e`` for a person, on one line: our errors say what is wrong; any other is named by
-    its type too (a reader met something the format does not allow)."""
+    its type too (a reader met something the format does not allow). Through
+    :func:`ckpt_agent.text.clean`: the message may quote stored text (a file name, a
+    reason), so controls are escaped and the length capped (``DEFAULT_LIMIT``)."""
     text = str(e) if isinstance(e, CkptError) else f"{type(e).__name__}: {e}"
-    return " ".join(text.split())
+    return clean(" ".join(text.split()))

@@ -19,6 +19,7 @@ from ckpt_agent.cli.common import fail, guarded, is_seconds, non_negative, plain
 from ckpt_agent.flash.sidecar import SidecarOptions, load_config, run_sidecar
 from ckpt_agent.flash.sidecar.options import DEFAULT_COMMIT_TIMEOUT_S, ENV_GRACE, grace_from_env
 from ckpt_agent.policy.agent_config import AgentConfig
+from ckpt_agent.text import CleanFormatter
 
 __all__ = ["sidecar"]
 
@@ -128,11 +129,12 @@ def sidecar(
     pending and exits within the grace period (CKPT_GRACE_S). Exit code 2 for a
     missing or invalid config.
     """
+    # Every record through text.CleanFormatter: log lines quote stored names and reasons.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(CleanFormatter("%(asctime)s ckpt-sidecar %(levelname)s %(message)s"))
     try:
         logging.basicConfig(
-            level=os.environ.get("CKPT_LOG_LEVEL", "INFO").upper(),
-            format="%(asctime)s ckpt-sidecar %(levelname)s %(message)s",
-            stream=sys.stderr,
+            level=os.environ.get("CKPT_LOG_LEVEL", "INFO").upper(), handlers=[handler]
         )
     except ValueError as e:
         raise fail(f"CKPT_LOG_LEVEL: {plain(e)} (use DEBUG, INFO, WARNING or ERROR)") from None

@@ -36,6 +36,7 @@ from ckpt_agent.format.readers import read_commit, read_validation
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, checkpoint_id
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.text import clean
 
 __all__ = [
     "Listing",
@@ -183,9 +184,9 @@ def scan_checkpoints(
     if len(bad) > WARN_EACH:
         log.warning(
             "run %s: %d more unreadable COMMIT(s), listed as corrupted (first: %s)",
-            run_id,
+            clean(run_id),
             len(bad) - WARN_EACH,
-            bad[WARN_EACH],
+            clean(bad[WARN_EACH]),
         )
     if include_heartbeat:
         hb = newest_heartbeat_record(storage, run_id)
@@ -220,7 +221,7 @@ def _add(
         out.unreadable += 1
         bad.append(folder.name)
         if len(bad) <= WARN_EACH:
-            log.warning("run %s: %s is unreadable: %s", run_id, folder.name, error)
+            log.warning("run %s: %s is unreadable: %s", clean(run_id), clean(folder.name), error)
         if include_broken:
             out.records.append(
                 CheckpointRecord(
@@ -263,7 +264,7 @@ def newest_heartbeat_record(
         entries = read_heartbeat(storage, run_id, rank)
     except Exception as e:  # an unreadable ring is no heartbeat, never a failed listing
         log.warning(
-            "run %s: heartbeat ring of rank %d is unreadable: %s", run_id, rank, one_line(e)
+            "run %s: heartbeat ring of rank %d is unreadable: %s", clean(run_id), rank, one_line(e)
         )
         return None
     if not entries:

@@ -43,6 +43,7 @@ from ckpt_agent.persist.writer import BlobIndex
 from ckpt_agent.policy.models import RetentionSpec, Tier
 from ckpt_agent.records import AnomalyEvent, CheckpointRecord, CheckpointStatus
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.text import clean
 from ckpt_agent.tuning import gc_grace_for
 
 __all__ = [
@@ -211,7 +212,7 @@ class FinalizePipeline:
         try:
             return self._reported(FinalizeResult(outcome, self.apply_retention(grace)))
         except (StorageError, CheckpointFormatError) as e:
-            log.warning("retention after %s failed: %s", job.checkpoint_id, e)
+            log.warning("retention after %s failed: %s", clean(job.checkpoint_id), clean(e))
             return self._reported(FinalizeResult(outcome, None))
 
     def _reported(self, result: FinalizeResult) -> FinalizeResult:
@@ -255,7 +256,9 @@ class FinalizePipeline:
             if not self.validator.record(outcome):
                 return  # judged or removed while validated (expired, deleted): that stands
         except StorageError as e:
-            log.warning("could not record the verdict on %s: %s", outcome.checkpoint_id, e)
+            log.warning(
+                "could not record the verdict on %s: %s", clean(outcome.checkpoint_id), clean(e)
+            )
         self.catalog.set_status(
             self.run_id,
             outcome.checkpoint_id,
@@ -281,8 +284,8 @@ class FinalizePipeline:
         self.corrupted += 1
         log.error(
             "ALERT checkpoint %s is CORRUPTED and will never be offered for resume: %s",
-            outcome.checkpoint_id,
-            outcome.reason,
+            clean(outcome.checkpoint_id),
+            clean(outcome.reason),
         )
         self.emit(
             "corrupted",

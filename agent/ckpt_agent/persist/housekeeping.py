@@ -40,6 +40,7 @@ from ckpt_agent.format.manifest import RankManifest
 from ckpt_agent.format.readers import read_capped
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.text import clean
 from ckpt_agent.tuning import GC_GRACE_S
 
 __all__ = [
@@ -244,7 +245,11 @@ def gc_blobs(
     refs, bad = referenced_blobs(storage, run_id, cache, skip_folders=stale)
     result = GcResult(referenced=len(refs), unreadable_manifests=bad, stale_folders=stale)
     if bad:
-        log.warning("gc: blob collection skipped, %d unreadable manifest(s): %s", len(bad), bad[:3])
+        log.warning(
+            "gc: blob collection skipped, %d unreadable manifest(s): %s",
+            len(bad),
+            clean(", ".join(bad[:3])),
+        )
         return result
     doomed: list[str] = []
     for info in storage.list(blobs_prefix(run_id)):
@@ -297,7 +302,9 @@ def append_audit(storage: Storage, run_id: str, entry: Mapping[str, Any]) -> Non
     except NotFoundError:
         old, cut = b"", False
     if cut:  # only a damaged or forged log is this large: keep its newest lines
-        log.warning("%s: over %d bytes, oldest lines dropped", audit_key(run_id), AUDIT_TAIL_BYTES)
+        log.warning(
+            "%s: over %d bytes, oldest lines dropped", clean(audit_key(run_id)), AUDIT_TAIL_BYTES
+        )
     if old and not old.endswith(b"\n"):
         old += b"\n"
     line = json.dumps(dict(entry), sort_keys=True, separators=(",", ":"), default=str) + "\n"

@@ -11,6 +11,7 @@ from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.policy.agent_config import DEFAULT_RUN_ID
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.restore.resume_point import ResumePoint
+from ckpt_agent.text import LOG_LIMIT, clean
 
 __all__ = ["note", "report_start"]
 
@@ -19,10 +20,12 @@ log = logging.getLogger(__name__)
 
 def note(message: str) -> None:
     """An INFO line for people; on stderr too while logging is not configured (a local
-    run would otherwise never see where its checkpoints went)."""
-    log.info("%s", message)
+    run would otherwise never see where its checkpoints went). The message quotes a run
+    id, a storage URL and a checkpoint id: it goes out through :func:`clean`."""
+    shown = clean(message, LOG_LIMIT)
+    log.info("%s", shown)
     if not logging.getLogger().hasHandlers():
-        print(f"ckpt_agent: {message}", file=sys.stderr)
+        print(f"ckpt_agent: {shown}", file=sys.stderr)
 
 
 def report_start(e: Engine, resume: ResumePoint, *, from_shm: bool, seconds: float) -> None:

@@ -54,6 +54,7 @@ from ckpt_agent.errors import (
     RetryableStorageError,
     StorageError,
 )
+from ckpt_agent.text import clean
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_REMOTE
 
 if TYPE_CHECKING:
@@ -227,7 +228,9 @@ class ObjectWriter(io.BufferedIOBase, BinaryIO):
             try:
                 self._discard()
             except Exception:  # the publish error is the one to report
-                log.warning("cleanup after a failed write of %r failed", self.key, exc_info=True)
+                log.warning(
+                    "cleanup after a failed write of %s failed", clean(self.key), exc_info=True
+                )
             raise
         finally:
             super().close()

@@ -76,6 +76,7 @@ from ckpt_agent.storage.fs_delete import delete_tree, prune, unlink_entry
 from ckpt_agent.storage.fs_writer import DirectIO, FileWriter, KeyExistsError
 from ckpt_agent.storage.memory import populate
 from ckpt_agent.storage.options import StorageOptions
+from ckpt_agent.text import clean
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_LOCAL
 
 __all__ = ["LocalStorage"]
@@ -373,10 +374,10 @@ class LocalStorage(Storage):
                 log.warning(
                     "stale listing in %s: %d entr%s listed but gone (%s); skipped. On NFS "
                     "mount with actimeo=0 or lookupcache=positive.",
-                    directory,
+                    clean(directory),
                     len(gone),
                     "y" if len(gone) == 1 else "ies",
-                    ", ".join(gone[:5]),
+                    clean(", ".join(gone[:5])),
                 )
         out.sort(key=lambda t: t[0] + "/" if stat_mod.S_ISDIR(t[1].st_mode) else t[0])
         return out
@@ -387,9 +388,9 @@ class LocalStorage(Storage):
         log.warning(
             "listing %s: skipped %s, %s: never followed. Whoever can write the checkpoint "
             "volume planted it: remove it.",
-            directory,
-            name,
-            link_text(fd, name),
+            clean(directory),
+            clean(name),
+            clean(link_text(fd, name)),
         )
 
     def _has_objects(self, fd: int, directory: Path) -> bool:

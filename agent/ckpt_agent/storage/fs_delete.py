@@ -20,6 +20,7 @@ from pathlib import Path
 from ckpt_agent.errors import NotFoundError, UnsafePathError
 from ckpt_agent.storage.base import TEMP_PREFIX
 from ckpt_agent.storage.confined import ConfinedTree, kind_of
+from ckpt_agent.text import clean
 
 __all__ = ["delete_tree", "prune", "unlink_entry"]
 
@@ -83,7 +84,7 @@ def unlink_entry(tree: ConfinedTree, fd: int, name: str, path: Path) -> bool:
     if not stat_mod.S_ISREG(st.st_mode):
         log.warning(
             "removed %s, a %s planted in the store (not an object; a link's target is left alone)",
-            path,
+            clean(path),
             kind_of(st.st_mode),
         )
     return True

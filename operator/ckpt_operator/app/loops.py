@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.policy import RetentionSpec
+from ckpt_agent.text import clean
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.config import OperatorConfig
 
@@ -256,7 +257,7 @@ class RetentionLoop:
                 )
                 log.warning("%s", self.last_error)
             except Exception as e:
-                self.last_error = f"{key[0]}/{key[1]}: {e}"
+                self.last_error = clean(f"{key[0]}/{key[1]}: {e}")
                 log.exception("retention of %s/%s failed", *key)
 
     async def run_due(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import kopf
 
+from ckpt_agent.text import CleanFilter
 from ckpt_operator.adapters.certs import write_webhook_certs
 from ckpt_operator.adapters.events import KopfEvents
 from ckpt_operator.adapters.kube import KubernetesApi
@@ -133,6 +134,11 @@ def configure_logging(cfg: OperatorConfig) -> None:
         verbose=cfg.verbose,
         log_format=kopf.LogFormat.JSON if cfg.log_format == "json" else kopf.LogFormat.PLAIN,
     )
+    # Every record kopf's handler writes through text.CleanFilter: log lines quote stored
+    # names, reasons and errors (issue #28), and kopf's formatter is kopf's.
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, CleanFilter) for f in handler.filters):
+            handler.addFilter(CleanFilter())
     objects = logging.getLogger("kopf.objects")
     objects.setLevel(logging.NOTSET if cfg.verbose else logging.WARNING)
 

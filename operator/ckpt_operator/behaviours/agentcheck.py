@@ -17,6 +17,7 @@ from typing import Any
 
 from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
+from ckpt_agent.text import clean
 from ckpt_operator.adapters.sources import StorageAccessDeniedError
 from ckpt_operator.behaviours.deps import Deps, Obj, kind_kw
 from ckpt_operator.behaviours.guard import read_refusal, storage_call
@@ -78,7 +79,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
                 # Another namespace's run is not read (its pods fail their own owner check).
                 refusal = await read_refusal(deps, source, run_id, namespace)
                 if refusal is not None:
-                    log.info("agent check of %s/%s: %s", namespace, name, refusal)
+                    log.info("agent check of %s/%s: %s", namespace, name, clean(refusal))
                     refused.add(run_id)
                     continue
                 times = [t for _, t in await storage_call(deps, source.progress, run_id)]
@@ -91,7 +92,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
             return []
         silent = await _blind_verdict(deps, pods, now, deadline)  # a PVC of the namespace
     except (StorageError, ValueError) as e:
-        log.info("agent check of %s/%s skipped: %s", namespace, name, e)
+        log.info("agent check of %s/%s skipped: %s", namespace, name, clean(e))
         return []
     for s in silent:
         job = await deps.api.get_job(namespace, s.job, **kind_kw(s.kind)) if s.job else None
@@ -170,5 +171,5 @@ async def _blind_verdict(
         serving = result.presence is Presence.SERVING
         deps.agent_answers.answered(uid, count, serving=serving)
         if not serving:
-            log.debug("agent probe of pod %s: no verdict (%s)", meta["name"], result.detail)
+            log.debug("agent probe of pod %s: no verdict (%s)", meta["name"], clean(result.detail))
     return unreported_pods(pods, reported, now, deadline_s, probes, refused_since)

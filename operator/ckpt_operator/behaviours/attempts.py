@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, assert_never
 
+from ckpt_agent.text import clean
 from ckpt_operator.adapters.kube import ApiError
 from ckpt_operator.behaviours.deps import Deps, annotate_job, set_job_status
 from ckpt_operator.behaviours.guard import storage_call
@@ -224,4 +225,4 @@ async def _give_up_attempt(
             facts.namespace, facts.name, {"spec": {"suspend": True}}, kind=TRAINJOB
         )
     except ApiError as e:  # the verdict stands; the webhook keeps refusing the pods
-        log.warning("suspending TrainJob %s/%s failed: %s", facts.namespace, facts.name, e)
+        log.warning("suspending TrainJob %s/%s failed: %s", facts.namespace, facts.name, clean(e))

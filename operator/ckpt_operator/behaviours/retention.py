@@ -27,6 +27,7 @@ from typing import Any
 from ckpt_agent.format.listing import ListingLimits
 from ckpt_agent.policy import StorageType
 from ckpt_agent.storage import StorageError
+from ckpt_agent.text import clean
 from ckpt_operator.adapters.sources import (
     CheckpointSource,
     GrantEscapeError,
@@ -225,7 +226,11 @@ async def _collect(
         return 0
     deps.metrics.retention_bytes.inc(gc.freed_bytes)
     if gc.stale_folders:
-        log.info("run %s: removed stale uncommitted folder(s) %s", run_id, gc.stale_folders)
+        log.info(
+            "run %s: removed stale uncommitted folder(s) %s",
+            clean(run_id),
+            clean(_names(gc.stale_folders)),
+        )
     return len(gc.deleted)
 
 
@@ -325,10 +330,10 @@ async def reconcile_retention(
     if tried < planned:
         budget.cut(f"{planned - tried} deletion(s) left for the next pass")
     for warning in plan.warnings:
-        log.warning("retention %s/%s: %s", namespace, name, warning)
+        log.warning("retention %s/%s: %s", namespace, name, clean(warning))
     cut = budget.summary(deleted=len(deleted), planned=planned) if budget.cut_short else ""
     if cut:
-        log.info("retention %s/%s: %s", namespace, name, cut)
+        log.info("retention %s/%s: %s", namespace, name, clean(cut))
 
     def build(current: Mapping[str, Any]) -> Obj:
         previous = current.get("status")

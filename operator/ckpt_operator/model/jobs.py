@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from ckpt_agent.text import STATUS_LIMIT, clean
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, apply_patch_in_place, pointer
@@ -122,7 +123,13 @@ class JobStatusAnnotation:
     time: str = ""
 
     def to_json(self) -> str:
-        data = {"state": self.state, "reason": self.reason, "message": self.message}
+        """The annotation's JSON; reason and message through :func:`clean` (``kubectl
+        describe`` shows them, and they quote stored ids, reasons and errors)."""
+        data = {
+            "state": self.state,
+            "reason": clean(self.reason, STATUS_LIMIT),
+            "message": clean(self.message, STATUS_LIMIT),
+        }
         if self.time:
             data["time"] = self.time
         return json.dumps(data, sort_keys=True)

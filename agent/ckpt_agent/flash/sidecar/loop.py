@@ -40,6 +40,7 @@ from ckpt_agent.persist.writer import BlobIndex, CheckpointWriter, WrittenCheckp
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.records import Json
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.text import clean
 
 __all__ = ["Sidecar", "run_sidecar"]
 
@@ -155,7 +156,9 @@ class Sidecar:
             handled = self.part_writer.write_part(reader, desc)
         except Exception as e:  # storage down, bad descriptor: report it, keep serving
             error = f"{type(e).__name__}: {e}"
-            log.error("persisting %s of rank %d failed: %s", desc.checkpoint_id, desc.rank, e)
+            log.error(
+                "persisting %s of rank %d failed: %s", desc.checkpoint_id, desc.rank, clean(e)
+            )
         if handled is None and not error:
             return False  # torn or overwritten meanwhile: nothing to do (a newer one comes)
         st.handled_seq = desc.seq
@@ -171,14 +174,14 @@ class Sidecar:
             except Superseded as e:
                 # as if this sidecar had skipped it like the other ranks did: no mark (the
                 # newer snapshot's settles it for the trainer), the newer one persists next
-                log.info("%s", e)
+                log.info("%s", clean(e))
                 self._event(
                     "superseded", rank=0, seq=desc.seq, checkpoint=desc.checkpoint_id, why=str(e)
                 )
                 return True
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                log.error("committing %s failed: %s", desc.checkpoint_id, e)
+                log.error("committing %s failed: %s", desc.checkpoint_id, clean(e))
         seconds = time.perf_counter() - t0
         ok = handled is not None and not error
         try:

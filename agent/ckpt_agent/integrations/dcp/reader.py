@@ -63,6 +63,7 @@ from ckpt_agent.runtime.core.serialization import (
     unflatten,
 )
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.text import clean
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class DcpReader(StorageReader):
     def _corrupted(self, ckpt_id: str, reason: str) -> None:
         """Record the verdict next to the COMMIT (every reader skips it from now on)."""
         self.excluded.add(ckpt_id)
-        log.error("ALERT DCP checkpoint %s is CORRUPTED: %s", ckpt_id, reason)
+        log.error("ALERT DCP checkpoint %s is CORRUPTED: %s", ckpt_id, clean(reason))
         try:
             committed = read_commit(self.storage, self.run_id, ckpt_id)
             rec = ValidationVerdict(
@@ -401,6 +402,6 @@ def load_latest(
             log.warning(
                 "DCP checkpoint %s is corrupted (%s): loading the previous valid one",
                 reader.loaded,
-                bad[0].reason,
+                clean(bad[0].reason),
             )
     return load()

@@ -34,6 +34,7 @@ from ckpt_agent.format.parts import verify_part
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenCheckpoint, WrittenRank
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.dist.comm import Comm
+from ckpt_agent.text import clean
 
 __all__ = ["CommitResult", "TwoPhaseCommit", "Vote"]
 
@@ -169,7 +170,7 @@ class TwoPhaseCommit:
                 raw_bytes=written.raw_bytes,
             )
         except Exception as e:  # any failure is a "no" vote: the others must not hang
-            log.error("rank %d: writing its part of %s failed: %s", rank, ckpt_id, e)
+            log.error("rank %d: writing its part of %s failed: %s", rank, ckpt_id, clean(e))
             vote = Vote(
                 rank=rank, checkpoint_id=ckpt_id, ok=False, error=f"{type(e).__name__}: {e}"
             )
@@ -189,7 +190,7 @@ class TwoPhaseCommit:
                     "size_bytes": checkpoint.size_bytes,
                 }
             except Exception as e:  # whatever it is, the others learn it (no hang)
-                log.error("coordinator: %s not committed: %s", ckpt_id, e)
+                log.error("coordinator: %s not committed: %s", ckpt_id, clean(e))
                 outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"[:4000]}
         outcome = self.comm.broadcast_json(
             outcome if self.is_coordinator else None, src=self.coordinator

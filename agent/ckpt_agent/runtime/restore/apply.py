@@ -39,6 +39,7 @@ from ckpt_agent.runtime.core.sharded import restore_sharded
 from ckpt_agent.runtime.restore.bookkeeping import retire_newer
 from ckpt_agent.runtime.restore.preflight import LiveState, as_rejection, check_loaded
 from ckpt_agent.runtime.restore.resume_point import Candidate, ResumePoint
+from ckpt_agent.text import clean
 
 __all__ = ["Applier"]
 
@@ -103,7 +104,7 @@ class Applier:
         run_lineage = self._continue_run(cand, source, lineage)
         self.engine.metrics.recovery_successes.inc()
         for w in warnings:
-            log.warning("resume: %s", w)
+            log.warning("resume: %s", clean(w))
         point = ResumePoint(
             step=applied.step + 1,
             checkpoint_id=cand.record.id,

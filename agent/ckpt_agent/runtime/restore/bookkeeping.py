@@ -38,6 +38,7 @@ from ckpt_agent.persist.housekeeping import append_audit, who
 from ckpt_agent.persist.verdicts import write_verdict
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_agent.runtime.core.context import Engine
+from ckpt_agent.text import clean
 
 __all__ = [
     "consume_recover_request",
@@ -117,11 +118,11 @@ def record_verdict(
             if not write_verdict(e.storage, e.run_id, verdict, mh):
                 return
         except StorageError as err:
-            log.warning("could not record the verdict on %s: %s", rec.id, err)
+            log.warning("could not record the verdict on %s: %s", clean(rec.id), clean(err))
     e.catalog.set_status(e.run_id, rec.id, status, reason, validate_s=seconds)
     e.metrics.checkpoints.labels(tier=rec.tier.value, status=status.value).inc()
     if status == CheckpointStatus.CORRUPTED:
-        log.error("ALERT checkpoint %s is CORRUPTED: %s", rec.id, reason)
+        log.error("ALERT checkpoint %s is CORRUPTED: %s", clean(rec.id), clean(reason))
         e.event("corrupted", checkpoint=rec.id, reason=reason, during="resume")
 
 
@@ -165,9 +166,9 @@ def retire_newer(
         log.warning(
             "resume from %s (step %d): %s newer but not tried (pending, or listed after the "
             "ladder chose); left as they are, not superseded",
-            resumed_from,
+            clean(resumed_from),
             step,
-            ", ".join(kept),
+            clean(", ".join(kept)),
         )
 
 
@@ -192,5 +193,5 @@ def report_failed_start(
         try:
             walk(plan_recovery(records(), e.config.recovery), usable)
         except RetryableError as err:
-            log.warning("probing the recovery ladder after a failed pin stopped: %s", err)
+            log.warning("probing the recovery ladder after a failed pin stopped: %s", clean(err))
     e.finalizer.report.write(e.run_id, records())

@@ -43,6 +43,7 @@ from ckpt_agent.runtime.restore.preflight import (
     rejection_kind,
 )
 from ckpt_agent.runtime.restore.resume_point import Candidate, Rejection
+from ckpt_agent.text import clean
 
 __all__ = ["CandidateLoader"]
 
@@ -112,7 +113,12 @@ class CandidateLoader:
                         "marked and no older checkpoint was chosen: the start fails so the "
                         "restart tries again — check the storage"
                     ) from err.cause
-                log.warning("reading %s failed (%s); retrying in %.1fs", rec.id, err.cause, delay)
+                log.warning(
+                    "reading %s failed (%s); retrying in %.1fs",
+                    clean(rec.id),
+                    clean(err.cause),
+                    delay,
+                )
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover

@@ -71,6 +71,7 @@ from ckpt_agent.runtime.restore.resume_point import (
     ResumePoint,
     ResumeRequest,
 )
+from ckpt_agent.text import clean
 
 __all__ = ["Restorer"]
 
@@ -179,7 +180,7 @@ class Restorer:
         # 3. a pin not applied yet: exactly that one, or fail loudly.
         choice = choose(attempts.records, pins)
         if pins:
-            log.info("resume lineage: %s", choice.reason)
+            log.info("resume lineage: %s", clean(choice.reason))
         pin = choice.apply
         try:
             if pin is not None:
@@ -228,13 +229,13 @@ class Restorer:
         if rec.status in (CheckpointStatus.CORRUPTED, CheckpointStatus.EXPIRED):
             raise ResumeError(
                 f"resume from {wanted!r} requested but it is {rec.status.value}: "
-                f"{rec.extra.get('status_reason', '')}"
+                f"{clean(rec.extra.get('status_reason', ''))}"
             )
         cand = attempts.get(wanted)
         if cand is None:
             raise ResumeError(
                 f"resume from {wanted!r} requested but it cannot be restored: "
-                f"{attempts.why(wanted)}"
+                f"{clean(attempts.why(wanted))}"
             )
         weights_from: Candidate | None = None
         if cand.heartbeat is not None:
@@ -276,7 +277,7 @@ class Restorer:
             within = f" ({choice.reason})" if choice.candidates is not None else ""
             raise ResumeError(
                 f"checkpoints exist for run {run_id!r} but none is usable{within}: {plan.reason}; "
-                + "; ".join(f"{k}: {v}" for k, v in list(plan.skipped.items())[:6])
+                + "; ".join(f"{k}: {clean(v)}" for k, v in list(plan.skipped.items())[:6])
                 + " — use `ckpt recover --manual --step N --force` to choose one"
                 + _collision_hint(run_id, self.engine.storage.url)
             )
@@ -286,7 +287,11 @@ class Restorer:
                 tried = dict.fromkeys(
                     [s.checkpoint_id for s, _ in failed] + [s.weights_from or "" for s, _ in failed]
                 )
-                why = [f"{cid}: {attempts.why(cid)}" for cid in tried if cid in attempts.rejected]
+                why = [
+                    f"{cid}: {clean(attempts.why(cid))}"
+                    for cid in tried
+                    if cid in attempts.rejected
+                ]
                 more = len(why) - _REASONS_QUOTED
                 raise ResumeError(
                     f"no checkpoint of run {run_id!r} could be restored; tried: "

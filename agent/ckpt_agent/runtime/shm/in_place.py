@@ -57,6 +57,7 @@ from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import Candidate, ResumePoint
 from ckpt_agent.runtime.shm.target import FlashTarget
 from ckpt_agent.storage.memory import populate
+from ckpt_agent.text import clean
 
 __all__ = ["InPlaceRestore", "ShmCopy", "copy_snapshot", "shm_offers"]
 
@@ -239,7 +240,7 @@ class InPlaceRestore:
 
     def _event(self, outcome: str, reason: str, step: int | None = None) -> None:
         self.engine.event("inplace_restore", outcome=outcome, step=step, reason=reason)
-        log.info("in-place restart from shared memory: %s (%s)", outcome, reason)
+        log.info("in-place restart from shared memory: %s (%s)", outcome, clean(reason))
 
     # ------------------------------------------------------------------ round 1: offers
 
@@ -424,7 +425,7 @@ class InPlaceRestore:
             )
             point = self.restorer.restore(cand, action="resume_shm", weights=None, rejected={})
         except CandidateRejectedError as err:
-            log.warning("shared-memory snapshot of step %d rejected: %s", desc.step, err)
+            log.warning("shared-memory snapshot of step %d rejected: %s", desc.step, clean(err))
             return None, err.reason
         except Exception as err:  # the other ranks wait for this rank's answer
             log.warning("applying the shared-memory snapshot failed", exc_info=True)

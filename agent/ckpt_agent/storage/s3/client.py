@@ -40,6 +40,7 @@ from ckpt_agent.errors import (
 from ckpt_agent.storage.base import validate_key
 from ckpt_agent.storage.options import StorageOptions
 from ckpt_agent.storage.s3.failures import HINTS, backoff_s, classify_error, with_code
+from ckpt_agent.text import clean
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -142,7 +143,7 @@ class BucketClient:
                     if delay is not None:
                         log.warning(
                             "%s (attempt %d/%d); retrying in %.2fs",
-                            err,
+                            clean(err),
                             attempt,
                             self.options.max_attempts,
                             delay,

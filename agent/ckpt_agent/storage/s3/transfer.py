@@ -29,6 +29,7 @@ from ckpt_agent.errors import (
 from ckpt_agent.storage.base import ObjectWriter, Storage
 from ckpt_agent.storage.options import S3_MAX_PARTS
 from ckpt_agent.storage.s3.client import BucketClient
+from ckpt_agent.text import clean
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.type_defs import CompletedPartTypeDef
@@ -208,9 +209,9 @@ class S3Writer(ObjectWriter):
             log.warning(
                 "could not abort multipart upload %s of %s (%s); its parts stay until a "
                 "lifecycle rule AbortIncompleteMultipartUpload removes them",
-                upload_id,
-                s3.where(self.key),
-                e,
+                clean(upload_id),
+                clean(s3.where(self.key)),
+                clean(e),
             )
 
 
