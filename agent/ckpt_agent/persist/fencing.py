@@ -24,11 +24,11 @@ from ckpt_agent.errors import (
     RetryableStorageError,
 )
 from ckpt_agent.format.fence import Fence
-from ckpt_agent.format.layout import COMMIT_MAX_BYTES, commit_key, validation_key
+from ckpt_agent.format.layout import COMMIT_MAX_BYTES, commit_key, sha256_hex, validation_key
 from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.storage.base import Storage
 
-__all__ = ["prepare_save", "publish_commit", "publish_manifest", "stamp"]
+__all__ = ["prepare_save", "publish_commit", "publish_manifest", "republish_manifest", "stamp"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,32 @@ def publish_manifest(storage: Storage, key: str, data: bytes, fence: Fence | Non
     if fence is None:
         storage.commit(key, data)
         return
+    _publish_exclusive(storage, key, data, fence)
+
+
+def republish_manifest(
+    storage: Storage, key: str, data: bytes, fence: Fence | None, own: tuple[str, int]
+) -> None:
+    """Replace this writer's own rank manifest at ``key`` (``own``: its sha256 and size as
+    published) with ``data``: with a fence, only while it holds the run and only when what
+    is there is still its own (a newer writer's manifest at the same id is never touched);
+    then created exclusively again. Without a fence, replaced in place."""
+    if fence is None:
+        storage.commit(key, data)
+        return
+    fence.check()
+    try:
+        there = storage.read(key, 0, own[1] + 1)
+    except NotFoundError:
+        there = None
+    if there is not None:
+        if sha256_hex(there) != own[0]:
+            fence.check()  # a newer writer's: fenced, and names it
+            raise RetryableStorageError(
+                f"{key}: another writer replaced this process's manifest although it holds "
+                f"the run (generation {fence.generation}); is a second job using the same run id?"
+            )
+        storage.delete(key)
     _publish_exclusive(storage, key, data, fence)
 
 

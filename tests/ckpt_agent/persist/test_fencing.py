@@ -11,10 +11,10 @@ import pytest
 from ckpt_agent.decide.retention import RetentionPlan
 from ckpt_agent.errors import FencedError, RetryableStorageError
 from ckpt_agent.format.fence import Fence, WriterRecord, claim
-from ckpt_agent.format.layout import blobs_prefix, commit_key, rank_manifest_key
+from ckpt_agent.format.layout import blobs_prefix, commit_key, rank_manifest_key, sha256_hex
 from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest, RankManifest
 from ckpt_agent.format.verify import verify_hashes
-from ckpt_agent.persist.fencing import publish_commit
+from ckpt_agent.persist.fencing import publish_commit, publish_manifest, republish_manifest
 from ckpt_agent.persist.housekeeping import apply_retention, gc_blobs
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource
 from ckpt_agent.policy.models import Tier
@@ -119,3 +119,24 @@ def test_retention_and_gc_delete_nothing_once_the_guard_refuses(store: LocalStor
     after = sorted(i.key for i in store.list() if "/writers/" not in i.key)
     assert after == before
     w.close()
+
+
+def test_republish_replaces_only_its_own_manifest_while_holding(store: LocalStorage) -> None:
+    """DCP's rank 0 publishes its manifest again with DCP's metadata (#28): only its own,
+    and a fenced writer replaces nothing."""
+    key = rank_manifest_key(RUN, "full_step_000000000001", 0)
+    mine = claim(store, RUN)
+    publish_manifest(store, key, b"first", mine)
+    republish_manifest(store, key, b"second", mine, (sha256_hex(b"first"), 5))
+    assert store.read(key) == b"second"
+    store.delete(key)
+    store.commit(key, b"theirs")  # someone else's at our key: never replaced
+    with pytest.raises(RetryableStorageError, match="replaced this process's manifest"):
+        republish_manifest(store, key, b"third", mine, (sha256_hex(b"second"), 6))
+    assert store.read(key) == b"theirs"
+    claim(store, RUN)  # a newer writer: fenced before anything
+    with pytest.raises(FencedError):
+        republish_manifest(store, key, b"third", mine, (sha256_hex(b"theirs"), 6))
+    assert store.read(key) == b"theirs"
+    republish_manifest(store, key, b"plain", None, ("", 0))  # no fence: replaced in place
+    assert store.read(key) == b"plain"

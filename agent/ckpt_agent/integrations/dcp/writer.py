@@ -35,6 +35,7 @@ from ckpt_agent.errors import (
     JsonTreeError,
     StepOrderError,
 )
+from ckpt_agent.format.fence import Fence, WriterRecord, claim, holder_of
 from ckpt_agent.format.layout import (
     rank_manifest_key,
     sha256_hex,
@@ -60,6 +61,7 @@ from ckpt_agent.integrations.dcp.common import (
 )
 from ckpt_agent.metrics import Metrics
 from ckpt_agent.persist.builder import PersistBuilder, PersistParts
+from ckpt_agent.persist.fencing import republish_manifest
 from ckpt_agent.persist.finalize import FinalizeJob
 from ckpt_agent.persist.writer import CheckpointWriter, TensorSource, WrittenRank
 from ckpt_agent.policy.agent_config import AgentConfig
@@ -71,6 +73,7 @@ from ckpt_agent.runtime.core.serialization import (
     library_versions,
     raw_bytes,
 )
+from ckpt_agent.runtime.save.fencing import hold
 from ckpt_agent.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -125,6 +128,11 @@ class DcpWriter(StorageWriter):
         self._lock = threading.Lock()
         self.committed: list[str] = []
         """Checkpoint ids this writer committed (coordinator)."""
+        self.fence: Fence | None = None
+        """This writer's generation of the run: claimed by the coordinator (rank 0) at its
+        first save or resume, read by the other ranks at their first save (the run's
+        highest); a newer writer of the run fences it (:class:`FencedError` at the next
+        save, nothing deleted)."""
 
     # ------------------------------------------------------------------ DCP's calls
 
@@ -154,6 +162,14 @@ class DcpWriter(StorageWriter):
                 "checkpoint_id=f'step-{step}')) or call writer.set_step(step) first"
             )
         self._coordinator = is_coordinator
+        if is_coordinator:
+            # The previous save's validation and retention end first: holding the run,
+            # they delete debris and unreferenced blobs without a grace (single writer),
+            # which this save's writes must not meet.
+            self.wait()
+            self._claim()  # before the plan's collective: the other ranks follow it
+            assert self.fence is not None
+            self.fence.check()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -175,6 +191,7 @@ class DcpWriter(StorageWriter):
         if not isinstance(pd, _PlanData):
             raise ValueError("DcpWriter: the plan did not come through its prepare_global_plan")
         self._plan = pd
+        self._follow()
         items: list[dict[str, object]] = []
         for item in plan.items:
             entry: dict[str, object] = {
@@ -240,7 +257,8 @@ class DcpWriter(StorageWriter):
         state[SECTION] = section
         manifest = dataclasses.replace(own.manifest, state=state)
         data = manifest.to_bytes()
-        self.storage.commit(rank_manifest_key(self.run_id, ckpt_id, own.manifest.rank), data)
+        key = rank_manifest_key(self.run_id, ckpt_id, own.manifest.rank)
+        republish_manifest(self.storage, key, data, self.fence, (own.ref.sha256, own.ref.size))
         own.bytes_new += len(data) - own.ref.size
         own.manifest = manifest
         own.ref = dataclasses.replace(own.ref, sha256=sha256_hex(data), size=len(data))
@@ -292,8 +310,11 @@ class DcpWriter(StorageWriter):
         self._newest = None  # listed again at the next save
         if _rank() != 0:
             return
+        self._claim()  # a resume starts this writer: it holds the run from now
         listed = list_checkpoints(self.storage, self.run_id, include_heartbeat=False)
         for r in superseded(listed, rec.step):
+            assert self.fence is not None
+            self.fence.check()  # a fenced writer marks nothing
             reason = f"superseded: the run resumed from {rec.id} (step {rec.step})"
             verdict = ValidationVerdict(
                 checkpoint_id=r.id,
@@ -336,6 +357,32 @@ class DcpWriter(StorageWriter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _claim(self) -> None:
+        """The coordinator: claim the run's next writer generation, once."""
+        if self.fence is None:
+            self._hold(claim(self.storage, self.run_id))
+            log.info("DCP writer holds run %s (generation %d)", self.run_id, self.generation)
+
+    def _follow(self) -> None:
+        """Another rank, at its first save (the coordinator claimed before the plan's
+        collective): check the run's highest generation from now on."""
+        if self.fence is not None or self._coordinator:
+            return
+        holder = holder_of(self.storage, self.run_id)
+        if holder is not None:
+            self._hold(Fence(self.storage, self.run_id, WriterRecord.here(holder.generation)))
+
+    def _hold(self, fence: Fence) -> None:
+        self.fence = fence
+        self._writer.fence = fence
+        if self._parts is not None:
+            hold(self._parts, fence)
+
+    @property
+    def generation(self) -> int | None:
+        """This writer's generation (None before its first save or resume)."""
+        return None if self.fence is None else self.fence.generation
 
     def _meta(self, pd: _PlanData) -> CheckpointMeta:
         return CheckpointMeta(
@@ -393,6 +440,8 @@ class DcpWriter(StorageWriter):
                 metrics=Metrics(),
                 tolerate_retention_errors=True,
             )
+            if self.fence is not None:  # validation, verdicts and retention: fenced too
+                hold(self._parts, self.fence)
             self._finalizer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-validate")
         parts = self._parts
         assert self._finalizer is not None
