@@ -5,6 +5,9 @@ reason under it; more (a run full of garbage: 50,000 unreadable COMMITs) as plai
 text and the first :data:`REASONS_SHOWN` reasons with a count of the rest — rendering a
 rich table costs ~2.5 ms a row (a 50,000-row one took minutes, issue #28), plain lines
 almost nothing. ``--json`` lists everything, every reason, whatever the size.
+
+Under the table, one line says who holds the run: the highest writer generation
+(:mod:`ckpt_agent.format.fence`), its pod and node and since when (:func:`holder_line`).
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ from ckpt_agent.cli.common import (
     when,
 )
 from ckpt_agent.decide.retention import effective_class
+from ckpt_agent.errors import CheckpointFormatError, NotFoundError
+from ckpt_agent.format.fence import generations, read_writer
 from ckpt_agent.policy.models import RetentionSpec, Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
+from ckpt_agent.storage.base import Storage
 
-__all__ = ["REASONS_SHOWN", "RICH_ROWS_MAX", "ls"]
+__all__ = ["REASONS_SHOWN", "RICH_ROWS_MAX", "holder_line", "ls"]
 
 RICH_ROWS_MAX = 1000
 """Checkpoints shown in a rich table; more are printed as plain aligned text."""
@@ -86,6 +92,21 @@ def plain_table(records: Sequence[CheckpointRecord], spec: RetentionSpec) -> lis
     ]
 
 
+def holder_line(store: Storage, run_id: str) -> str:
+    """Who holds the run, as one line of plain text (stored names cleaned): the highest
+    writer generation, its pod, node and claim time."""
+    gens = generations(store, run_id)
+    if not gens:
+        return "writer: none has claimed this run (no writers/ generation)"
+    try:
+        rec = read_writer(store, run_id, gens[-1])
+    except (NotFoundError, CheckpointFormatError) as e:
+        return plain(f"writer: generation {gens[-1]} holds the run (its record is unreadable: {e})")
+    where = f"pod {rec.pod or '?'}" + (f" on node {rec.node}" if rec.node else "")
+    since = when(rec.time) or "?"
+    return plain(f"writer: generation {rec.generation} holds the run: {where}, since {since}")
+
+
 @guarded
 def ls(
     storage: StorageOpt = "",
@@ -101,7 +122,8 @@ def ls(
     heartbeat is shown too. Status comes from the validator's verdict
     (pending = not validated yet, never offered for resume); a corrupted
     checkpoint's reason is printed under the table (over 1000 checkpoints: plain text,
-    the first 20 reasons; --json lists all).
+    the first 20 reasons; --json lists all), with the writer that holds the run
+    (generation, pod, node, since when).
     """
     cfg = load_policy(config)
     store = open_store(storage, cfg)
@@ -128,6 +150,7 @@ def ls(
     corrupted = [r for r in records if r.status == CheckpointStatus.CORRUPTED]
     if len(records) > RICH_ROWS_MAX:
         lines = [plain(f"{run_id} @ {store.url}"), *plain_table(records, cfg.retention)]
+        lines.append(holder_line(store, run_id))
         lines += [f"{plain(r.id)}: {plain(_reason(r))}" for r in corrupted[:REASONS_SHOWN]]
         if len(corrupted) > REASONS_SHOWN:
             lines.append(
@@ -156,5 +179,6 @@ def ls(
             safe(flags_of(r)),
         )
     console.print(table)
+    say(safe(holder_line(store, run_id)))
     for r in corrupted:
         say(f"[red]{safe(r.id)}[/]: {safe(_reason(r))}")
