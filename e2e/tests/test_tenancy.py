@@ -1,16 +1,21 @@
-"""Tenancy (issue #17): two namespaces, one storage root; a job in namespace B annotated
-with namespace A's run id is refused — no restart from A's checkpoints, A's checkpoints
-untouched, a Warning Event — and B's policy's retention never deletes from A's run.
+"""Tenancy (issues #17, #28): two namespaces, one storage root; a job in namespace B
+annotated with namespace A's run id is refused — no restart from A's checkpoints, A's
+checkpoints untouched, a Warning Event — and B's policy's retention never deletes from
+A's run.
 
 Both policies name the same folder (A's PVC folder, which the operator may read: the
 e2e chart values grant every namespace the cluster's PVC root), so only the run's owner
-record (``<run>/OWNER.json``, claimed for A when the operator first sees A's job use the
-run) keeps them apart.
+record (``<run>/OWNER.json``, claimed for A by A's trainer when it created the run; the
+operator never writes one) keeps them apart. Without that record (a legacy run) nobody
+uses the run — B's job is not restarted from it, B's retention deletes nothing, no
+record is written — until an administrator runs ``ckpt claim``.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +37,7 @@ def _tree(root: Path) -> dict[str, int]:
 def test_a_job_in_another_namespace_cannot_use_a_run_it_does_not_own(
     scenario: Scenario, cluster: LocalCluster, operator: OperatorProcess
 ) -> None:
-    # namespace A: a real run with real checkpoints, claimed for A by the operator
+    # namespace A: a real run with real checkpoints, claimed for A by its trainer
     scenario.apply_policy("e2e")
     view = scenario.view()
     runner = scenario.runner()
@@ -41,8 +46,9 @@ def test_a_job_in_another_namespace_cannot_use_a_run_it_does_not_own(
     run_id = scenario.run_id("train")
     assert first.wait(180) == 0, first.local.log_text()[-3000:] if first.local else ""
     owner_file = scenario.store / run_id / "OWNER.json"
-    cluster.wait_for(owner_file.exists, timeout=60, what=f"the operator claiming {run_id} for A")
-    assert json.loads(owner_file.read_text())["namespace"] == scenario.namespace
+    cluster.wait_for(owner_file.exists, timeout=60, what=f"A's trainer claiming {run_id}")
+    record = json.loads(owner_file.read_text())
+    assert (record["namespace"], record["claimedBy"]) == (scenario.namespace, "agent")
     valid = [r.id for r in view.valid(run_id)]
     assert len(valid) >= 2
     before = _tree(scenario.store / run_id)
@@ -81,6 +87,46 @@ def test_a_job_in_another_namespace_cannot_use_a_run_it_does_not_own(
         assert [r.id for r in view.valid(run_id)] == valid
         assert _tree(scenario.store / run_id) == before
         assert json.loads(owner_file.read_text())["namespace"] == scenario.namespace
+
+        # the same run as a legacy run (its record removed, as before owner records
+        # existed): B's job naming it is not restarted from it, nothing is claimed
+        owner_file.unlink()
+        legacy_before = _tree(scenario.store / run_id)
+        thief.submit("legacy", TRAINING, annotations={"ckpt.dev/run-id": run_id})
+        status = thief.wait_operator_state("legacy", "GaveUp", timeout=120)
+        assert status["reason"] == "LegacyRunUnclaimed", status
+        assert "ckpt claim" in status["message"]
+        assert thief.job("legacy-r1") is None
+        cluster.wait_for(
+            lambda: events(cluster, ns_b, kind="CheckpointPolicy", reason="LegacyRunUnclaimed"),
+            timeout=60,
+            what="B's retention reporting the unclaimed legacy run",
+        )
+        assert _tree(scenario.store / run_id) == legacy_before  # no delete, no OWNER.json
+        # the administrator gives it back to A
+        claimed = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ckpt_agent.cli",
+                "claim",
+                "--storage",
+                str(scenario.store),
+                "--run-id",
+                run_id,
+                "--namespace",
+                scenario.namespace,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert claimed.returncode == 0, claimed.stdout + claimed.stderr
+        record = json.loads(owner_file.read_text())
+        assert record["namespace"] == scenario.namespace
+        assert record["claimedBy"].startswith("admin")
+        assert [r.id for r in view.valid(run_id)] == valid
     finally:
         thief.close()
         cluster.delete_namespace(ns_b, wait=False)
