@@ -307,7 +307,7 @@ class FinalizePipeline:
                     try:
                         self.storage.delete(blob_key(self.run_id, digest))
                     except StorageError:
-                        log.warning("could not delete corrupted blob %s", digest[:16])
+                        log.warning("could not delete corrupted blob %s", clean(digest[:16]))
 
     def apply_retention(self, grace_s: float) -> RetentionResult:
         """Apply the retention policy, collect unreferenced blobs, update the catalog."""
