@@ -53,6 +53,7 @@ from ckpt_agent.errors import (
     PermanentStorageError,
     RetryableStorageError,
     StorageError,
+    UnsafePathError,
 )
 from ckpt_agent.text import clean
 from ckpt_agent.tuning import ASSUMED_WRITE_BPS_REMOTE
@@ -126,6 +127,9 @@ def delete_failures(failed: Sequence[tuple[str, StorageError]], total: int) -> S
     shown = "; ".join(f"{k}: {e}" for k, e in failed[:3])
     more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
     msg = f"{len(failed)} of {total} key(s) not deleted: {shown}{more}"
+    if any(isinstance(e, UnsafePathError) for _, e in failed):
+        # a planted link is a security finding: callers (and people) must see it as one
+        return UnsafePathError(msg + "; the rest were deleted")
     if all(isinstance(e, RetryableStorageError) for _, e in failed):
         return RetryableStorageError(msg + "; the rest were deleted, try again later")
     return PermanentStorageError(msg + "; the rest were deleted")
