@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ckpt_agent.errors import CheckpointFormatError, FencedError, NotFoundError, StorageError
 from ckpt_agent.format.layout import loads, run_prefix
+from ckpt_agent.format.termination import FencedReport, TerminationLog
 from ckpt_agent.policy.agent_config import ENV_JOB_NAME, ENV_NAMESPACE, ENV_NODE_NAME, ENV_POD_NAME
 from ckpt_agent.storage.base import Storage
 
@@ -45,6 +46,7 @@ __all__ = [
     "WriterRecord",
     "claim",
     "fenced_error",
+    "fenced_report",
     "generations",
     "parse_writer_name",
     "read_writer",
@@ -266,12 +268,41 @@ def claim(
     for _ in range(attempts):
         record = base.at(nxt)
         if storage.create_exclusive(writer_key(run_id, nxt), record.to_bytes()):
-            return Fence(storage, run_id, record)
+            fence = Fence(storage, run_id, record)
+            fence.on_fenced = _report_to(TerminationLog.from_env(environ), fence)
+            return fence
         gens = generations(storage, run_id)
         nxt = max(nxt, gens[-1] if gens else 0) + 1
     raise RuntimeError(
         f"run {run_id}: lost {attempts} races for a writer generation in a row: more "
         "writers are starting on this run than can hold it; give each job its own run id"
+    )
+
+
+def _report_to(
+    report: TerminationLog | None, fence: Fence
+) -> Callable[[WriterRecord | None], None] | None:
+    """The default :attr:`Fence.on_fenced`: the container's termination report says this
+    writer was fenced, naming the holder (a checkpointer hands its own report instead,
+    :mod:`ckpt_agent.runtime.save.fencing`); None without a termination log."""
+    if report is None:
+        return None
+
+    def tell(holder: WriterRecord | None) -> None:
+        assert report is not None
+        report.mark_fenced(fence.run_id, fenced_report(fence, holder))
+
+    return tell
+
+
+def fenced_report(fence: Fence, holder: WriterRecord | None) -> FencedReport:
+    """What the termination report says of a fenced writer: its generation, the holder."""
+    return FencedReport(
+        generation=fence.generation,
+        holder=holder.generation if holder is not None else 0,
+        pod=holder.pod if holder is not None else "",
+        node=holder.node if holder is not None else "",
+        at=time.time(),
     )
 
 

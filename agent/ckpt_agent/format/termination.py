@@ -449,5 +449,16 @@ class TerminationLog:
     def mark_fenced(self, run_id: str, fenced: FencedReport) -> CheckpointReport:
         """Rewrite the report saying this writer was fenced (its last checkpoints kept)."""
         self.fenced = fenced
-        last_run, records = self._last if self._last is not None else (run_id, ())
+        if self._last is None:  # another process's log of this file: keep what it reported
+            self._last = (run_id, self._reported(run_id))
+        last_run, records = self._last
         return self.write(run_id, records if last_run == run_id else ())
+
+    def _reported(self, run_id: str) -> tuple[CheckpointRecord, ...]:
+        """The checkpoints the file reports now for ``run_id`` (none when unreadable)."""
+        try:
+            with open(self.path, "rb") as f:
+                report = parse_report(f.read(MAX_PARSE_CHARS))
+        except (OSError, TerminationReportError):
+            return ()
+        return tuple(report.records()) if report.run_id == run_id else ()

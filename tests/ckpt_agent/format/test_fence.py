@@ -138,3 +138,34 @@ def test_an_unreadable_newer_claim_still_fences(store: LocalStorage) -> None:
 def test_a_fence_object_checks_with_one_stat(store: LocalStorage) -> None:
     f = Fence(store, "r", WriterRecord(generation=5))
     f.check()  # nothing newer: no claim files at all
+
+
+def test_a_claimant_without_a_checkpointer_reports_being_fenced(
+    store: LocalStorage, tmp_path: Path
+) -> None:
+    """The flash sidecar and the DCP writer claim without a checkpointer's report: the
+    container's termination log (CKPT_TERMINATION_LOG) still says fenced, naming the holder,
+    and keeps the checkpoints it reported (#28)."""
+    from ckpt_agent.format.termination import CheckpointReport, encode_report, parse_report
+    from ckpt_agent.policy.models import Tier
+    from ckpt_agent.records import CheckpointRecord, CheckpointStatus
+
+    term = tmp_path / "termination-log"
+    valid = CheckpointRecord(
+        id="pulse_step_000000000010",
+        step=10,
+        tier=Tier.PULSE,
+        status=CheckpointStatus.VALID,
+        created_at=5.0,
+        manifest_hash="ab" * 32,
+    )
+    term.write_bytes(encode_report(CheckpointReport.from_records("r", [valid], 6.0)))
+    old = claim(store, "r", environ={**ENV, "CKPT_TERMINATION_LOG": str(term)})
+    assert claim(store, "r", environ={"CKPT_POD_NAME": "new-0"}).on_fenced is None  # no log
+    for _ in range(2):
+        with pytest.raises(FencedError):
+            old.check()
+    report = parse_report(term.read_text())
+    assert report.fenced is not None
+    assert (report.fenced.generation, report.fenced.holder, report.fenced.pod) == (1, 2, "new-0")
+    assert [c.step for c in report.checkpoints] == [10]

@@ -14,10 +14,8 @@ Once fenced, the container's termination report says so (:func:`report_fenced`).
 
 from __future__ import annotations
 
-import time
-
-from ckpt_agent.format.fence import Fence, WriterRecord, claim, holder_of
-from ckpt_agent.format.termination import FencedReport, TerminationLog
+from ckpt_agent.format.fence import Fence, WriterRecord, claim, fenced_report, holder_of
+from ckpt_agent.format.termination import TerminationLog
 from ckpt_agent.persist.builder import PersistParts
 from ckpt_agent.runtime.core.context import Engine
 
@@ -25,23 +23,15 @@ __all__ = ["claim_writer", "follow_writer", "hold", "report_fenced"]
 
 
 def report_fenced(report: TerminationLog | None, fence: Fence) -> None:
-    """Once ``fence`` is found fenced, the container's termination report says so, naming
-    the holder: the operator tells this exit from a crash (an Event, no restart)."""
+    """Once ``fence`` is found fenced, the container's termination report (this
+    checkpointer's, which knows its checkpoints) says so, naming the holder: the operator
+    tells this exit from a crash (an Event, no restart)."""
     if report is None:
         return
 
     def tell(holder: WriterRecord | None) -> None:
         assert report is not None
-        report.mark_fenced(
-            fence.run_id,
-            FencedReport(
-                generation=fence.generation,
-                holder=holder.generation if holder is not None else 0,
-                pod=holder.pod if holder is not None else "",
-                node=holder.node if holder is not None else "",
-                at=time.time(),
-            ),
-        )
+        report.mark_fenced(fence.run_id, fenced_report(fence, holder))
 
     fence.on_fenced = tell
 
