@@ -301,11 +301,16 @@ class LocalPod:
         """SIGKILL the whole container (a crash / OOM kill of the container)."""
         self.signal_container(signal.SIGKILL)
 
-    def lose_node(self) -> None:
+    def lose_node(self, *, kill: bool = True) -> None:
         """The node dies with the pod: SIGKILL every process of the container and report
-        nothing (no kubelet is left to report the exit or finish a deletion)."""
+        nothing (no kubelet is left to report the exit or finish a deletion).
+
+        ``kill=False``: the node is cut off instead (a partition): its processes keep
+        running — a *zombie* — and nothing here acts on the pod's deletion or reports
+        its exit."""
         self.node_lost = True
-        self.kill()
+        if kill:
+            self.kill()
 
     def _terminate(self) -> None:
         """SIGTERM to the main process only (what a container runtime does)."""
@@ -413,7 +418,8 @@ class LocalPod:
                     "metadata"
                 ].get("uid"):
                     self.pod_deleted = True
-                if self.pod_deleted or (pod and pod["metadata"].get("deletionTimestamp")):
+                deleting = self.pod_deleted or (pod and pod["metadata"].get("deletionTimestamp"))
+                if deleting and not self.node_lost:  # a lost node's kubelet does nothing
                     if term_deadline is None:
                         self.terminated_by_deletion = True
                         grace = self.process.grace
