@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -46,6 +47,7 @@ __all__ = [
     "WriterRecord",
     "claim",
     "fenced_error",
+    "fenced_from_text",
     "fenced_report",
     "generations",
     "parse_writer_name",
@@ -198,6 +200,26 @@ def fenced_error(run_id: str, own: WriterRecord, holder: WriterRecord | None) ->
         "CKPT_RUN_ID)",
         generation=own.generation,
         holder=newer,
+    )
+
+
+_TEXT_PREFIX = "FencedError: "
+_TEXT_OWN = re.compile(r"this process holds generation (\d+)")
+_TEXT_HOLDER = re.compile(r"taken over by a newer writer \((.*?)\); this process holds")
+
+
+def fenced_from_text(text: str) -> FencedError | None:
+    """The :class:`FencedError` another process reported as text (``"FencedError: ..."``,
+    e.g. the flash persister's result marks), so the trainer stops as a fenced writer
+    does; None for any other error text."""
+    if not text.startswith(_TEXT_PREFIX):
+        return None
+    message = text[len(_TEXT_PREFIX) :]
+    own, holder = _TEXT_OWN.search(message), _TEXT_HOLDER.search(message)
+    return FencedError(
+        message,
+        generation=int(own.group(1)) if own else 0,
+        holder=holder.group(1) if holder else "a newer writer",
     )
 
 

@@ -24,6 +24,7 @@ from ckpt_agent import tuning
 from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.retention import classify
 from ckpt_agent.flash.protocol import PersistedMark, read_file
+from ckpt_agent.format.fence import fenced_from_text
 from ckpt_agent.format.manifest import lineage_to_json
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import checkpoint_id
@@ -197,7 +198,9 @@ class ShmPersister:
             tier = self._pending.pop(seq)
         if not mark.ok:
             what = f"persisting {tier.value} of step {mark.step} (shared memory)"
-            self._errors.append(JobError(what, RuntimeError(mark.error), tier))
+            # the persister holds the run's generation: fenced there is fenced here (fatal)
+            error = fenced_from_text(mark.error) or RuntimeError(mark.error)
+            self._errors.append(JobError(what, error, tier))
             return
         e.stats.committed += 1 if mark.committed else 0
         e.stats.bytes_written += mark.size_bytes
