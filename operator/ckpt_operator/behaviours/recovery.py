@@ -129,8 +129,10 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     spec = await load_policy_spec(deps, job)
     if spec is None:
         return deps.config.recovery.policy_missing_retry_s
+    listed = None  # the job's pods, listed once per call (the fenced check and the plan)
     if not facts.handled and facts.failed and not facts.restarted_as:
-        fenced = fenced_pods(await job_pods(deps, job))
+        listed = await job_pods(deps, job)
+        fenced = fenced_pods(listed)
         if fenced:  # not a crash: a newer writer holds the run and is already running
             await _fenced_job(deps, job, fenced)
             return None
@@ -148,7 +150,7 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
     # the pods' reports ride on the restart's intent write (one PATCH), else written alone
     pending_reports: dict[str, str | None] = {}
     if outcome is None:
-        pods = await job_pods(deps, job)
+        pods = listed if listed is not None else await job_pods(deps, job)
         inputs = await gather_plan_inputs(deps, job, pods, spec, now, pending_reports)
         if not isinstance(inputs, PlanInputs):
             return inputs
