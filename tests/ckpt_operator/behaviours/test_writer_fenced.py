@@ -14,13 +14,12 @@ from ckpt_agent.format.termination import (
 )
 from ckpt_operator.behaviours.recovery import recover_job, report_fenced_pod
 from ckpt_operator.model import constants as c
-from ckpt_operator.planners.fenced import fenced_message, fenced_pods
 
 RUN = "mnist-ddp-5f0c6a7e"
 HOLDER = FencedReport(3, 4, "mnist-ddp-r1-worker-0", "gpu-9", 1_714_647_737.0)
 
 
-def _pod(fixture: Any, fenced: FencedReport | None, state: str = "state") -> dict[str, Any]:
+def fenced_pod(fixture: Any, fenced: FencedReport | None, state: str = "state") -> dict[str, Any]:
     pod = fixture("admission_review_pod.json")["request"]["object"]
     pod["metadata"].setdefault("labels", {}).update(
         {c.LABEL_INJECTED: "true", c.LABEL_TO_JOB_NAME: "mnist-ddp"}
@@ -36,28 +35,11 @@ def _pod(fixture: Any, fenced: FencedReport | None, state: str = "state") -> dic
     return dict(pod)
 
 
-def test_fenced_pods_are_told_from_crashed_ones(fixture: Any) -> None:
-    crashed = _pod(fixture, None)
-    zombie = _pod(fixture, HOLDER, "lastState")
-    assert fenced_pods([crashed]) == []
-    found = fenced_pods([crashed, zombie])
-    assert [(f.pod, f.container, f.run_id, f.fenced) for f in found] == [
-        ("mnist-ddp-worker-0", "pytorch", RUN, HOLDER)
-    ]
-    message = fenced_message("mnist-ddp", found[0])
-    for part in ("mnist-ddp-worker-0", "generation 4", "mnist-ddp-r1-worker-0", "gpu-9"):
-        assert part in message
-    assert "not restarted" in message
-    odd = _pod(fixture, None)
-    odd["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = '{"fenced": 1}'
-    assert fenced_pods([odd]) == []  # not a report: not fenced
-
-
 def test_a_failed_job_whose_writer_was_fenced_is_not_restarted(
     world: Any, fixture: Any, rec: Any
 ) -> None:
     world.source.runs[RUN] = [rec("full", 1000, manifest_hash="h1000")]
-    pod = _pod(fixture, HOLDER)
+    pod = fenced_pod(fixture, HOLDER)
     world.api.add_pod(pod)
     world.deps.pods.upsert(pod)
     job = world.api.add_job(fixture("pytorchjob_failed.json"))
@@ -78,7 +60,7 @@ def test_a_failed_job_whose_writer_was_fenced_is_not_restarted(
 
 def test_a_crashed_job_is_still_restarted(world: Any, fixture: Any, rec: Any) -> None:
     world.source.runs[RUN] = [rec("full", 1000, manifest_hash="h1000")]
-    pod = _pod(fixture, None)
+    pod = fenced_pod(fixture, None)
     world.api.add_pod(pod)
     world.deps.pods.upsert(pod)
     job = world.api.add_job(fixture("pytorchjob_failed.json"))
@@ -92,9 +74,9 @@ def test_a_zombie_of_a_restarted_job_is_reported_once_on_it_and_its_job(
 ) -> None:
     job = world.api.add_job(fixture("pytorchjob_failed.json"))
     world.deps.jobs.upsert(job)
-    pod = _pod(fixture, HOLDER)
+    pod = fenced_pod(fixture, HOLDER)
     assert asyncio.run(report_fenced_pod(world.deps, pod))
     assert not asyncio.run(report_fenced_pod(world.deps, pod))  # once per pod
     assert world.events.reasons() == ["WriterFenced", "WriterFenced"]
     assert sorted(e.obj.split("/")[0] for e in world.events.events) == ["Pod", "PyTorchJob"]
-    assert not asyncio.run(report_fenced_pod(world.deps, _pod(fixture, None)))
+    assert not asyncio.run(report_fenced_pod(world.deps, fenced_pod(fixture, None)))
