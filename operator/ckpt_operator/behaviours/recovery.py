@@ -10,6 +10,7 @@ from typing import Any, assert_never
 from ckpt_operator.adapters.kube import ApiError, ConflictError
 from ckpt_operator.behaviours.deps import (
     Deps,
+    Obj,
     annotate_job,
     cached_policy,
     kind_kw,
@@ -131,10 +132,10 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
         return deps.config.recovery.policy_missing_retry_s
     listed = None  # the job's pods, listed once per call (the fenced check and the plan)
     if not facts.handled and facts.failed and not facts.restarted_as:
-        listed = await job_pods(deps, job)
-        fenced = fenced_pods(listed)
+        pods = await job_pods(deps, job)
+        fenced = fenced_pods(pods)
         if fenced:  # not a crash: a newer writer holds the run and is already running
-            await _fenced_job(deps, job, fenced)
+            await _fenced_job(deps, job, fenced, pods)
             return None
     if facts.status is None or facts.status.state not in ("BackingOff", "Restarting"):
         deps.events.emit(
@@ -276,13 +277,12 @@ def _post_fenced(
     return message
 
 
-async def _fenced_job(deps: Deps, job: Mapping[str, Any], fenced: list[FencedPod]) -> None:
+async def _fenced_job(
+    deps: Deps, job: Mapping[str, Any], fenced: list[FencedPod], pods: list[Obj]
+) -> None:
     """A job that failed because its writer was fenced: Events naming the holder, no
     restart (the holder is already running), the status says why."""
-    by_name = {
-        str(meta_of(p).name): p
-        for p in deps.pod_index(kind_of(job)).of_job(job_facts(job).namespace, job_facts(job).name)
-    }
+    by_name = {str(meta_of(p).name): p for p in pods}
     messages = [_post_fenced(deps, job, by_name.get(f.pod), f) for f in fenced]
     await set_job_status(deps, job, "GaveUp", "WriterFenced", messages[0])
 
