@@ -132,10 +132,10 @@ async def recover_job(deps: Deps, job: Mapping[str, Any]) -> float | None:
         return deps.config.recovery.policy_missing_retry_s
     listed = None  # the job's pods, listed once per call (the fenced check and the plan)
     if not facts.handled and facts.failed and not facts.restarted_as:
-        pods = await job_pods(deps, job)
-        fenced = fenced_pods(pods)
+        listed = await job_pods(deps, job)
+        fenced = fenced_pods(listed)
         if fenced:  # not a crash: a newer writer holds the run and is already running
-            await _fenced_job(deps, job, fenced, pods)
+            await _fenced_job(deps, job, fenced, listed)
             return None
     if facts.status is None or facts.status.state not in ("BackingOff", "Restarting"):
         deps.events.emit(
