@@ -131,10 +131,12 @@ def test_rank_killed_mid_save_leaves_previous_valid_and_no_commit(tmp_path: Path
     assert len(records) == 2, [x.id for x in records]
     folders = {i.key.split("/")[2] for i in store.list(f"{w.RUN}/steps/") if "/steps/" in i.key}
     started = sorted(folders - {x.id for x in records})
-    assert len(started) == 1  # the third save: parts maybe written, never committed
-    third = started[0]
-    assert not store.exists(commit_key(w.RUN, third))
-    assert not store.exists(rank_manifest_key(w.RUN, third, 1))
+    # the third save: parts maybe written, never committed; on a loaded machine rank 0 may
+    # not have written its part yet when rank 1 dies at its first write, so no folder at all
+    assert len(started) <= 1, started
+    for third in started:
+        assert not store.exists(commit_key(w.RUN, third))
+        assert not store.exists(rank_manifest_key(w.RUN, third, 1))
     prev = records[-1]
     assert prev.status in (CheckpointStatus.VALID, CheckpointStatus.PENDING)
     v = Validator(store, w.RUN, ValidationSpec(load_in_subprocess=False))
