@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from ckpt_agent.errors import CheckpointFormatError, FencedError, NotFoundError, StorageError
 from ckpt_agent.format.layout import loads, run_prefix
 from ckpt_agent.format.termination import FencedReport, TerminationLog
-from ckpt_agent.policy.agent_config import ENV_JOB_NAME, ENV_NAMESPACE, ENV_NODE_NAME, ENV_POD_NAME
+from ckpt_agent.policy.agent_config import (
+    ENV_JOB_NAME,
+    ENV_NAMESPACE,
+    ENV_NODE_NAME,
+    ENV_POD_NAME,
+    ENV_POD_UID,
+)
 from ckpt_agent.storage.base import Storage
 
 __all__ = [
@@ -50,6 +56,7 @@ __all__ = [
     "fenced_from_text",
     "fenced_report",
     "generations",
+    "lost_by_this_pod",
     "parse_writer_name",
     "read_writer",
     "writer_key",
@@ -69,6 +76,10 @@ GENERATION_DIGITS = 12
 GENERATION_MAX = 10**GENERATION_DIGITS - 1
 #: Lost races retried by :func:`claim` before it gives up.
 CLAIM_ATTEMPTS = 64
+
+
+#: How many claims before the holder's a pod's retake check reads (one per restart).
+RETAKE_LOOKBACK = 64
 
 
 def writers_prefix(run_id: str) -> str:
@@ -110,6 +121,7 @@ class WriterRecord:
     pid: int = 0
     time: float = 0.0
     nonce: str = ""
+    pod_uid: str = ""
 
     @classmethod
     def here(cls, generation: int, environ: Mapping[str, str] | None = None) -> WriterRecord:
@@ -126,6 +138,7 @@ class WriterRecord:
             pid=os.getpid(),
             time=time.time(),
             nonce=secrets.token_hex(16),
+            pod_uid=_clean(env.get(ENV_POD_UID, "")),
         )
 
     def at(self, generation: int) -> WriterRecord:
@@ -154,6 +167,7 @@ class WriterRecord:
             pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else 0,
             time=float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0,
             nonce=_clean(doc.get("nonce")),
+            pod_uid=_clean(doc.get("pod_uid")),
         )
 
     def describe(self) -> str:
@@ -286,6 +300,11 @@ def claim(
     attempt lost a race (dozens of writers starting at once on one run)."""
     base = WriterRecord.here(1, environ)
     gens = generations(storage, run_id)
+    lost = lost_by_this_pod(storage, run_id, base, gens)
+    if lost is not None:  # a container restarted in place after it was fenced
+        fence = Fence(storage, run_id, lost[0])
+        fence.on_fenced = _report_to(TerminationLog.from_env(environ), fence)
+        fence._fence(lost[1].generation)  # raises FencedError (the report says so first)
     nxt = (gens[-1] if gens else 0) + 1
     for _ in range(attempts):
         record = base.at(nxt)
@@ -299,6 +318,38 @@ def claim(
         f"run {run_id}: lost {attempts} races for a writer generation in a row: more "
         "writers are starting on this run than can hold it; give each job its own run id"
     )
+
+
+def lost_by_this_pod(
+    storage: Storage, run_id: str, own: WriterRecord, gens: list[int]
+) -> tuple[WriterRecord, WriterRecord] | None:
+    """``(this pod's older claim, the holder)`` when this pod (``CKPT_POD_UID``) held an
+    older generation and another pod holds the run now; else None.
+
+    A container restarted in place (``restartPolicy: OnFailure``/``ExitCode``, a crash
+    loop) keeps its pod: after it was fenced, claiming again would fence the writer that
+    holds the run now, and two pods would take it from each other forever. The holder's
+    own container restarting in place (the highest claim is its pod's) claims as usual,
+    and so does every new pod (a restarted job). Without a pod uid (outside Kubernetes)
+    there is no rule. Reads the highest claim and at most :data:`RETAKE_LOOKBACK` older
+    ones; unreadable records are passed over.
+    """
+    if not own.pod_uid or not gens:
+        return None
+    try:
+        holder = read_writer(storage, run_id, gens[-1])
+    except (NotFoundError, CheckpointFormatError):
+        return None
+    if holder.pod_uid == own.pod_uid:
+        return None
+    for gen in reversed(gens[-1 - RETAKE_LOOKBACK : -1]):
+        try:
+            older = read_writer(storage, run_id, gen)
+        except (NotFoundError, CheckpointFormatError):
+            continue
+        if older.pod_uid == own.pod_uid:
+            return older, holder
+    return None
 
 
 def _report_to(

@@ -28,6 +28,8 @@ Environment contract (all optional):
 ``CKPT_JOB_NAME``    the PyTorchJob's name, ``CKPT_JOB_UID`` its uid (owner record, humans)
 ``CKPT_POD_NAME``    the pod's name, ``CKPT_NODE_NAME`` its node (downward API): the
                      writer record of a fenced run names them
+``CKPT_POD_UID``     the pod's uid (downward API): a pod that lost the run to a newer
+                     writer never claims it back (a container restarted in place)
 ==================== ===========================================================
 """
 
@@ -80,6 +82,7 @@ ENV_JOB_NAME = "CKPT_JOB_NAME"
 ENV_JOB_UID = "CKPT_JOB_UID"
 ENV_POD_NAME = "CKPT_POD_NAME"
 ENV_NODE_NAME = "CKPT_NODE_NAME"
+ENV_POD_UID = "CKPT_POD_UID"
 
 
 DEFAULT_RUN_ID = "local"

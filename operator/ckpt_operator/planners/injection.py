@@ -16,7 +16,8 @@ What the training container (``spec.agent.containerName``, default
   the agent claims the run for, :mod:`ckpt_agent.format.owner`), ``CKPT_POD_NAME``
   and ``CKPT_NODE_NAME`` (downward API: the writer generation's record names them,
   so a fenced writer's error and ``ckpt ls`` say which pod on which node holds the
-  run, :mod:`ckpt_agent.format.fence`),
+  run, :mod:`ckpt_agent.format.fence`), ``CKPT_POD_UID`` (a pod that lost the run
+  never claims it back when its container restarts in place),
   ``CKPT_TERMINATION_LOG`` (the container's ``terminationMessagePath``, set to the
   Kubernetes default with policy ``File`` when absent: the agent keeps its checkpoint
   report there, :mod:`ckpt_agent.format.termination`, for the operator); for S3 the
@@ -56,6 +57,7 @@ from ckpt_agent.policy.agent_config import (
     ENV_NAMESPACE,
     ENV_NODE_NAME,
     ENV_POD_NAME,
+    ENV_POD_UID,
     ENV_RESUME_FROM,
     ENV_RUN_ID,
     ENV_SHM_DIR,
@@ -220,6 +222,7 @@ def _agent_env(
         {"name": ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
     ]
     env += [
         {"name": name, "value": value}

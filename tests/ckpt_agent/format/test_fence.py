@@ -169,3 +169,53 @@ def test_a_claimant_without_a_checkpointer_reports_being_fenced(
     assert report.fenced is not None
     assert (report.fenced.generation, report.fenced.holder, report.fenced.pod) == (1, 2, "new-0")
     assert [c.step for c in report.checkpoints] == [10]
+
+
+def _pod(uid: str, name: str) -> dict[str, str]:
+    return {**ENV, "CKPT_POD_NAME": name, "CKPT_POD_UID": uid}
+
+
+def test_a_fenced_pod_restarted_in_place_never_claims_the_run_back(
+    store: LocalStorage, tmp_path: Path
+) -> None:
+    """restartPolicy OnFailure: the zombie's container restarts in place (same pod uid)
+    after it was fenced; claiming again would fence the holder, and two pods would take
+    the run from each other forever. It is refused, naming the holder, and the
+    termination report says fenced; the holder keeps the run."""
+    from ckpt_agent.format.termination import parse_report
+
+    term = tmp_path / "termination-log"
+    zombie = claim(store, "r", environ=_pod("uid-a", "llm-worker-0"))
+    holder = claim(store, "r", environ=_pod("uid-b", "llm-r1-worker-0"))
+    with pytest.raises(FencedError):
+        zombie.check()
+    env = {**_pod("uid-a", "llm-worker-0"), "CKPT_TERMINATION_LOG": str(term)}
+    with pytest.raises(FencedError, match="llm-r1-worker-0") as refused:
+        claim(store, "r", environ=env)
+    assert refused.value.generation == 1
+    assert generations(store, "r") == [1, 2]  # nothing claimed
+    holder.check()  # still holds
+    report = parse_report(term.read_text())
+    assert report.fenced is not None
+    assert (report.fenced.generation, report.fenced.holder) == (1, 2)
+
+
+def test_the_holders_own_restart_and_new_pods_claim_as_usual(store: LocalStorage) -> None:
+    """The holder's container restarting in place (its pod holds the highest claim), a
+    new pod of a restarted job, and a process outside Kubernetes (no pod uid) claim."""
+    claim(store, "r", environ=_pod("uid-a", "w-0"))
+    assert claim(store, "r", environ=_pod("uid-a", "w-0")).generation == 2  # in place
+    assert claim(store, "r", environ=_pod("uid-b", "w-r1-0")).generation == 3  # new pod
+    assert claim(store, "r", environ=ENV).generation == 4  # no uid: no rule
+    # uid-a lost to uid-b, then b lost to a uid-less process: a's retake is still refused
+    with pytest.raises(FencedError):
+        claim(store, "r", environ=_pod("uid-a", "w-0"))
+    assert claim(store, "r", environ=_pod("uid-c", "w-r2-0")).generation == 5
+
+
+def test_an_unreadable_newest_claim_leaves_no_rule_to_apply(store: LocalStorage) -> None:
+    """Who holds the run cannot be told: the retake check does not refuse (as before it)."""
+    claim(store, "r", environ=_pod("uid-a", "w-0"))
+    claim(store, "r", environ=_pod("uid-b", "w-r1-0"))
+    store.commit(writer_key("r", 3), b"not json")  # a newest claim nobody can read
+    assert claim(store, "r", environ=_pod("uid-a", "w-0")).generation == 4

@@ -346,6 +346,7 @@ def test_pod_and_node_names_come_from_the_downward_api(fixture: Any) -> None:
         env = env_of(ctr)
         assert env["CKPT_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["CKPT_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert env["CKPT_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
 
 
 def test_a_users_own_pod_name_env_is_kept(fixture: Any) -> None:
