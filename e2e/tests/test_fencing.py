@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -29,13 +28,13 @@ from ckpt_agent.format.layout import commit_key
 from ckpt_agent.format.manifest import CommitManifest
 from ckpt_agent.format.termination import parse_report
 from ckpt_agent.format.verify import verify_hashes
+from ckpt_e2e.fit.cluster import cut_off_node
 from ckpt_e2e.scenario import Scenario
 from ckpt_e2e.training import StorageView, Training, final_loss, reference_run, result_path
 
 pytestmark = pytest.mark.e2e
 
 TRAINING = Training(steps=80, seed=7, step_sleep=0.15)
-OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
 POOL_LABEL = "e2e.ckpt.dev/pool"
 
 
@@ -55,32 +54,6 @@ def _commits(view: StorageView, run_id: str) -> list[_Commit]:
             continue
         out.append(_Commit(r.id, CommitManifest.from_bytes(raw, r.id).meta.generation))
     return out
-
-
-def _cut_off(scenario: Scenario, node: str) -> None:
-    """The node is lost to the control plane: kwok lets go of it, its ``Ready`` condition
-    goes ``Unknown`` (as the node lifecycle controller sets it), out-of-service taint."""
-    cluster = scenario.cluster
-    cluster.kubectl("annotate", "node", node, "kwok.x-k8s.io/node-")
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    unknown = {
-        "type": "Ready",
-        "status": "Unknown",
-        "reason": "NodeStatusUnknown",
-        "message": "Kubelet stopped posting node status.",
-        "lastHeartbeatTime": now,
-        "lastTransitionTime": now,
-    }
-    cluster.kubectl(
-        "patch",
-        "node",
-        node,
-        "--subresource=status",
-        "--type=strategic",
-        "-p",
-        json.dumps({"status": {"conditions": [unknown]}}),
-    )
-    cluster.kubectl("taint", "node", node, f"{OUT_OF_SERVICE}=nodeshutdown:NoExecute")
 
 
 def test_a_zombie_on_a_lost_node_is_fenced_and_the_restart_loses_nothing(
@@ -117,7 +90,7 @@ def test_a_zombie_on_a_lost_node_is_fenced_and_the_restart_loses_nothing(
         first.local.signal_container(signal.SIGSTOP)
         first.local.lose_node(kill=False)
         cluster.create_node(spare, labels=pool)
-        _cut_off(scenario, lost)
+        cut_off_node(cluster, lost)
 
         # 2. the operator restarts the job on the spare node; its pod claims generation 2
         restart = scenario.wait_restart("train", timeout=120)

@@ -36,6 +36,7 @@ import json
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -397,11 +398,15 @@ def node_drain(ctx: FitContext) -> Outcome:
 
 
 # --------------------------------------------------------------------------- scenario 6
-def lose_node(cluster: LocalCluster, node: str, run: PodRun) -> None:
-    """The node dies with the pod (see the module docstring)."""
+def cut_off_node(
+    cluster: LocalCluster, node: str, *, released: Callable[[], None] | None = None
+) -> None:
+    """The node is lost to the control plane: kwok lets go of it (then ``released`` runs:
+    what becomes of its pods), its ``Ready`` condition goes ``Unknown`` (as the node
+    lifecycle controller sets it), and it gets the out-of-service taint."""
     cluster.kubectl("annotate", "node", node, "kwok.x-k8s.io/node-")  # kwok lets go of it
-    assert run.local is not None
-    run.local.lose_node()
+    if released is not None:
+        released()
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     unknown = {
         "type": "Ready",
@@ -421,6 +426,12 @@ def lose_node(cluster: LocalCluster, node: str, run: PodRun) -> None:
         json.dumps({"status": {"conditions": [unknown]}}),
     )
     cluster.kubectl("taint", "node", node, f"{OUT_OF_SERVICE}=nodeshutdown:NoExecute")
+
+
+def lose_node(cluster: LocalCluster, node: str, run: PodRun) -> None:
+    """The node dies with the pod (see the module docstring)."""
+    assert run.local is not None
+    cut_off_node(cluster, node, released=run.local.lose_node)
 
 
 def _pod_fate(sc: Scenario, name: str) -> tuple[bool, str]:
