@@ -142,9 +142,11 @@ def test_agent_missing_in_a_running_pod_when_blind(scenario: Scenario) -> None:
         def condition() -> dict[str, str] | None:
             policy = scenario.cluster.request("GET", path)
             conds = (policy.get("status") or {}).get("conditions") or []
-            return next((c for c in conds if c["type"] == "AgentReporting"), None)
+            cond = next((c for c in conds if c["type"] == "AgentReporting"), None)
+            return cond if cond and cond["status"] == "False" else None
 
-        cond = scenario.cluster.wait_for(condition, timeout=60, what="AgentReporting")
+        # a pass before the container's restart wrote True: wait for the one that flagged it
+        cond = scenario.cluster.wait_for(condition, timeout=60, what="AgentReporting=False")
         assert isinstance(cond, dict)
         assert (cond["status"], cond["reason"]) == ("False", "AgentMissing")
         assert scenario.job("train-r1") is None  # the job has not failed: no restart

@@ -94,22 +94,6 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
     except (StorageError, ValueError) as e:
         log.info("agent check of %s/%s skipped: %s", namespace, name, clean(e))
         return []
-    for s in silent:
-        job = await deps.api.get_job(namespace, s.job, **kind_kw(s.kind)) if s.job else None
-        ann = meta_of(job).annotations
-        if job is None or ann.get(c.ANN_AGENT_MISSING) == s.pod:
-            continue
-        deps.events.emit(
-            job,
-            "Warning",
-            "AgentMissing",
-            f"pod {s.pod} has run {s.running_s:.0f}s without a heartbeat, checkpoint or "
-            f"report of run {s.run_id}{f' ({s.evidence})' if s.evidence else ''}: "
-            f"{AGENT_MISSING}",
-        )
-        await deps.api.patch_job_annotations(
-            namespace, s.job, {c.ANN_AGENT_MISSING: s.pod}, **kind_kw(s.kind)
-        )
     status: ConditionStatus = "False" if silent else "True"
     reason = "AgentMissing" if silent else "AgentsReporting"
     message = (
@@ -126,9 +110,26 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
             )
         }
 
+    # the condition first: whoever sees the Event then reads a condition that agrees
     current = get_condition((Body(policy).status.get("conditions")), CONDITION)
     if current is None or current.get("reason") != reason or current.get("message") != message:
         await write_policy_status(deps, namespace, name, build)
+    for s in silent:
+        job = await deps.api.get_job(namespace, s.job, **kind_kw(s.kind)) if s.job else None
+        ann = meta_of(job).annotations
+        if job is None or ann.get(c.ANN_AGENT_MISSING) == s.pod:
+            continue
+        deps.events.emit(
+            job,
+            "Warning",
+            "AgentMissing",
+            f"pod {s.pod} has run {s.running_s:.0f}s without a heartbeat, checkpoint or "
+            f"report of run {s.run_id}{f' ({s.evidence})' if s.evidence else ''}: "
+            f"{AGENT_MISSING}",
+        )
+        await deps.api.patch_job_annotations(
+            namespace, s.job, {c.ANN_AGENT_MISSING: s.pod}, **kind_kw(s.kind)
+        )
     return [s.pod for s in silent]
 
 
