@@ -44,6 +44,7 @@ from ckpt_agent.policy.agent_config import (
     ENV_POD_UID,
 )
 from ckpt_agent.storage.base import Storage
+from ckpt_agent.text import clean
 
 __all__ = [
     "ENV_NODE_NAME",
@@ -102,10 +103,8 @@ def parse_writer_name(name: str) -> int | None:
 
 
 def _clean(value: object) -> str:
-    """A text field as a record keeps it: a string, printable, bounded."""
-    text = value if isinstance(value, str) else ""
-    text = "".join(c if c.isprintable() else f"\\x{ord(c) & 0xFF:02x}" for c in text)
-    return text[:FIELD_MAX_CHARS]
+    """A text field as a record keeps it: a string, through the one sanitizer, bounded."""
+    return clean(value, FIELD_MAX_CHARS) if isinstance(value, str) else ""
 
 
 @dataclass(frozen=True)
