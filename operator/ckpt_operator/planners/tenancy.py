@@ -31,7 +31,6 @@ response body.
 from __future__ import annotations
 
 import posixpath
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -58,7 +57,6 @@ __all__ = [
 MAX_ERROR_CHARS = 200
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 
 @dataclass(frozen=True)
