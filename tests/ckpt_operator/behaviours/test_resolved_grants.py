@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from ckpt_operator.planners.tenancy import (
     resolved_refusal,
     unclaimed_refusal,
 )
+from tests.ckpt_agent.storage.test_hostile_fs import tree as _tree
 from tests.ckpt_operator.behaviours.test_hostile_tenancy import (
     CKPTS,
     RUN_B,
@@ -52,20 +52,6 @@ from tests.ckpt_operator.behaviours.test_hostile_tenancy import (
 )
 
 RUN_A = "llm-pretrain-a"
-
-
-def _tree(root: Path) -> dict[str, bytes | str]:
-    """Every entry under ``root`` (file bytes, ``dir``, link targets), without following."""
-    out: dict[str, bytes | str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = f"-> {os.readlink(p)}"
-            else:
-                out[rel] = "dir" if p.is_dir() else p.read_bytes()
-    return out
 
 
 @pytest.fixture
