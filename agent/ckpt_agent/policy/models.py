@@ -53,6 +53,8 @@ __all__ = [
     "HeartbeatTierSpec",
     "JobCheckpointStatus",
     "ObjectMeta",
+    "PreemptionSpec",
+    "PriorityBoostSpec",
     "PulseTierSpec",
     "RecoverySpec",
     "RetentionSpec",
@@ -275,6 +277,49 @@ class AgentSpec(CamelModel):
     not use the agent (0: never)."""
 
 
+# --------------------------------------------------------------------------- preemption
+
+
+class PriorityBoostSpec(CamelModel):
+    """Kueue's ``kueue.x-k8s.io/priority-boost`` on the job's Workload, kept in step with the
+    job's at-risk work (the operator's ``--kueue``; Kueue's ``PriorityBoost`` feature gate).
+
+    Effective priority = the Workload's priority + the boost, and Kueue preempts the lowest
+    effective priority first: a job that just checkpointed (little to lose) becomes the
+    preferred victim among its equals. Kueue also compares effective priorities to decide
+    *whether* a workload may preempt another, so keep ``maxBoost`` below the gap between
+    two adjacent priority classes of the queue (the default 100 is far below the usual
+    1000s apart): then the boost only reorders victims of one class and never shields a
+    job from a preemptor of a higher class (docs/kueue.md)."""
+
+    enabled: bool = False
+    """Set the boost on the Workloads of this policy's jobs admitted through Kueue."""
+    max_boost: Annotated[int, Field(ge=1, le=1_000_000)] = 100
+    """The largest boost written (points of priority); keep it below the gap between two
+    adjacent priority classes."""
+    seconds_per_point: Annotated[float, Field(gt=0.0, le=86_400.0)] = 30.0
+    """One point of boost per this many seconds of at-risk work (time since the newest
+    valid checkpoint, plus the expected save time): 100 points at 30 s = 50 minutes."""
+    min_update_seconds: Annotated[float, Field(ge=1.0, le=86_400.0)] = 30.0
+    """At least this long between two boost writes to one Workload (removing the boost
+    when the job ends or is evicted is not delayed)."""
+
+
+class PreemptionSpec(CamelModel):
+    """Preemption by a queueing system (Kueue): the boost that picks the cheapest victim,
+    the save before an eviction ends the pods."""
+
+    priority_boost: PriorityBoostSpec = Field(default_factory=PriorityBoostSpec)
+    """Kueue priority boost from the at-risk work."""
+    save_on_eviction: bool = True
+    """Ask every pod of the job for an emergency checkpoint as soon as its Workload shows
+    an eviction (preemption, quota change, ``waitForPodsReady`` timeout), before SIGTERM,
+    and raise the pods' ``terminationGracePeriodSeconds`` to cover the expected save."""
+    max_grace_seconds: Annotated[int, Field(ge=0, le=86_400)] = 300
+    """The most the webhook raises a pod's ``terminationGracePeriodSeconds`` to (a larger
+    value the pod already has is kept; 0: never raised)."""
+
+
 # --------------------------------------------------------------------------- spec / status
 
 
@@ -297,6 +342,8 @@ class CheckpointPolicySpec(CamelModel):
     """Automatic recovery."""
     agent: AgentSpec = Field(default_factory=AgentSpec)
     """Agent injection."""
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
+    """Preemption by Kueue: priority boost, save on eviction (docs/kueue.md)."""
 
 
 class Condition(CamelModel):
