@@ -4,7 +4,7 @@ claims one (issue #28)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ from ckpt_agent.runtime.checkpointer import Checkpointer
 from ckpt_agent.storage import Storage
 from ckpt_agent.storage.fs import LocalStorage
 from tests.ckpt_agent.storage.conftest import make_s3, minio  # noqa: F401 - fixtures
+from tests.ckpt_agent.storage.conftest import storage as any_storage  # noqa: F401 - fixture
 
 
 def test_owner_from_env() -> None:
@@ -156,18 +157,7 @@ def test_the_agent_refuses_to_resume_a_legacy_run_until_it_is_claimed(
     assert read_owner(ck_store, "run1").namespace == "team-a"  # type: ignore[union-attr]
 
 
-@pytest.fixture(params=["fs", pytest.param("s3", marks=pytest.mark.s3)])
-def any_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
-    store: Storage
-    if request.param == "fs":
-        store = LocalStorage(tmp_path / "root")
-    else:
-        store = request.getfixturevalue("make_s3")()
-    yield store
-    store.close()
-
-
-def test_legacy_detection_and_admin_claim_on_every_backend(any_storage: Storage) -> None:
+def test_legacy_detection_and_admin_claim_on_every_backend(any_storage: Storage) -> None:  # noqa: F811
     """The same rules over a listing of the backend (S3: one page of the run's steps/)."""
     assert not has_checkpoints(any_storage, "r")
     _legacy_on(any_storage, "r")
