@@ -56,7 +56,7 @@ default_seconds() {
   case "$1" in
     kubernetes) echo 1186 ;; jobset) echo 606 ;; minio) echo 600 ;; promtool) echo 450 ;;
     kwok) echo 359 ;; trainer) echo 320 ;; helm) echo 284 ;; etcd) echo 201 ;;
-    training-operator) echo 166 ;; toxiproxy) echo 60 ;; *) echo 300 ;;
+    training-operator) echo 166 ;; toxiproxy) echo 60 ;; kueue) echo 300 ;; *) echo 300 ;;
   esac
 }
 
