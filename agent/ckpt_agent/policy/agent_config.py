@@ -62,6 +62,8 @@ from ckpt_agent.policy.storage_models import (
     ServerSideEncryptionSpec,
     StorageSpec,
     StorageType,
+    file_url,
+    file_url_path,
 )
 
 ENV_CONFIG = "CKPT_CONFIG"
@@ -233,7 +235,7 @@ class AgentConfig(CamelModel):
                 ),
             )
         else:
-            path = self.storage_url.removeprefix("file://")
+            path = file_url_path(self.storage_url)
             storage = StorageSpec(
                 type=StorageType.LOCAL, local=LocalStorageSpec(path=path, pvc_name=self.pvc_name)
             )
@@ -291,5 +293,5 @@ class AgentConfig(CamelModel):
                 data[key] = value
         url = data.get("storageUrl")
         if isinstance(url, str) and url.startswith("/"):
-            data["storageUrl"] = "file://" + url
+            data["storageUrl"] = file_url(url)
         return cls.model_validate(data)

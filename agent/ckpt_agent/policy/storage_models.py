@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from typing import Annotated
+from urllib.parse import quote, unquote
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -135,4 +136,16 @@ class StorageSpec(CamelModel):
             assert self.s3 is not None
             prefix = self.s3.prefix.strip("/")
             return f"s3://{self.s3.bucket}/{prefix}" if prefix else f"s3://{self.s3.bucket}"
-        return f"file://{self.local.path}"
+        return file_url(self.local.path)
+
+
+def file_url(path: str) -> str:
+    """The ``file://`` URL of a local ``path``, percent-encoded: every reader unquotes the
+    URL's path (:meth:`ckpt_agent.storage.fs.LocalStorage.from_url`), so a folder named
+    ``a%20b``, ``x?y`` or ``c#d`` opens as itself and never as ``a b``, a query or a fragment."""
+    return "file://" + quote(path, safe="/")
+
+
+def file_url_path(url: str) -> str:
+    """The local path of a ``file://`` URL (the inverse of :func:`file_url`)."""
+    return unquote(url.removeprefix("file://"))

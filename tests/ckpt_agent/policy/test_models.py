@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -22,6 +23,8 @@ from ckpt_agent.policy.agent_config import (
     ENV_RUN_ID,
     ENV_STORAGE_URL,
 )
+from ckpt_agent.policy.storage_models import LocalStorageSpec, StorageSpec
+from ckpt_agent.storage.fs import LocalStorage
 
 
 def test_defaults_follow_the_design() -> None:
@@ -203,3 +206,14 @@ def test_from_env_defaults_without_anything() -> None:
 
 def test_tier_enum_values() -> None:
     assert [t.value for t in Tier] == ["heartbeat", "pulse", "full"]
+
+
+@pytest.mark.parametrize("name", ["a%20b", "x?y", "c#d", "plain", "sp ace", "per%cent%"])
+def test_a_local_path_survives_its_file_url(tmp_path: Path, name: str) -> None:
+    """The URL the agent is given opens the folder the policy names, whatever its name
+    (the agent unquotes the URL's path: an unquoted ``%20`` would open ``a b``)."""
+    path = str(tmp_path / name)
+    spec = StorageSpec(local=LocalStorageSpec(path=path))
+    assert LocalStorage.from_url(spec.url()).root == Path(path)
+    cfg = AgentConfig.from_policy(CheckpointPolicySpec(storage=spec), run_id="r")
+    assert cfg.to_policy_spec().storage.local.path == path

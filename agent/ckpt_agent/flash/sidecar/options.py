@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_agent.policy.agent_config import AgentConfig
+from ckpt_agent.policy.storage_models import file_url
 
 __all__ = [
     "DEFAULT_COMMIT_TIMEOUT_S",
@@ -65,5 +66,5 @@ def load_config(
     if run_id:
         updates["run_id"] = run_id
     if storage:
-        updates["storage_url"] = "file://" + storage if storage.startswith("/") else storage
+        updates["storage_url"] = file_url(storage) if storage.startswith("/") else storage
     return cfg.model_copy(update=updates) if updates else cfg
