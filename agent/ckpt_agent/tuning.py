@@ -36,7 +36,10 @@ ASSUMED_WRITE_BPS_LOCAL: Final = 1024.0 * 1024 * 1024
 #: The same for object stores and unknown backends ("slow": compression often pays).
 ASSUMED_WRITE_BPS_REMOTE: Final = 32.0 * 1024 * 1024
 
-#: Deferred tier promotions kept while the persister is busy.
+#: Pending checkpoints (committed, no verdict yet: the process died between commit and
+#: validation) newer than the newest valid one that a restore validates itself and promotes
+#: before it chooses, newest first (``decide.lineage.pending_to_verify``); older ones wait
+#: for the persister's own validation.
 MAX_PENDING_PROMOTIONS: Final = 3
 
 
