@@ -37,7 +37,12 @@ from ckpt_operator.planners.agent_presence import (
     unreported_pods,
 )
 from ckpt_operator.planners.reports import pod_reports
-from ckpt_operator.planners.status import ConditionStatus, get_condition, set_condition
+from ckpt_operator.planners.status import (
+    ConditionStatus,
+    condition_differs,
+    get_condition,
+    set_condition,
+)
 from ckpt_operator.planners.validation import parse_policy_spec
 
 __all__ = ["check_agents"]
@@ -82,10 +87,13 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
                     log.info("agent check of %s/%s: %s", namespace, name, clean(refusal))
                     refused.add(run_id)
                     continue
-                times = [t for _, t in await storage_call(deps, source.progress, run_id)]
-                records = await storage_call(deps, source.list_checkpoints, run_id)
-                activity[run_id] = times + [r.created_at for r in records]
+                activity[run_id] = [t for _, t in await storage_call(deps, source.progress, run_id)]
             mine = [p for p in pods if _run_of(p) not in refused]
+            # The heartbeat ring is one small read; the checkpoint listing (a walk of the run)
+            # only for runs whose heartbeats alone leave a pod silent (heartbeats off).
+            for run_id in sorted({s.run_id for s in silent_pods(mine, activity, now, deadline)}):
+                records = await storage_call(deps, source.list_checkpoints, run_id)
+                activity[run_id] += [r.created_at for r in records]
             silent = silent_pods(mine, activity, now, deadline)
     except StorageAccessDeniedError:
         if spec.storage.type != StorageType.LOCAL:
@@ -112,7 +120,7 @@ async def check_agents(deps: Deps, policy: Mapping[str, Any]) -> list[str]:
 
     # the condition first: whoever sees the Event then reads a condition that agrees
     current = get_condition((Body(policy).status.get("conditions")), CONDITION)
-    if current is None or current.get("reason") != reason or current.get("message") != message:
+    if condition_differs(current, status, reason, message[:2000]):
         await write_policy_status(deps, namespace, name, build)
     for s in silent:
         job = await deps.api.get_job(namespace, s.job, **kind_kw(s.kind)) if s.job else None

@@ -23,6 +23,7 @@ from ckpt_operator.model.jobs import format_time
 __all__ = [
     "REASON_LIMIT",
     "ConditionStatus",
+    "condition_differs",
     "get_condition",
     "policy_ready_status",
     "set_condition",
@@ -41,6 +42,21 @@ def get_condition(
         if cond.get("type") == type_:
             return cond
     return None
+
+
+def condition_differs(
+    current: Mapping[str, Any] | None, status: ConditionStatus, reason: str, message: str
+) -> bool:
+    """Would :func:`set_condition` change ``current`` (the condition as stored)? Compared as
+    stored: ``reason`` and ``message`` cleaned and bounded the same way, so a long message or
+    one with a character the sanitizer escapes does not look new on every pass."""
+    if current is None:
+        return True
+    return (
+        current.get("status") != status
+        or current.get("reason") != clean(reason, REASON_LIMIT)
+        or current.get("message") != clean(message, STATUS_LIMIT)
+    )
 
 
 def set_condition(

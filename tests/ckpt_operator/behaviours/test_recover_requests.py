@@ -339,6 +339,23 @@ def test_agent_missing_is_flagged_once(world: Any, fixture: Any) -> None:
     assert cond["status"] == "True"
 
 
+def test_agent_check_lists_a_run_only_when_its_heartbeats_leave_a_pod_silent(
+    world: Any, fixture: Any
+) -> None:
+    """The heartbeat ring is one small read; the run's checkpoint listing (a walk of the
+    whole run) is needed only where heartbeats are off or stale."""
+    world.api.add_job(fixture("pytorchjob_running.json"))
+    policy = fixture("checkpointpolicy.json")
+    world.api.add_pod(_running_pod(fixture, "2024-05-02T10:00:00Z"))
+    world.clock.now = (parse_time("2024-05-02T10:00:00Z") or 0.0) + 600
+    world.source.heartbeats[RUN] = [(3, world.clock.now - 10)]
+    assert run(check_agents(world.deps, policy)) == []
+    assert world.source.listed == []
+    world.source.heartbeats[RUN] = []  # heartbeats off: the listing decides
+    assert run(check_agents(world.deps, policy)) == ["mnist-ddp-worker-0"]
+    assert [r for r, _ in world.source.listed] == [RUN]
+
+
 def test_fresh_restart_without_agent_reports_says_so(world: Any, fixture: Any) -> None:
     job = world.api.add_job(fixture("pytorchjob_failed.json"))
     run(recover_job(world.deps, job))

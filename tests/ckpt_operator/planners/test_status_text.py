@@ -4,7 +4,7 @@ bounded line without control or bidi characters, whatever the caller passed."""
 from __future__ import annotations
 
 from ckpt_agent.text import STATUS_LIMIT
-from ckpt_operator.planners.status import REASON_LIMIT, set_condition
+from ckpt_operator.planners.status import REASON_LIMIT, condition_differs, set_condition
 from ckpt_operator.planners.tenancy import MAX_ERROR_CHARS, owner_refusal, summarize_error
 
 T0 = 1_700_000_000.0
@@ -36,3 +36,15 @@ def test_an_error_summary_is_escaped_and_bounded() -> None:
     assert _raw(line) == [] and "\r" not in line and len(line) <= MAX_ERROR_CHARS
     assert line.startswith("PermissionError: open /mnt/team-b\\x1b[31m\\x1b]0;pwned\\x07")
     assert summarize_error(OSError("first\nsecond <body>")) == "OSError: first"
+
+
+def test_a_condition_as_stored_is_not_new_on_the_next_pass() -> None:
+    """A message the sanitizer changes (a bidi override, a length past the limit) compares
+    equal to what was stored from it: no status write on every pass."""
+    for message in ("pod p\u202eq: agent missing", "x" * (STATUS_LIMIT + 50), "plain"):
+        (stored,) = set_condition(None, "AgentReporting", "False", "AgentMissing", message, now=0)
+        assert not condition_differs(stored, "False", "AgentMissing", message)
+        assert condition_differs(stored, "True", "AgentMissing", message)
+        assert condition_differs(stored, "False", "AgentsReporting", message)
+        assert condition_differs(stored, "False", "AgentMissing", message + "!")
+    assert condition_differs(None, "True", "R", "m")
