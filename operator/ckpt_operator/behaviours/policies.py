@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ckpt_agent.errors import StorageError
 from ckpt_agent.policy import CheckpointPolicySpec, StorageType
 from ckpt_operator.adapters.kube import ConflictError
+from ckpt_operator.adapters.sources import GrantEscapeError
 from ckpt_operator.behaviours.deps import Deps, Obj, list_all_jobs, set_job_status
 from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import job_facts
@@ -65,6 +67,22 @@ def storage_access(deps: Deps, namespace: str, spec: CheckpointPolicySpec) -> st
     return storage_refusal(namespace, spec, deps.config.tenancy, operator_identity=own_identity)
 
 
+async def _link_refusal(
+    deps: Deps, namespace: str, name: str, spec: CheckpointPolicySpec
+) -> str | None:
+    """A local path the grants allow as written may still leave them through a symbolic link,
+    seen only where the kernel resolves it: opening the storage (the source is cached, so
+    retention and restarts reuse it). Anything else that keeps it from opening (a PVC
+    mounted in the pods only) is not a matter of what the administrator allows."""
+    try:
+        await deps.sources(namespace, name, spec)
+    except GrantEscapeError as e:
+        return str(e)
+    except (StorageError, OSError, ValueError):  # not a tenancy verdict: retention reports it
+        return None
+    return None
+
+
 async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
     """Validate, publish the agent ConfigMap, wake jobs waiting for it, write ``Ready``.
 
@@ -77,6 +95,8 @@ async def reconcile_policy(deps: Deps, policy: Mapping[str, Any]) -> Obj:
     now = deps.clock()
 
     refusal = storage_access(deps, namespace, spec) if spec is not None else None
+    if spec is not None and refusal is None and spec.storage.type == StorageType.LOCAL:
+        refusal = await _link_refusal(deps, namespace, name, spec)
 
     async def write_ready() -> Obj:
         def build(current: Mapping[str, Any]) -> Obj:

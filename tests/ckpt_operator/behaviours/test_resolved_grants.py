@@ -23,6 +23,7 @@ from ckpt_agent.cli.main import app
 from ckpt_agent.errors import UnsafePathError
 from ckpt_agent.format.owner import RunOwner, claim_owner, read_owner
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_operator.behaviours.policies import reconcile_policy
 from ckpt_operator.behaviours.recovery import recover_job
 from ckpt_operator.behaviours.retention import reconcile_retention
 from ckpt_operator.model import constants as c
@@ -158,6 +159,13 @@ def test_a_link_in_the_namespaces_own_grant_is_refused_and_nothing_outside_is_to
     assert world.api.called("create_job") == []  # no restart from B's checkpoint
     status = job_facts(world.api.jobs[(TEAM_A, "mnist-ddp")]).status
     assert status is not None and (status.state, status.reason) == ("GaveUp", "StorageAccessDenied")
+    # the policy's own StorageAccess condition agrees (it said Allowed from the path as written)
+    asyncio.run(reconcile_policy(deps, world.api.policies[(TEAM_A, "llm-finetune")]))
+    conditions = world.api.policies[(TEAM_A, "llm-finetune")]["status"]["conditions"]
+    (access,) = [x for x in conditions if x["type"] == "StorageAccess"]
+    assert (access["status"], access["reason"]) == ("False", "StorageAccessDenied")
+    assert f"symbolic link {str(a / 'escape')!r}" in access["message"]
+    assert {d: _tree(d) for d in (b, nobody)} == before
     assert "escape" in status.message
     assert _ids(b, RUN_B) == CKPTS and _ids(where, RUN_A) == CKPTS
 
