@@ -49,7 +49,7 @@ SECTION: Final = "dcp"
 """The rank manifests' section holding DCP's write items (and, on rank 0, its metadata)."""
 
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
-_RANK_PART = "__ckpt_rank_part__"
+RANK_PART = "__ckpt_rank_part__"
 """The fqn of each rank's extra :class:`WriteResult` announcing its manifest's hash."""
 
 
@@ -135,7 +135,7 @@ def metadata_to_json(md: Metadata) -> Json:
         ) from None
 
 
-def _ints(v: object, what: str) -> torch.Size:
+def as_size(v: object, what: str) -> torch.Size:
     if not isinstance(v, list) or not all(isinstance(x, int) and x >= 0 for x in v):
         raise CheckpointFormatError(f"{what}: must be a list of non-negative integers")
     return torch.Size(v)
@@ -158,11 +158,11 @@ def metadata_from_json(tree: Json, what: str = "DCP metadata") -> Metadata:
         chunks = e.get("chunks")
         if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
             raise CheckpointFormatError(f"{what}: {fqn!r} chunks must be a list of objects")
-        size = _ints(e.get("size"), f"{what}: {fqn!r} size")
+        size = as_size(e.get("size"), f"{what}: {fqn!r} size")
         parsed = []
         for c in chunks:
-            offsets = _ints(c.get("offsets"), f"{what}: {fqn!r} offsets")
-            sizes = _ints(c.get("sizes"), f"{what}: {fqn!r} sizes")
+            offsets = as_size(c.get("offsets"), f"{what}: {fqn!r} offsets")
+            sizes = as_size(c.get("sizes"), f"{what}: {fqn!r} sizes")
             if (
                 len(offsets) != len(size)
                 or len(sizes) != len(size)
@@ -199,12 +199,12 @@ def _opt_str(v: object) -> str | None:
 # --------------------------------------------------------------------------- shared set-up
 
 
-def _config(config: AgentConfig | None) -> AgentConfig:
+def config_or_env(config: AgentConfig | None) -> AgentConfig:
     return config if config is not None else AgentConfig.from_env()
 
 
 @dataclass(frozen=True)
-class _PlanData:
+class PlanData:
     """What the coordinator tells every rank about the checkpoint (the plans' storage_data)."""
 
     step: int
@@ -215,7 +215,7 @@ class _PlanData:
 
 
 @dataclass(frozen=True)
-class _ItemAt:
+class ItemAt:
     """Where one write item went: its rank's manifest, item number."""
 
     rank: int
@@ -223,7 +223,7 @@ class _ItemAt:
 
 
 @dataclass(frozen=True)
-class _RankPart:
+class RankPart:
     """A rank's manifest as it announced it to the coordinator."""
 
     rank: int
@@ -231,20 +231,20 @@ class _RankPart:
     size: int
 
 
-def _key(index: MetadataIndex) -> tuple[str, tuple[int, ...] | None]:
+def index_key(index: MetadataIndex) -> tuple[str, tuple[int, ...] | None]:
     return (index.fqn, None if index.offset is None else tuple(int(o) for o in index.offset))
 
 
 # --------------------------------------------------------------------------- writer
 
 
-def _rank() -> int:
+def current_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _cpu_tensor(data: object) -> torch.Tensor:
+def cpu_tensor(data: object) -> torch.Tensor:
     if not isinstance(data, torch.Tensor):
         raise CheckpointFormatError(f"DCP resolved a {type(data).__name__} for a tensor item")
     t = data.detach()
@@ -253,7 +253,7 @@ def _cpu_tensor(data: object) -> torch.Tensor:
     return t.contiguous()
 
 
-def _object_of(item: WriteItem, planner: SavePlanner) -> object:
+def object_of(item: WriteItem, planner: SavePlanner) -> object:
     """The value behind a bytes item: from the planner's state dict (the default planner
     keeps it), else the planner's own serialization of it read back with ``weights_only``
     (plain values only; in memory, just made by the planner)."""
@@ -270,7 +270,7 @@ def _object_of(item: WriteItem, planner: SavePlanner) -> object:
     return data
 
 
-def _nbytes(entry: Mapping[str, object]) -> int:
+def entry_nbytes(entry: Mapping[str, object]) -> int:
     t = entry.get("tensor")
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 

@@ -45,10 +45,10 @@ from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.integrations.dcp.common import (
     SECTION,
     CorruptedCheckpointError,
-    _config,
-    _ints,
-    _ItemAt,
-    _key,
+    ItemAt,
+    as_size,
+    config_or_env,
+    index_key,
     metadata_from_json,
     step_of,
 )
@@ -88,7 +88,7 @@ class DcpReader(StorageReader):
         checkpoint_id: str | os.PathLike[str] | int | None = None,
     ) -> None:
         super().__init__()
-        self.config = _config(config)
+        self.config = config_or_env(config)
         self.run_id = self.config.run_id
         builder = PersistBuilder(self.config, storage=storage)
         self.storage, self._owns_storage = builder.open_storage()
@@ -102,7 +102,7 @@ class DcpReader(StorageReader):
         """The lineage the checkpoints of a run continuing from this load carry
         (:meth:`DcpWriter.resumed_from`)."""
         self._manifests: dict[int, RankManifest] = {}
-        self._where: dict[tuple[str, tuple[int, ...] | None], _ItemAt] = {}
+        self._where: dict[tuple[str, tuple[int, ...] | None], ItemAt] = {}
         self.started = time.perf_counter()
 
     @property
@@ -125,16 +125,16 @@ class DcpReader(StorageReader):
             r.rank: read_rank_manifest(self.storage, self.run_id, committed, r.rank)
             for r in committed.commit.ranks
         }
-        where: dict[tuple[str, tuple[int, ...] | None], _ItemAt] = {}
+        where: dict[tuple[str, tuple[int, ...] | None], ItemAt] = {}
         for rank, m in manifests.items():
             check_state(m)
             for i, item in enumerate(_items(m)):
                 offset = item.get("offset")
                 key = (
                     str(item.get("fqn")),
-                    None if offset is None else tuple(_ints(offset, ckpt_id)),
+                    None if offset is None else tuple(as_size(offset, ckpt_id)),
                 )
-                where.setdefault(key, _ItemAt(rank, i))
+                where.setdefault(key, ItemAt(rank, i))
         holders = [m for m in manifests.values() if "metadata" in _section(m)]
         if len(holders) != 1:
             raise CheckpointFormatError(
@@ -177,7 +177,7 @@ class DcpReader(StorageReader):
         sources: dict[tuple[int, int], torch.Tensor] = {}
         pieces: list[tuple[Any, torch.Tensor | io.BytesIO]] = []
         for ri in plan.items:
-            at = self._where.get(_key(ri.storage_index))
+            at = self._where.get(index_key(ri.storage_index))
             if at is None:
                 raise CheckpointFormatError(f"{ckpt_id}: nothing stored for {ri.storage_index}")
             m = self._manifests[at.rank]
@@ -234,7 +234,7 @@ class DcpReader(StorageReader):
 
     # ------------------------------------------------------------------ ours
 
-    def _value_bytes(self, m: RankManifest, at: _ItemAt) -> io.BytesIO:
+    def _value_bytes(self, m: RankManifest, at: ItemAt) -> io.BytesIO:
         """A bytes item's value decoded from JSON, serialized for the planner's
         ``load_bytes`` (which ``torch.load``s it): only what our decoding built is
         pickled and unpickled, never bytes from storage."""

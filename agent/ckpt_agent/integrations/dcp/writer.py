@@ -45,18 +45,18 @@ from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, RankRef
 from ckpt_agent.format.verdict import ValidationVerdict
 from ckpt_agent.integrations.dcp.common import (
-    _RANK_PART,
+    RANK_PART,
     SECTION,
+    ItemAt,
     Loaded,
-    _config,
-    _cpu_tensor,
-    _ItemAt,
-    _nbytes,
-    _object_of,
-    _PlanData,
-    _rank,
-    _RankPart,
+    PlanData,
+    RankPart,
+    config_or_env,
+    cpu_tensor,
+    current_rank,
+    entry_nbytes,
     metadata_to_json,
+    object_of,
     step_of,
 )
 from ckpt_agent.metrics import Metrics
@@ -106,7 +106,7 @@ class DcpWriter(StorageWriter):
         validate: bool = True,
     ) -> None:
         super().__init__()
-        self.config = _config(config)
+        self.config = config_or_env(config)
         self.run_id = self.config.run_id
         self.tier = Tier(tier)
         self.validate = validate
@@ -115,7 +115,7 @@ class DcpWriter(StorageWriter):
         self._writer: CheckpointWriter = self._builder.writer(self.storage)
         self._step: int | None = None
         self._coordinator = False
-        self._plan: _PlanData | None = None
+        self._plan: PlanData | None = None
         self._written: WrittenRank | None = None
         self._prev_hash: str | None = None
         self._lineage = Lineage()
@@ -181,14 +181,14 @@ class DcpWriter(StorageWriter):
         return [
             dataclasses.replace(
                 p,
-                storage_data=_PlanData(self._step, len(plans), rank, now, self._prev_hash),
+                storage_data=PlanData(self._step, len(plans), rank, now, self._prev_hash),
             )
             for rank, p in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         pd = plan.storage_data
-        if not isinstance(pd, _PlanData):
+        if not isinstance(pd, PlanData):
             raise ValueError("DcpWriter: the plan did not come through its prepare_global_plan")
         self._plan = pd
         self._follow()
@@ -201,9 +201,9 @@ class DcpWriter(StorageWriter):
                 else [int(o) for o in item.index.offset],
             }
             if item.type == WriteItemType.BYTE_IO:
-                entry["value"] = _object_of(item, planner)
+                entry["value"] = object_of(item, planner)
             else:
-                entry["tensor"] = _cpu_tensor(planner.resolve_data(item))
+                entry["tensor"] = cpu_tensor(planner.resolve_data(item))
             items.append(entry)
         live: dict[str, LiveArray] = {}
         try:
@@ -220,16 +220,16 @@ class DcpWriter(StorageWriter):
         results = [
             WriteResult(
                 index=item.index,
-                size_in_bytes=_nbytes(entry),
-                storage_data=_ItemAt(pd.rank, i),
+                size_in_bytes=entry_nbytes(entry),
+                storage_data=ItemAt(pd.rank, i),
             )
             for i, (item, entry) in enumerate(zip(plan.items, items, strict=True))
         ]
         results.append(
             WriteResult(
-                index=MetadataIndex(f"{_RANK_PART}{pd.rank}"),
+                index=MetadataIndex(f"{RANK_PART}{pd.rank}"),
                 size_in_bytes=written.ref.size,
-                storage_data=_RankPart(pd.rank, written.ref.sha256, written.ref.size),
+                storage_data=RankPart(pd.rank, written.ref.sha256, written.ref.size),
             )
         )
         fut: Future[list[WriteResult]] = Future()
@@ -245,7 +245,7 @@ class DcpWriter(StorageWriter):
             wr.storage_data.rank: wr.storage_data
             for rank_results in results
             for wr in rank_results
-            if isinstance(wr.storage_data, _RankPart)
+            if isinstance(wr.storage_data, RankPart)
         }
         missing = sorted(set(range(pd.world_size)) - set(parts))
         if missing:
@@ -308,7 +308,7 @@ class DcpWriter(StorageWriter):
         self._lineage = reader.lineage
         self._prev_hash = rec.manifest_hash
         self._newest = None  # listed again at the next save
-        if _rank() != 0:
+        if current_rank() != 0:
             return
         self._claim()  # a resume starts this writer: it holds the run from now
         listed = list_checkpoints(self.storage, self.run_id, include_heartbeat=False)
@@ -384,7 +384,7 @@ class DcpWriter(StorageWriter):
         """This writer's generation (None before its first save or resume)."""
         return None if self.fence is None else self.fence.generation
 
-    def _meta(self, pd: _PlanData) -> CheckpointMeta:
+    def _meta(self, pd: PlanData) -> CheckpointMeta:
         return CheckpointMeta(
             run_id=self.run_id,
             step=pd.step,
@@ -413,7 +413,7 @@ class DcpWriter(StorageWriter):
                 "(CKPT_RUN_ID)"
             )
 
-    def _announced(self, ckpt_id: str, part: _RankPart) -> WrittenRank:
+    def _announced(self, ckpt_id: str, part: RankPart) -> WrittenRank:
         """Another rank's manifest, read back and checked against what it announced."""
         key = rank_manifest_key(self.run_id, ckpt_id, part.rank)
         data = self.storage.read(key, 0, part.size + 1)
