@@ -32,6 +32,7 @@ BINARIES: dict[str, str] = {
     "training-operator.v1": "training-operator",
     "jobset": "jobset",
     "trainer-controller-manager": "trainer",
+    "kueue": "kueue",
 }
 # Go names a binary after the last element of its package path (before a /vN suffix).
 _GO_OUTPUT_NAME = {"etcd": "server"}

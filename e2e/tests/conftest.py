@@ -17,6 +17,9 @@
   (``ckpt_e2e.trainer_v2``); only TrainJob tests request it.
 * ``trainjobs`` (function): TrainJob helpers for the test's ``scenario``
   (``ckpt_e2e.trainjob``).
+* ``kueue`` (module, opt-in): the real Kueue controller manager, its CRDs and webhooks
+  (``ckpt_e2e.kueue``), started for the requesting test module and stopped after it (its
+  PyTorchJob webhook must not outlive it); only ``test_kueue.py`` requests it.
 * ``minio`` (session): a real MinIO server (built by ``e2e/build-tools.sh minio``).
 * ``--keep-cluster``: leave the cluster running after the session (prints KUBECONFIG and
   the ``python -m ckpt_e2e down ...`` command that stops it); test namespaces are kept.
@@ -44,6 +47,7 @@ if str(_E2E) not in sys.path:  # e2e/ is a source root; fallback when pythonpath
     sys.path.insert(0, str(_E2E))
 
 from ckpt_e2e import LocalCluster, s3servers  # noqa: E402
+from ckpt_e2e.kueue import Kueue  # noqa: E402
 from ckpt_e2e.scenario import Scenario  # noqa: E402
 from ckpt_e2e.stack import OperatorProcess, Stack  # noqa: E402
 from ckpt_e2e.trainer_v2 import TrainerV2  # noqa: E402
@@ -165,6 +169,14 @@ def trainer_v2(
 @pytest.fixture
 def trainjobs(trainer_v2: TrainerV2, scenario: Scenario) -> TrainJobs:
     return TrainJobs(scenario)
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster: LocalCluster, summary_notes: list[str]) -> Iterator[Kueue]:
+    kq = Kueue(cluster).start()
+    _note(summary_notes, f"Kueue started in {kq.timings['total']:.1f}s")
+    yield kq
+    kq.stop()  # even with --keep-cluster: its webhooks would refuse every PyTorchJob later
 
 
 @pytest.fixture(scope="session")
