@@ -17,7 +17,7 @@ from ckpt_agent.text import clean
 from ckpt_operator.adapters.kube import ApiError
 from ckpt_operator.behaviours.deps import Deps, annotate_job, set_job_status
 from ckpt_operator.behaviours.guard import storage_call
-from ckpt_operator.behaviours.recovery import observe_job, recover_job
+from ckpt_operator.behaviours.recovery import observe_job, post_fenced, recover_job
 from ckpt_operator.behaviours.restart_steps import (
     PlanInputs,
     gather_plan_inputs,
@@ -39,6 +39,7 @@ from ckpt_operator.kinds.trainjob import (
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.jobs import job_facts
 from ckpt_operator.planners.attempt_plan import AttemptPlan, plan_attempt, precheck_attempt
+from ckpt_operator.planners.fenced import fenced_pods
 from ckpt_operator.planners.manual import pending_request
 from ckpt_operator.planners.restart import GiveUp, Skip
 
@@ -157,6 +158,13 @@ async def plan_jobset_attempt(
         # the previous attempts' pods: their reports, and those still terminating (JobSet
         # deletes them as it restarts) may be writing their emergency checkpoint
         older = [p for p in await job_pods(deps, trainjob) if pod_attempt(p) < attempt]
+        fenced = fenced_pods(older)
+        if fenced:  # not a crash: a newer writer holds the run. JobSet's new pods (new uids)
+            # would claim it back from that writer: the TrainJob stops here instead.
+            messages = post_fenced(deps, trainjob, fenced, older)
+            outcome = GiveUp("WriterFenced", messages[0])
+            await _give_up_attempt(deps, trainjob, attempt, outcome, pending)
+            return RECHECK_S
         inputs = await gather_plan_inputs(deps, trainjob, older, spec, now, pending)
         if not isinstance(inputs, PlanInputs):
             return inputs

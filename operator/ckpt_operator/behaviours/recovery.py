@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, assert_never
 
 from ckpt_operator.adapters.kube import ApiError, ConflictError
@@ -65,7 +65,7 @@ from ckpt_operator.planners.restart import (
 )
 from ckpt_operator.planners.validation import annotation_errors
 
-__all__ = ["observe_job", "recover_job", "report_fenced_pod"]
+__all__ = ["observe_job", "post_fenced", "recover_job", "report_fenced_pod"]
 
 log = logging.getLogger(__name__)
 
@@ -277,13 +277,21 @@ def _post_fenced(
     return message
 
 
+def post_fenced(
+    deps: Deps, job: Mapping[str, Any], fenced: Sequence[FencedPod], pods: Sequence[Obj]
+) -> list[str]:
+    """The ``WriterFenced`` Events of ``fenced`` (found among ``pods``) on each pod and on
+    ``job``, once per pod; their messages."""
+    by_name = {str(meta_of(p).name): p for p in pods}
+    return [_post_fenced(deps, job, by_name.get(f.pod), f) for f in fenced]
+
+
 async def _fenced_job(
     deps: Deps, job: Mapping[str, Any], fenced: list[FencedPod], pods: list[Obj]
 ) -> None:
     """A job that failed because its writer was fenced: Events naming the holder, no
     restart (the holder is already running), the status says why."""
-    by_name = {str(meta_of(p).name): p for p in pods}
-    messages = [_post_fenced(deps, job, by_name.get(f.pod), f) for f in fenced]
+    messages = post_fenced(deps, job, fenced, pods)
     await set_job_status(deps, job, "GaveUp", "WriterFenced", messages[0])
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import kopf
 import pytest
 
+from ckpt_agent.format.termination import CheckpointReport, encode_report
 from ckpt_operator.adapters.kube import NotFoundError
 from ckpt_operator.app.handlers import (
     MEMO_KEY,
@@ -42,6 +43,7 @@ from ckpt_operator.behaviours.deps import list_all_jobs
 from ckpt_operator.kinds.trainjob import TRAINJOB, has_inject_patch
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.jobs import format_time, parse_time
+from tests.ckpt_operator.behaviours.test_writer_fenced import HOLDER
 from tests.ckpt_operator.conftest import FAILED_AT
 
 Fixture = Callable[[str], dict[str, Any]]
@@ -275,6 +277,34 @@ def test_a_crash_loop_across_attempts_poisons_and_the_budget_gives_up(
     assert attempt_due(world.deps, trainjob(world)) == 4
     assert run(recover_trainjob(world.deps, trainjob(world))) is None
     assert world.events.reasons().count("GaveUp") == 1
+
+
+def test_an_attempt_after_a_fenced_pod_gives_up_and_suspends(
+    world: Any, fixture: Fixture, rec: Any
+) -> None:
+    """A pod of the last attempt stopped fenced (a newer writer holds the run): no resume
+    point for the next attempt, whose new pods would claim the run back from that writer;
+    WriterFenced on the pod and the TrainJob, GaveUp, the TrainJob suspended."""
+    checkpoints(world, rec)
+    tj = world.api.add_job(fixture("trainjob_running.json"))
+    world.deps.trainjobs.upsert(tj)
+    old = attempt_pod(fixture, 0, "llm-ft-node-0-0-a")
+    report = encode_report(CheckpointReport("llm-ft-run", (), 1.0, HOLDER)).decode()
+    old["status"] = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": "node", "state": {"terminated": {"exitCode": 1, "message": report}}}
+        ],
+    }
+    world.api.add_pod(old)
+    jobset(world, fixture, 1)
+    assert run(recover_trainjob(world.deps, trainjob(world))) == RECHECK_S
+    assert (status(world)["state"], status(world)["reason"]) == ("GaveUp", "WriterFenced")
+    assert "mnist-ddp-r1-worker-0" in status(world)["message"]  # the holder's pod
+    assert c.ANN_RESUME_FROM not in ann(world)
+    assert trainjob(world)["spec"]["suspend"] is True
+    fenced = [e for e in world.events.events if e.reason == "WriterFenced"]
+    assert sorted(e.obj.split("/")[0] for e in fenced) == ["Pod", "TrainJob"]
 
 
 def test_an_attempt_waits_for_the_previous_pods_to_finish_terminating(
