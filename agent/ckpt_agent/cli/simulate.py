@@ -136,7 +136,7 @@ def simulate(
             "failure): replayed after the built-in traces. 'llama3' instead: the memory-tier "
             "comparison on a generated Llama-3-scale trace (419 failures in 54 days on 16,384 "
             "GPUs, scaled by --gpus; causes from the paper's Table 5 mapped to process crashes "
-            "and node losses) — a file named llama3: give ./llama3.",
+            "and node losses). A file named llama3 in this folder: give its full path.",
         ),
     ] = None,
     mtbf: Annotated[
