@@ -99,6 +99,14 @@ class KubeApi(Protocol):
         ``namespace`` None: cluster-scoped. None when missing."""
         ...
 
+    async def patch_custom(
+        self, group: str, version: str, plural: str, namespace: str, name: str, patch: Obj
+    ) -> Obj | None:
+        """JSON merge patch of another namespaced custom object (a Kueue Workload's
+        annotations); a ``metadata.resourceVersion`` in ``patch`` is a precondition (409 if
+        stale). The object as patched (None: not known)."""
+        ...
+
     async def get_policy(self, namespace: str, name: str) -> Obj | None: ...
 
     async def patch_policy_status(
@@ -267,6 +275,15 @@ class KubernetesApi:
             return cast(Obj, got)
         except NotFoundError:
             return None
+
+    async def patch_custom(
+        self, group: str, version: str, plural: str, namespace: str, name: str, patch: Obj
+    ) -> Obj | None:
+        patched = await self._call(
+            self._custom.patch_namespaced_custom_object,
+            *(group, version, namespace, plural, name, patch),
+        )
+        return cast(Obj, patched) if isinstance(patched, dict) else None
 
     async def list_jobs(self, namespace: str, *, kind: JobKind = PYTORCHJOB) -> list[Obj]:
         items: list[Obj] = []

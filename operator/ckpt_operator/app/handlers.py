@@ -27,6 +27,8 @@ Pod (training, events)      pod index for recovery; reports opted-in pods runnin
 Pod (injected, events)      DisruptionTarget / deletion → ``ckpt.dev/save-now``
 Node (events)               cordon / going-away taint / NotReady / pressure → a node warning in
                             ``ckpt.dev/save-now`` on its pods; calm again → its clearing
+Workload (Kueue, events)    only with ``--kueue`` (:mod:`ckpt_operator.app.kueue`): priority
+                            boost from the at-risk work, save-now on eviction
 probe                       liveness details (loops, tracked policies, active recoveries)
 ==========================  ==================================================================
 """
@@ -45,6 +47,7 @@ import kopf
 from ckpt_operator.adapters.caches import ObjectCache, PodIndex
 from ckpt_operator.adapters.kube import NotFoundError
 from ckpt_operator.app.admission_answer import answer_with
+from ckpt_operator.app.kueue import register_kueue
 from ckpt_operator.app.loops import MemoryReturn, RecoveryScheduler, RetentionLoop
 from ckpt_operator.behaviours.admission import (
     inject_pod,
@@ -77,7 +80,9 @@ log = logging.getLogger(__name__)
 
 #: Kinds that :func:`register` gives watch-event handlers only (no create/update/resume/
 #: field/delete handlers): kopf never reads their diff base.
-EVENT_ONLY_KINDS = frozenset({"Pod", "Node", c.PYTORCHJOB_KIND, c.TRAINJOB_KIND, "JobSet"})
+EVENT_ONLY_KINDS = frozenset(
+    {"Pod", "Node", c.PYTORCHJOB_KIND, c.TRAINJOB_KIND, "JobSet", "Workload"}
+)
 
 
 class DiffBaseForChanges(kopf.AnnotationsDiffBaseStorage):
@@ -403,8 +408,11 @@ async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_:
 # --------------------------------------------------------------------------- registration
 
 
-def register(registry: kopf.OperatorRegistry, *, webhooks: bool = True) -> kopf.OperatorRegistry:
-    """Register every handler on ``registry`` (``webhooks=False``: no admission handlers)."""
+def register(
+    registry: kopf.OperatorRegistry, *, webhooks: bool = True, kueue: bool = False
+) -> kopf.OperatorRegistry:
+    """Register every handler on ``registry`` (``webhooks=False``: no admission handlers;
+    ``kueue``: the Kueue Workload handlers)."""
     kopf.on.startup(registry=registry)(on_startup)
     kopf.on.cleanup(registry=registry)(on_cleanup)
     kopf.on.probe(id="ckpt", registry=registry)(on_probe)
@@ -440,6 +448,8 @@ def register(registry: kopf.OperatorRegistry, *, webhooks: bool = True) -> kopf.
         id="trainjob-pods",
     )(on_trainjob_pod_event)
     kopf.on.event("v1", "nodes", registry=registry, id="drain")(on_node_event)
+    if kueue:
+        register_kueue(registry, lambda memo: _rt(memo).deps)
 
     if webhooks:
         kopf.on.mutate(

@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config=cfg,
         admission_api=admission_api,
     )
-    registry = register(kopf.OperatorRegistry(), webhooks=cfg.webhook.enabled)
+    registry = register(kopf.OperatorRegistry(), webhooks=cfg.webhook.enabled, kueue=cfg.kueue)
     # storage calls and Events use asyncio's default executor: make it the sized pool
     kopf.on.startup(registry=registry, id="executor")(_use_default_executor(reconcile_pool))
     if not cfg.standalone:

@@ -17,10 +17,10 @@ from ckpt_operator.planners.disruption_signals import (
     save_now_patch,
 )
 
-__all__ = ["signal_node", "signal_pod"]
+__all__ = ["signal_node", "signal_pod", "signal_save_now"]
 
 
-async def _signal(deps: Deps, pod: Mapping[str, Any], disruption: Disruption) -> bool:
+async def signal_save_now(deps: Deps, pod: Mapping[str, Any], disruption: Disruption) -> bool:
     """Set ``ckpt.dev/save-now`` on ``pod`` (False: it already has this request)."""
     patch = save_now_patch(pod, disruption)
     if patch is None:
@@ -43,7 +43,7 @@ async def signal_pod(deps: Deps, pod: Mapping[str, Any]) -> bool:
     disruption = pod_disruption(pod)
     if disruption is None:
         return False
-    return await _signal(deps, pod, disruption)
+    return await signal_save_now(deps, pod, disruption)
 
 
 async def signal_node(deps: Deps, node: Mapping[str, Any]) -> int:
@@ -64,7 +64,7 @@ async def signal_node(deps: Deps, node: Mapping[str, Any]) -> int:
         return 0
     n = 0
     for pod in await _injected_pods(deps, name):
-        if await _signal(deps, pod, disruption):
+        if await signal_save_now(deps, pod, disruption):
             n += 1
     deps.node_signals.remember(name, disruption.signal)
     return n

@@ -174,6 +174,9 @@ class OperatorConfig:
     """Threads for reconciliation's blocking work (API calls, storage listing, planning)."""
     api_timeout_s: float = 30.0
     """Longest wait for one Kubernetes API call of the operator's own client."""
+    kueue: bool = False
+    """Watch Kueue Workloads (``kueue.x-k8s.io``): the priority boost of opted-in jobs and
+    the save on eviction (docs/kueue.md). Off: no Workload handler is registered."""
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
     injection: InjectionConfig = field(default_factory=InjectionConfig)
@@ -329,6 +332,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest admission answer, seconds, below the webhooks' timeoutSeconds (default 3)",
     )
     a(
+        "--kueue",
+        type=_bool,
+        nargs="?",
+        const=True,
+        help="watch Kueue Workloads: priority boost from the at-risk work, save on eviction "
+        "(default false; needs Kueue's CRDs and RBAC on workloads.kueue.x-k8s.io)",
+    )
+    a(
         "--tenancy",
         help="JSON: what policies may make the operator touch (operatorIdentity, localPaths, "
         "allowedS3Endpoints; default: nothing but S3 through a policy's own Secret)",
@@ -449,6 +460,7 @@ def parse_config(
         verify_timeout_s=verify_timeout,
         workers=workers,
         api_timeout_s=api_timeout,
+        kueue=switch("kueue", "kueue", False),
         tenancy=tenancy,
         webhook=webhook,
         injection=injection,

@@ -8,6 +8,9 @@ they return:
   preemption, taint-manager deletion, kubelet shutdown), or a
   ``deletionTimestamp`` (deletion started; the kubelet sends SIGTERM too,
   which the agent also handles);
+* Kueue: the job's Workload evicted (``Evicted=True``: preemption, a quota change, a
+  ``waitForPodsReady`` timeout; :func:`preemption_disruption`), before the job is suspended
+  and its pods get SIGTERM;
 * node: cordoned (``spec.unschedulable``) or tainted as about to go away
   (see :data:`DISRUPTION_TAINTS`), ``NotReady``, or under memory, disk or PID
   pressure (see :data:`PRESSURE_CONDITIONS`).
@@ -30,21 +33,28 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from ckpt_agent.format.signal import KIND_CLEAR, KIND_WARNING, compose_signal, parse_signal
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
+from ckpt_operator.planners.preemption import Eviction
 
 __all__ = [
     "DISRUPTION_TAINTS",
+    "PREEMPTION",
     "PRESSURE_CONDITIONS",
     "Disruption",
     "clear_patch",
     "node_disruption",
     "pod_disruption",
+    "preemption_disruption",
     "save_now_patch",
 ]
+
+#: The reason of every save-now request for a Kueue eviction (Kueue's own reason is in the
+#: message: the metric label stays one fixed value).
+PREEMPTION: Final = "Preemption"
 
 #: Node conditions that warn while ``True`` (the kubelet sets them; they evict pods next).
 PRESSURE_CONDITIONS: Mapping[str, str] = {
@@ -114,6 +124,16 @@ def pod_disruption(pod: Mapping[str, Any]) -> Disruption | None:
             key=f"pod/{uid}/deletion/{deleting}",
         )
     return None
+
+
+def preemption_disruption(eviction: Eviction) -> Disruption:
+    """The save-now request for every pod of a job whose Kueue Workload was evicted (one
+    request id per eviction: a repeated event patches nothing)."""
+    return Disruption(
+        reason=PREEMPTION,
+        message=f"Kueue evicted the job's Workload ({eviction.reason}): {eviction.message}",
+        key=eviction.key,
+    )
 
 
 def node_disruption(node: Mapping[str, Any]) -> Disruption | None:
