@@ -19,7 +19,8 @@
   (``ckpt_e2e.trainjob``).
 * ``kueue`` (module, opt-in): the real Kueue controller manager, its CRDs and webhooks
   (``ckpt_e2e.kueue``), started for the requesting test module and stopped after it (its
-  PyTorchJob webhook must not outlive it); only ``test_kueue.py`` requests it.
+  PyTorchJob webhook must not outlive it), after ``trainer_v2`` (its TrainJob
+  integration needs the CRD); only ``test_kueue.py`` requests it.
 * ``minio`` (session): a real MinIO server (built by ``e2e/build-tools.sh minio``).
 * ``--keep-cluster``: leave the cluster running after the session (prints KUBECONFIG and
   the ``python -m ckpt_e2e down ...`` command that stops it); test namespaces are kept.
@@ -172,7 +173,11 @@ def trainjobs(trainer_v2: TrainerV2, scenario: Scenario) -> TrainJobs:
 
 
 @pytest.fixture(scope="module")
-def kueue(cluster: LocalCluster, summary_notes: list[str]) -> Iterator[Kueue]:
+def kueue(
+    cluster: LocalCluster, trainer_v2: TrainerV2, summary_notes: list[str]
+) -> Iterator[Kueue]:
+    # after trainer_v2: Kueue sets up its TrainJob integration at start only if the CRD is
+    # served (else it polls for it with a backoff of up to 2 min)
     kq = Kueue(cluster).start()
     _note(summary_notes, f"Kueue started in {kq.timings['total']:.1f}s")
     yield kq

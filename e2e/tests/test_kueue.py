@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ckpt_agent.records import CheckpointRecord
-from ckpt_e2e.kubelet import PodRun
+from ckpt_e2e.kubelet import PodRun, PodRunner
 from ckpt_e2e.kueue import (
     Kueue,
     cluster_queue,
@@ -33,7 +33,9 @@ from ckpt_e2e.kueue import (
     workload_priority_class,
 )
 from ckpt_e2e.scenario import RESTARTED_AS, Scenario
+from ckpt_e2e.trainer_v2 import NODE
 from ckpt_e2e.training import (
+    StorageView,
     Training,
     annotations_of,
     condition,
@@ -44,6 +46,7 @@ from ckpt_e2e.training import (
     reference_run,
     result_path,
 )
+from ckpt_e2e.trainjob import TrainJobs, restart_attempt, trainjob_manifest
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +57,7 @@ PREEMPTOR = Training(steps=8, seed=3, step_sleep=0.05, checkpoint=False)
 #: One job's pods (one master: ``pytorchjob_manifest`` requests 1 CPU, 1Gi).
 ONE_JOB = {"cpu": "1", "memory": "1Gi"}
 LOW, HIGH = "ckpt-e2e-low", "ckpt-e2e-high"
-PYTORCHJOB = "PyTorchJob"
+PYTORCHJOB, TRAINJOB = "PyTorchJob", "TrainJob"
 
 
 @pytest.fixture
@@ -79,20 +82,81 @@ def _submit(
     scenario.cluster.apply(manifest, namespace=scenario.namespace)
 
 
-def _log(run: PodRun) -> str:
-    return run.local.log_text()[-3000:] if run.local else ""
-
-
 def _suspended(job: dict[str, Any] | None) -> bool:
     return bool(((job or {}).get("spec") or {}).get("runPolicy", {}).get("suspend"))
 
 
+def _log(run: PodRun) -> str:
+    return run.local.log_text()[-3000:] if run.local else ""
+
+
+def _env(run: PodRun, container: str) -> dict[str, Any]:
+    ctr = next(c for c in run.pod["spec"]["containers"] if c["name"] == container)
+    return {e["name"]: e.get("value") for e in ctr.get("env") or ()}
+
+
+def _preempt(
+    kueue: Kueue, scenario: Scenario, runner: PodRunner, queue: str, kind: str, victim: str
+) -> tuple[float, PodRun]:
+    """A high-priority PyTorchJob arrives; waits until Kueue evicted ``victim`` for it.
+    Returns when it was submitted and the preemptor's pod run (``runner`` starts it once
+    the victim's quota is free; not waited for)."""
+    t0 = time.time()
+    _submit(scenario, "high", PREEMPTOR, queue, HIGH, policy=None)
+    evicted = kueue.wait_workload(scenario.namespace, kind, victim, "Evicted", timeout=60)
+    why = workload_condition(evicted, "Evicted")
+    assert why is not None and why["reason"] == "Preempted", why
+    return t0, runner.wait_run("high", timeout=90)
+
+
+def _sigterm_save(
+    scenario: Scenario, view: StorageView, run_id: str, run: PodRun, since: float
+) -> CheckpointRecord:
+    """The evicted pod was deleted (SIGTERM) and exited 143; its agent committed an
+    emergency checkpoint before the pod ended, at most one step behind the last step the
+    pod logged, and it is the run's newest valid checkpoint. Returns it."""
+    assert run.wait(60) == 143, _log(run)
+    assert run.local is not None and run.local.terminated_by_deletion
+    ended = time.time()
+    killed_at = last_logged_step(scenario.results, run.pod)
+    saves = [r for r in view.since(run_id, since) if r.emergency and "sigterm" in r.reason.lower()]
+    assert saves, [(r.id, r.reason) for r in view.since(run_id, since)]
+    save = max(saves, key=lambda r: r.step)
+    assert save.created_at <= ended  # committed within the grace, before the pod was gone
+    newest = view.newest_valid(run_id)
+    assert newest is not None and newest.id == save.id
+    assert killed_at - save.step <= 1, (killed_at, save.step)  # at most one step lost
+    assert "Traceback" not in _log(run), _log(run)
+    return save
+
+
+def _assert_resumed_exactly(
+    scenario: Scenario, run: PodRun, save: CheckpointRecord, ref: dict[str, Any]
+) -> None:
+    """The re-admitted pod resumed right after ``save`` and ended bitwise like ``ref``."""
+    assert run.wait(180) == 0, _log(run)
+    res = json.loads(result_path(scenario.results, run.pod).read_text())
+    assert res["resume"]["checkpoint_id"] == save.id, res["resume"]
+    assert res["resume"]["exact"] is True
+    assert res["first_step"] == save.step + 1
+    for step, loss in res["losses"].items():  # bit for bit the uninterrupted run's losses
+        assert loss == ref["losses"][step], f"step {step}"
+    assert final_loss(res) == final_loss(ref)
+    assert res["final_params_sha256"] == ref["final_params_sha256"]
+
+
+def _no_failure_events(scenario: Scenario, name: str) -> None:
+    reasons = [e["reason"] for e in events(scenario.cluster, scenario.namespace, name=name)]
+    for r in ("JobFailed", "Restarted", "GaveUp"):
+        assert r not in reasons, reasons
+
+
 # --------------------------------------------------------------------------- scenario 1
-def test_preempted_job_saves_on_sigterm_and_resumes_on_readmission(
+def test_preempted_pytorchjob_saves_on_sigterm_and_resumes_on_readmission(
     kueue: Kueue, scenario: Scenario, queue: str
 ) -> None:
-    cluster, ns = scenario.cluster, scenario.namespace
-    ref = reference_run(TRAINING, cluster.workdir / "reference")
+    ns = scenario.namespace
+    ref = reference_run(TRAINING, scenario.cluster.workdir / "reference")
     # scheduled saves are rare: the preemption's SIGTERM save is what the resume uses
     scenario.apply_policy("e2e", pulse_every=50, full_every=1000)
     view = scenario.view()
@@ -107,29 +171,11 @@ def test_preempted_job_saves_on_sigterm_and_resumes_on_readmission(
     scenario.wait_step(first, 12)
 
     # 2. a high-priority job arrives: Kueue evicts the low one (job suspended, pods deleted)
-    t_preempt = time.time()
-    _submit(scenario, "high", PREEMPTOR, queue, HIGH, policy=None)
-    evicted = kueue.wait_workload(ns, PYTORCHJOB, "low", "Evicted", timeout=60)
-    why = workload_condition(evicted, "Evicted")
-    assert why is not None and why["reason"] == "Preempted", why
-    assert first.wait(60) == 143, _log(first)
-    assert first.local is not None and first.local.terminated_by_deletion
+    t_preempt, high = _preempt(kueue, scenario, runner, queue, PYTORCHJOB, "low")
+    save = _sigterm_save(scenario, view, run_id, first, t_preempt)
     assert _suspended(scenario.job("low"))
-    ended = time.time()
-    killed_at = last_logged_step(scenario.results, first.pod)
-    saves = [
-        r for r in view.since(run_id, t_preempt) if r.emergency and "sigterm" in r.reason.lower()
-    ]
-    assert saves, [(r.id, r.reason) for r in view.since(run_id, t_preempt)]
-    last: CheckpointRecord = max(saves, key=lambda r: r.step)
-    assert last.created_at <= ended  # committed before the pod was gone, within the grace
-    newest = view.newest_valid(run_id)
-    assert newest is not None and newest.id == last.id
-    assert killed_at - last.step <= 1, (killed_at, last.step)  # at most one step lost
-    assert "Traceback" not in _log(first), _log(first)
 
     # 3. the preemptor runs in the freed quota and finishes
-    high = runner.wait_run("high", timeout=90)
     assert high.wait(120) == 0, _log(high)
     assert condition(scenario.wait_finished("high"), "Succeeded") is not None
 
@@ -138,17 +184,8 @@ def test_preempted_job_saves_on_sigterm_and_resumes_on_readmission(
     second = runner.wait_run("low", index=1, timeout=90)
     assert second.name == first.name and second.uid != first.uid
     assert second.pod["metadata"]["labels"].get("ckpt.dev/inject") == "true"
-    env = {e["name"]: e.get("value") for e in second.pod["spec"]["containers"][0]["env"]}
-    assert env["CKPT_RUN_ID"] == run_id  # same run, same storage folder
-    assert second.wait(180) == 0, _log(second)
-    res = json.loads(result_path(scenario.results, second.pod).read_text())
-    assert res["resume"]["checkpoint_id"] == last.id, res["resume"]
-    assert res["resume"]["exact"] is True
-    assert res["first_step"] == last.step + 1
-    for step, loss in res["losses"].items():  # bit for bit the uninterrupted run's losses
-        assert loss == ref["losses"][step], f"step {step}"
-    assert final_loss(res) == final_loss(ref)
-    assert res["final_params_sha256"] == ref["final_params_sha256"]
+    assert _env(second, "pytorch")["CKPT_RUN_ID"] == run_id  # same run, same storage
+    _assert_resumed_exactly(scenario, second, save, ref)
 
     # 5. the preemption was not a failure: no restart, no failed job, Succeeded in place
     job = scenario.wait_finished("low")
@@ -156,7 +193,45 @@ def test_preempted_job_saves_on_sigterm_and_resumes_on_readmission(
     assert condition(job, "Failed") is None
     ann = annotations_of(job)
     assert RESTARTED_AS not in ann and "ckpt.dev/restart-count" not in ann, ann
-    reasons = [e["reason"] for e in events(cluster, ns, name="low")]
-    assert "JobFailed" not in reasons and "Restarted" not in reasons, reasons
+    _no_failure_events(scenario, "low")
     assert scenario.job("low-r1") is None
     kueue.wait_workload(ns, PYTORCHJOB, "low", "Finished", timeout=30)
+
+
+def test_preempted_trainjob_saves_on_sigterm_and_resumes_on_readmission(
+    kueue: Kueue, scenario: Scenario, trainjobs: TrainJobs, queue: str
+) -> None:
+    ns = scenario.namespace
+    ref = reference_run(TRAINING, scenario.cluster.workdir / "reference")
+    scenario.apply_policy("e2e", pulse_every=50, full_every=1000)
+    view = scenario.view()
+    runner = trainjobs.runner()
+    pytorchjobs = scenario.runner()  # the preemptor's (a PyTorchJob) pods
+
+    # 1. the low-priority TrainJob: admitted, JobSet -> Job -> pod, trains with the agent
+    manifest = trainjob_manifest("low", TRAINING, scenario.results, policy="e2e")
+    manifest = with_labels(manifest, queue_labels(queue, LOW))
+    trainjobs.wait_operator_admits(manifest)
+    scenario.cluster.apply(manifest, namespace=ns)
+    kueue.wait_workload(ns, TRAINJOB, "low", "Admitted")
+    first = trainjobs.wait_attempt(runner, "low", 0)
+    run_id = trainjobs.run_id("low")
+    scenario.wait_step(first, 12)
+
+    # 2. the preemptor: Kueue suspends the TrainJob (JobSet suspended, its Job's pod deleted)
+    t_preempt, high = _preempt(kueue, scenario, pytorchjobs, queue, TRAINJOB, "low")
+    save = _sigterm_save(scenario, view, run_id, first, t_preempt)
+    assert (trainjobs.trainjob("low") or {}).get("spec", {}).get("suspend") is True
+    assert high.wait(120) == 0, _log(high)
+
+    # 3. re-admitted: the Job's new pod (no JobSet restart) resumes from the save
+    kueue.wait_workload(ns, TRAINJOB, "low", "Admitted", timeout=60)
+    second = runner.wait_run("low", index=1, timeout=90)
+    assert restart_attempt(second.pod) == 0  # the same attempt: a resumed Job, not a restart
+    assert _env(second, NODE)["CKPT_RUN_ID"] == run_id
+    _assert_resumed_exactly(scenario, second, save, ref)
+    done = trainjobs.wait_condition("low", "Complete", timeout=60)
+    assert condition(done, "Failed") is None
+    assert trainjobs.jobset_restarts("low") == 0
+    assert "ckpt.dev/restart-attempt" not in trainjobs.annotations("low")
+    _no_failure_events(scenario, "low")
