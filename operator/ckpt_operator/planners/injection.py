@@ -29,6 +29,10 @@ What the training container (``spec.agent.containerName``, default
   save-now signal), a work ``emptyDir``, and the storage PVC for local storage
   on a PVC;
 * a ``ckpt-metrics`` container port;
+* ``terminationGracePeriodSeconds`` raised to cover the expected save (with
+  ``spec.preemption.saveOnEviction``, at most ``maxGraceSeconds``, never lowered:
+  :func:`ckpt_operator.planners.preemption.termination_grace`), so the emergency
+  checkpoint SIGTERM starts (an eviction, a drain) can commit before SIGKILL;
 * when ``spec.agent.sidecar``: a native sidecar (an init container with
   ``restartPolicy: Always``) running the persisting agent with the same env
   and mounts.
@@ -69,6 +73,7 @@ from ckpt_agent.storage.options import s3_env
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, pointer
+from ckpt_operator.planners.preemption import termination_grace
 
 __all__ = [
     "InjectionContext",
@@ -449,6 +454,12 @@ def build_pod_patch(
             container.get("ports"),
             [{"name": c.METRICS_PORT_NAME, "containerPort": metrics_port, "protocol": "TCP"}],
         )
+
+    grace = termination_grace(
+        spec_obj.get("terminationGracePeriodSeconds"), job_annotations, policy_spec.preemption
+    )
+    if grace is not None:
+        ops.append(add("/spec/terminationGracePeriodSeconds", grace))
 
     if want_sidecar:
         sc_port = _sidecar_metrics_port(metrics_port)

@@ -358,3 +358,39 @@ def test_a_users_own_pod_name_env_is_kept(fixture: Any) -> None:
         {"name": "CKPT_POD_NAME", "value": "mine"}
     ]
     assert env_of({"env": env})["CKPT_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+# --------------------------------------------------------------------------- termination grace (#30)
+
+
+def _grace(fixture: Any, job_annotations: dict[str, str], **preemption: Any) -> Any:
+    pod = admitted_pod(fixture)
+    spec = policy_spec(fixture)
+    spec.preemption = spec.preemption.model_copy(update=preemption)
+    result = build_pod_patch(pod, spec, job_annotations, ctx())
+    return apply_patch(pod, result.ops)["spec"].get("terminationGracePeriodSeconds")
+
+
+def test_grace_is_raised_to_cover_the_measured_save(fixture: Any) -> None:
+    assert _grace(fixture, {"ckpt.dev/save-seconds": "100"}) == 115  # save + margin
+
+
+def test_grace_without_a_measurement_covers_the_default_save(fixture: Any) -> None:
+    assert _grace(fixture, {}) == 75  # DEFAULT_SAVE_SECONDS 60 + 15
+
+
+def test_grace_is_bounded_by_max_grace_seconds(fixture: Any) -> None:
+    assert _grace(fixture, {"ckpt.dev/save-seconds": "900"}, max_grace_seconds=200) == 200
+
+
+def test_grace_never_lowers_the_pods_own(fixture: Any) -> None:
+    pod = admitted_pod(fixture)
+    pod["spec"]["terminationGracePeriodSeconds"] = 600
+    result = build_pod_patch(pod, policy_spec(fixture), {"ckpt.dev/save-seconds": "100"}, ctx())
+    assert result.injected
+    assert not [op for op in result.ops if op["path"] == "/spec/terminationGracePeriodSeconds"]
+
+
+def test_grace_is_left_alone_without_save_on_eviction(fixture: Any) -> None:
+    own = admitted_pod(fixture)["spec"].get("terminationGracePeriodSeconds")
+    assert _grace(fixture, {"ckpt.dev/save-seconds": "100"}, save_on_eviction=False) == own
