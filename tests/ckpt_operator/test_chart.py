@@ -576,3 +576,19 @@ def test_peering_allows_more_replicas() -> None:
         "--peering"
         not in only(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     )
+
+
+def test_kueue_is_off_by_default_and_on_grants_workloads(default: Rendered) -> None:
+    """``kueue.enabled`` (#30): the operator's ``--kueue`` and RBAC on Kueue Workloads; off,
+    neither (the least-privilege test above pins the default rules)."""
+    args = only(default, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--kueue") for a in args)
+    assert not any(g == "kueue.x-k8s.io" for g, _, _ in rules(default))
+    objs = render("kueue.enabled=true")
+    args = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    cfg = parse_config(
+        [*(a for a in args if not a.startswith("--webhook-cert-dir")), "--webhook-generate-certs"],
+        environ={},
+    )
+    assert cfg.kueue
+    assert ("kueue.x-k8s.io", "workloads", ("get", "list", "patch", "watch")) in rules(objs)
