@@ -228,3 +228,11 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 100.0) == 100.0
     assert percentile([3.0, 1.0], 50.0) == 1.0
     assert math.isnan(percentile([], 99.0))
+
+
+def test_a_failure_during_a_recovery_loses_no_further_work() -> None:
+    trace = FaultTrace("t", 120.0, (fault(22.0), fault(23.0, kind=PROCESS)))
+    first, second = replay_tiers(trace, MEM, ONE_S).recoveries
+    assert (first.source, first.back) == (PEER, 10)
+    # the node's memory went with it; the replica of step 10 is still there
+    assert (second.source, second.step, second.back, second.lost_s) == (PEER, 10, 10, 0.0)
