@@ -47,10 +47,10 @@ class KueueHandlers:
         self.state = PreemptionState()
         self._task: asyncio.Task[None] | None = None
 
-    async def look(self, deps: Deps, workload: Mapping[str, Any], *, refresh: bool) -> None:
+    async def look(self, deps: Deps, workload: Mapping[str, Any]) -> None:
         """One Workload, errors logged (one Workload's trouble never stops the others)."""
         try:
-            await reconcile_workload(deps, self.state, workload, refresh=refresh)
+            await reconcile_workload(deps, self.state, workload)
         except NotFoundError:
             log.debug("Workload or its job went meanwhile")
         except Exception as e:
@@ -69,12 +69,12 @@ class KueueHandlers:
             self.state.forget(workload)
             return
         self.state.upsert(workload)
-        await self.look(self.deps_of(memo), workload, refresh=False)
+        await self.look(self.deps_of(memo), workload)
 
     async def refresh_all(self, deps: Deps) -> None:
         """One refresh pass over every known Workload."""
         for workload in self.state.all():
-            await self.look(deps, workload, refresh=True)
+            await self.look(deps, workload)
 
     async def _loop(self, deps: Deps) -> None:
         while True:

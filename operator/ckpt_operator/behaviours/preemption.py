@@ -174,11 +174,12 @@ def _emit(
 
 
 async def reconcile_workload(
-    deps: Deps, state: PreemptionState, workload: Mapping[str, Any], *, refresh: bool = False
+    deps: Deps, state: PreemptionState, workload: Mapping[str, Any]
 ) -> BoostPlan | None:
     """One look at a Workload (see the module doc); returns the boost plan applied (None:
-    not an opted-in job's, or nothing was planned). ``refresh``: a periodic look, which
-    reads storage only when a boost write could be due."""
+    not an opted-in job's, or nothing was planned). Storage is read only when a boost
+    write could be due (:func:`~ckpt_operator.planners.preemption.boost_due`), on a watch
+    event as on a periodic look."""
     view = workload_view(workload)
     if view.owner is None:
         return None
@@ -214,8 +215,8 @@ async def reconcile_workload(
         and not view.finished
         and not ended
     )
-    if refresh and not boost_due(view.annotations, now=now, spec=pre.priority_boost):
-        return None
+    if boosting and not boost_due(view.annotations, now=now, spec=pre.priority_boost):
+        return None  # our last write is too recent to change: no storage read (any event)
     risk: AtRisk | None = None
     if boosting:
         run = await _read_run(deps, facts, spec, view.namespace)

@@ -163,13 +163,13 @@ def test_an_admitted_workload_gets_the_boost_of_its_at_risk_work(kueue: Any, rec
     assert kueue.api.jobs[(NS, "mnist-ddp")]["metadata"]["annotations"][ANN_SAVE_SECONDS] == "10"
 
 
-def test_the_refresh_does_not_read_storage_within_the_rate_limit(kueue: Any, rec: Any) -> None:
+def test_a_look_within_the_rate_limit_reads_no_storage(kueue: Any, rec: Any) -> None:
     checkpoints(kueue, rec)
     state = PreemptionState()
     run(reconcile_workload(kueue.deps, state, workload(kueue, admitted(kueue))))
     listed = len(kueue.source.listed)
     kueue.clock.now += 10  # < minUpdateSeconds
-    assert run(reconcile_workload(kueue.deps, state, current(kueue), refresh=True)) is None
+    assert run(reconcile_workload(kueue.deps, state, current(kueue))) is None
     assert len(kueue.source.listed) == listed and len(patches(kueue)) == 1
 
 
@@ -181,7 +181,7 @@ def test_a_fresh_checkpoint_lowers_the_boost_once_the_rate_limit_allows(
     run(reconcile_workload(kueue.deps, state, workload(kueue, admitted(kueue))))
     kueue.clock.now += 40
     checkpoints(kueue, rec, age=5)  # just checkpointed
-    plan = run(reconcile_workload(kueue.deps, state, current(kueue), refresh=True))
+    plan = run(reconcile_workload(kueue.deps, state, current(kueue)))
     # nothing trained since the checkpoint: only the 10 s save is at risk
     assert plan is not None and plan.action is BoostAction.WRITE and plan.value == 0
     assert current(kueue)["metadata"]["annotations"][ANN_BOOST] == "0"
