@@ -33,7 +33,7 @@ from ckpt_agent.storage import StorageError
 from ckpt_agent.text import clean
 from ckpt_operator.adapters.events import EventType
 from ckpt_operator.adapters.kube import ConflictError, NotFoundError
-from ckpt_operator.behaviours.deps import Deps, Obj, annotate_job, cached_job, cached_policy
+from ckpt_operator.behaviours.deps import Deps, Obj, annotate_job, cached_policy
 from ckpt_operator.behaviours.disruption import signal_save_now
 from ckpt_operator.behaviours.guard import read_refusal, storage_call
 from ckpt_operator.kinds.kind import JobKind
@@ -184,7 +184,8 @@ async def reconcile_workload(
     if view.owner is None:
         return None
     kind = _kind(view)
-    job = await cached_job(deps, view.namespace, view.owner.name, kind=kind)
+    # the opted-in jobs' watch cache only: a Workload of any other job costs no API read
+    job = deps.job_cache(kind).get(view.namespace, view.owner.name)
     if job is None:
         return None
     facts = job_facts(job)

@@ -406,3 +406,24 @@ def test_a_kueue_suspended_trainjob_plans_no_restart_attempt(world: Any, fixture
     assert not world.api.called("create_job")
     ann = world.api.trainjobs[(NS, "llm-ft")]["metadata"]["annotations"]
     assert c.ANN_RESTART_COUNT not in ann and c.ANN_RESTART_ATTEMPT not in ann
+
+
+def test_a_trainjob_eviction_signals_its_pods(world: Any, fixture: Any) -> None:
+    world.api.patch_custom = types.MethodType(_patch_custom, world.api)
+    tj = world.api.add_job(fixture("trainjob_running.json"))
+    world.deps.trainjobs.upsert(tj)
+    pod = fixture("trainjob_pod.json")
+    pod["metadata"].update(name="llm-ft-node-0-0-abcde", uid="pod-uid")
+    pod["metadata"]["labels"][c.LABEL_INJECTED] = "true"
+    pod["status"] = {"phase": "Running"}
+    world.api.add_pod(pod)
+    world.deps.trainjob_pods.upsert(pod)
+    wl = workload(world, evicted("PodsReadyTimeout"))
+    wl["metadata"]["ownerReferences"] = [
+        {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "llm-ft"}
+    ]
+    run(reconcile_workload(world.deps, PreemptionState(), wl))
+    signalled = world.api.pods[(NS, "llm-ft-node-0-0-abcde")]["metadata"]["annotations"]
+    assert signalled[c.ANN_SAVE_NOW].startswith("Preemption-")
+    assert world.counter("ckpt_preemption_saves_total", reason="PodsReadyTimeout") == 1
+    assert {kind_of(e) for e in events(world, "PreemptionSave")} == {"TrainJob", "Workload"}
