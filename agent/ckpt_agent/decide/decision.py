@@ -27,6 +27,9 @@ __all__ = [
     "merge_decisions",
 ]
 
+_new = object.__new__
+_set = object.__setattr__
+
 ANOMALY_KINDS = ("nan", "loss_spike", "grad_anomaly")
 """Anomaly kinds, most severe first."""
 
@@ -65,6 +68,46 @@ class Decision:
     ``1 − warned share`` while calm, ``mtbf / warning_mtbf`` while a warning holds."""
     warning: str | None = None
     """The warning that holds (system alarm or node warning); None while calm."""
+
+    @classmethod
+    def quick(
+        cls,
+        step: int,
+        tier: Tier | None,
+        score: float,
+        components: dict[str, float],
+        interval: int,
+        interval_rule: str,
+        reason: str,
+        anomaly: str | None,
+        hazard: float,
+        warning: str | None,
+    ) -> Decision:
+        """``Decision(step, save=tier is not None, tier, ...)`` with no emergency, not
+        lightweight, not high-risk: the same instance, built without the frozen
+        ``__init__``'s one ``object.__setattr__`` per field (the scheduler's every step)."""
+        d = _new(cls)
+        _set(
+            d,
+            "__dict__",
+            {
+                "step": step,
+                "save": tier is not None,
+                "tier": tier,
+                "lightweight": False,
+                "emergency": False,
+                "high_risk": False,
+                "score": score,
+                "components": components,
+                "interval": interval,
+                "interval_rule": interval_rule,
+                "reason": reason,
+                "anomaly": anomaly,
+                "hazard": hazard,
+                "warning": warning,
+            },
+        )
+        return d
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (tier as its string value)."""

@@ -104,16 +104,28 @@ class HazardModel:
 
     def at(self, now: float, mtbf: float) -> Hazard:
         """The hazard at ``now`` for a baseline MTBF ``mtbf``."""
-        calm = max(1.0 - self.warned_fraction(mtbf), 1e-6)
-        if not self.holds(now):
-            return Hazard(calm)
-        scale = self.spec.warning_mtbf_seconds
+        return Hazard(*self.level(now, mtbf))
+
+    def level(self, now: float, mtbf: float) -> tuple[float, str | None]:
+        """:meth:`at` as ``(multiplier, warning)`` (the scheduler's every step: no object)."""
+        spec = self.spec
+        if spec.warned_fraction is not None:  # warned_fraction(), inlined
+            share = spec.warned_fraction
+        else:
+            share = min(
+                spec.max_warned_fraction, self.episodes / (self.observed_seconds / mtbf + 1.0)
+            )
+        calm = max(1.0 - share, 1e-6)
+        until = self.warning_until
+        if until is None or not now < until:  # not holds(now)
+            return calm, None
+        scale = spec.warning_mtbf_seconds
         warned = max(1.0, mtbf / scale)
         age = now - (now if self.since is None else self.since)
         if age <= scale:
-            return Hazard(warned, self.warning)
+            return warned, self.warning
         decayed = warned * math.exp(-(age - scale) / scale)
-        return Hazard(decayed, self.warning) if decayed > calm else Hazard(calm)
+        return (decayed, self.warning) if decayed > calm else (calm, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -83,10 +83,11 @@ class CostModel:
 
     def record_step_time(self, seconds: float) -> None:
         if math.isfinite(seconds) and seconds > 0:
+            prev = self.step_time  # ewma() inlined: this runs every step
             self.step_time = (
                 seconds
-                if self.step_time is None
-                else ewma(self.step_time, seconds, _STEP_TIME_ALPHA)
+                if prev is None
+                else _STEP_TIME_ALPHA * seconds + (1.0 - _STEP_TIME_ALPHA) * prev
             )
 
     def measure_steps(self, wall_seconds: float, steps: int) -> bool:

@@ -67,7 +67,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckpt_agent.decide.decision import (
-    ANOMALY_KINDS,
     Decision,
     SaveOutcome,
     SaveResult,
@@ -79,9 +78,8 @@ from ckpt_agent.decide.signals import (
     LossLayer,
     SystemLayer,
     SystemSignals,
-    finite,
 )
-from ckpt_agent.decide.tiers import TierCounters
+from ckpt_agent.decide.tiers import NOTHING_DUE, TierCounters
 from ckpt_agent.policy.models import Tier, TiersSpec
 from ckpt_agent.policy.scheduler_models import SchedulerSpec
 
@@ -121,6 +119,9 @@ class AdaptiveScheduler:
         self._hazard = HazardModel(self.spec.risk)
         self._requested: str | None = None
         """A request_emergency reason not yet folded into the hazard."""
+        self._quiet_path = True
+        """Answer steps where at most the heartbeat is due without building a ``Due``
+        (:meth:`observe`); False: always the full path (the replay test compares both)."""
 
     # ------------------------------------------------------------------ state
 
@@ -241,61 +242,97 @@ class AdaptiveScheduler:
         system: SystemSignals | None = None,
         now: float | None = None,
     ) -> Decision:
-        """Fold one step's signals in and decide what to save at this step."""
+        """Fold one step's signals in and decide what to save at this step.
+
+        Runs after every optimizer step, so the common case costs no more than it must:
+        a quiet system is one check, the hazard no object, and while at most the
+        heartbeat is due :meth:`TierCounters.quiet` answers without building a ``Due``
+        and the ``Decision`` is built directly (:meth:`Decision.quick`); the state
+        every signal keeps is updated on every step all the same (decisions are
+        bit-identical to the full path: ``tests/ckpt_agent/decide/test_scheduler_replay.py``).
+        """
         if now is None:
             now = self._clock()
         if self.start_time is None:
             self.start_time = now
         self._track_time(step, now)
 
-        anomalies: list[str] = []
-        loss_ok = finite(loss)
+        anomaly: str | None = None  # the most severe (ANOMALY_KINDS order) seen at this step
+        loss_ok = loss is not None and math.isfinite(loss)
         if not loss_ok:
-            anomalies.append("nan")
+            anomaly = "nan"
         elif self._loss.fold(step, loss):
-            anomalies.append("loss_spike")
+            anomaly = "loss_spike"
         grad_fired_now = False
-        if grad_norm is not None and self._grad.wants(step):
-            if finite(grad_norm):
-                grad_fired_now = self._grad.fold(step, grad_norm)
-                if grad_fired_now:
-                    anomalies.append("grad_anomaly")
-            elif "nan" not in anomalies:
-                anomalies.append("nan")
-        sys_fired, sys_why = self._system.check(system, now)
-        self._hazard.update(sys_fired, sys_why, now, fresh=self._system.fresh)
+        grad = self._grad
+        if grad_norm is not None and grad.wants(step):
+            if math.isfinite(grad_norm):
+                grad_fired_now = grad.fold(step, grad_norm)
+                if grad_fired_now and anomaly is None:
+                    anomaly = "grad_anomaly"
+            else:
+                anomaly = "nan"
+        sys_layer = self._system
+        sys_fired, sys_why = sys_layer.check(system, now)
+        hazard_model = self._hazard
+        if sys_fired:  # HazardModel.update ignores a layer that did not fire
+            hazard_model.update(sys_fired, sys_why, now, fresh=sys_layer.fresh)
         if self._requested is not None:
-            self._hazard.update(True, self._requested, now, fresh=True)
+            hazard_model.update(True, self._requested, now, fresh=True)
             self._requested = None
-        hazard = self.hazard_at(now)
+        multiplier, warning = hazard_model.level(now, self._costs.mtbf)
         # a warning that decayed out (hazard module docstring) no longer raises the score
-        sys_live = sys_fired and hazard.warning is not None
+        sys_live = sys_fired and warning is not None
 
         sp = self.spec
         components = {
             "loss": sp.loss.weight if self._loss.fired else 0.0,
-            "gradient": sp.gradient.weight if self._grad.fired else 0.0,
+            "gradient": sp.gradient.weight if grad.fired else 0.0,
             "system": sp.system.weight if sys_live else 0.0,
         }
         score = round(sum(components.values()), 12)
-        interval, rule = self.interval_for(score, hazard.multiplier)
+        interval, rule = pulse_interval(score, sp, self.tiers.pulse, self._costs, multiplier)
 
         counters = self._counters
         if grad_fired_now:
             counters.pending_lightweight = True
-        cooldown = sp.system.emergency_cooldown_steps
-        if self._system.owed and counters.emergency_cooled_down(step, cooldown):
+        if sys_layer.owed and counters.emergency_cooled_down(
+            step, sp.system.emergency_cooldown_steps
+        ):
             counters.add_emergency(
                 f"system alarm ({sys_why})", Tier(sp.system.emergency_tier), high_risk=True
             )
-            self._system.owed = False
+            sys_layer.owed = False
+        run_seconds = now - self.start_time
+        quiet = (
+            counters.quiet(
+                step,
+                self.tiers,
+                interval=interval,
+                score=score,
+                pulse_now_score=sp.pulse_now_score,
+                run_seconds=run_seconds,
+            )
+            if loss_ok and self._quiet_path
+            else None
+        )
+        if quiet is not None:  # nothing due, or the heartbeat alone
+            if quiet is NOTHING_DUE:
+                tier = None
+            else:
+                tier = Tier.HEARTBEAT
+                last = counters.last_heartbeat  # adopt(): a heartbeat resets only itself
+                counters.last_heartbeat = step if last is None else max(last, step)
+            return Decision.quick(
+                step, tier, score, components, interval, rule, quiet, anomaly, multiplier, warning
+            )
         due = counters.due(
             step,
             self.tiers,
             interval=interval,
             score=score,
             pulse_now_score=sp.pulse_now_score,
-            run_seconds=now - self.start_time,
+            run_seconds=run_seconds,
             weights_ok=loss_ok,
         )
         decision = Decision(
@@ -310,9 +347,9 @@ class AdaptiveScheduler:
             interval=interval,
             interval_rule=rule,
             reason=due.reason,
-            anomaly=min(anomalies, key=ANOMALY_KINDS.index) if anomalies else None,
-            hazard=hazard.multiplier,
-            warning=hazard.warning,
+            anomaly=anomaly,
+            hazard=multiplier,
+            warning=warning,
         )
         self.adopt(decision)
         return decision

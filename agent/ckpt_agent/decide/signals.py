@@ -98,13 +98,14 @@ class LossLayer:
         x = math.log10(max(loss, 0.0) + spec.epsilon)
         seen = self.folded + 1 if self.last is not None else 0
         spike = self.ewma is not None and seen >= spec.window and x - self.ewma > spec.spike_decades
+        alpha = spec.ewma_alpha  # ewma() inlined below: this runs every step
         if self.last is not None:
-            self.trend = ewma(self.trend, x - self.last, spec.ewma_alpha)
+            self.trend = trend = alpha * (x - self.last) + (1.0 - alpha) * self.trend
             self.folded += 1
-            steep = self.folded >= spec.warmup_steps and abs(self.trend) > spec.slope_threshold
+            steep = self.folded >= spec.warmup_steps and abs(trend) > spec.slope_threshold
             self.streak = self.streak + 1 if steep else 0
         self.last = x
-        self.ewma = x if self.ewma is None else ewma(self.ewma, x, spec.ewma_alpha)
+        self.ewma = x if self.ewma is None else alpha * x + (1.0 - alpha) * self.ewma
         return spike
 
     def slope(self) -> float | None:
@@ -190,6 +191,10 @@ class GradientLayer:
         self.last_sample_step = state.get("last_grad_sample_step")
 
 
+_QUIET = (False, "")
+""":meth:`SystemLayer.check`'s answer when nothing fires."""
+
+
 class SystemLayer:
     """GPU errors, sustained storage latency, node warnings: fires while it is risky.
 
@@ -215,8 +220,17 @@ class SystemLayer:
         if signals is None:  # no metrics: healthy, and any episode is over
             self.latency_high_since = None
             self.alarms, self.fresh, self.owed = (), False, False
-            return False, ""
+            return _QUIET
         s = self.spec
+        gpu_n, lat = signals.gpu_errors, signals.write_latency_ms
+        if (
+            (gpu_n is None or not gpu_n > s.gpu_error_threshold)
+            and not signals.node_warning
+            and (lat is None or not lat > s.write_latency_ms or not math.isfinite(lat))
+        ):  # nothing fires (the common case): what the full check below would leave
+            self.latency_high_since = None
+            self.alarms, self.fresh, self.owed = (), False, False
+            return _QUIET
         why: list[str] = []
         alarms: list[str] = []
         gpu = signals.gpu_errors is not None and signals.gpu_errors > s.gpu_error_threshold

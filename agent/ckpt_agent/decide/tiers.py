@@ -27,7 +27,10 @@ from typing import Any
 
 from ckpt_agent.policy.models import FullTierSpec, Tier, TiersSpec
 
-__all__ = ["Due", "TierCounters", "tier_rank"]
+__all__ = ["NOTHING_DUE", "Due", "TierCounters", "tier_rank"]
+
+NOTHING_DUE = "nothing due"
+"""The reason of a decision that saves nothing (and has no other remark)."""
 
 _TIER_ORDER = {Tier.HEARTBEAT: 0, Tier.PULSE: 1, Tier.FULL: 2}
 
@@ -61,7 +64,7 @@ class Due:
 
     @property
     def reason(self) -> str:
-        return "; ".join(self.reasons) or "nothing due"
+        return "; ".join(self.reasons) or NOTHING_DUE
 
 
 class TierCounters:
@@ -81,6 +84,8 @@ class TierCounters:
         self.pending_emergency_tier = Tier.FULL
         self.pending_lightweight = False
         self.retry_tier: Tier | None = None
+        self._heartbeat_reason: tuple[int, str] = (0, "")
+        """The heartbeat's reason for its ``every_steps`` (built by :meth:`quiet` once)."""
 
     # ------------------------------------------------------------------ requests
 
@@ -205,6 +210,59 @@ class TierCounters:
         due.lightweight = due.lightweight and due.tier == Tier.PULSE
         self.prev_score = score
         return due
+
+    def quiet(
+        self,
+        step: int,
+        tiers: TiersSpec,
+        *,
+        interval: int,
+        score: float,
+        pulse_now_score: float,
+        run_seconds: float,
+    ) -> str | None:
+        """:meth:`due` for a step with a finite loss, when at most the heartbeat is due.
+
+        Returns the reason :meth:`due` would give — :data:`NOTHING_DUE`, or the
+        heartbeat's (one string per ``every_steps``, built once) — and remembers the
+        score as :meth:`due` does; None (and nothing changed) when something else may be
+        due: ask :meth:`due`. The scheduler's every step without building a :class:`Due`.
+        """
+        if (
+            self.retry_tier is not None
+            or self.pending_emergency is not None
+            or self.pending_lightweight
+        ):
+            return None
+        full = tiers.full
+        full_every = (
+            full.long_run_every_steps
+            if run_seconds > full.long_run_after_hours * 3600.0
+            else full.every_steps
+        )
+        last = self.last_full
+        since_full = step - last if last is not None else step - (self.first_step or 0)
+        if since_full >= full_every:
+            return None
+        last = self.last_pulse
+        since_pulse = step - last if last is not None else step - (self.first_step or 0)
+        if since_pulse >= interval or (
+            score >= pulse_now_score > self.prev_score and since_pulse > 0
+        ):
+            return None
+        self.prev_score = score
+        hb = tiers.heartbeat
+        last = self.last_heartbeat
+        if not hb.enabled or (last is not None and step - last < hb.every_steps):
+            return NOTHING_DUE
+        every = hb.every_steps
+        cached = self._heartbeat_reason
+        if cached[0] != every:
+            cached = self._heartbeat_reason = (
+                every,
+                f"{Tier.HEARTBEAT.value}: every {every} step(s)",
+            )
+        return cached[1]
 
     # ------------------------------------------------------------------ state
 
