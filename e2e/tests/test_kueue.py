@@ -13,16 +13,20 @@ enough (scenario 2 shows what the operator's priority boost adds).
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 
 from ckpt_agent.records import CheckpointRecord
 from ckpt_e2e.kubelet import PodRun, PodRunner
 from ckpt_e2e.kueue import (
+    PRIORITY_BOOST_ANNOTATION,
     Kueue,
     cluster_queue,
     local_queue,
@@ -33,6 +37,7 @@ from ckpt_e2e.kueue import (
     workload_priority_class,
 )
 from ckpt_e2e.scenario import RESTARTED_AS, Scenario
+from ckpt_e2e.stack import CHART_DIR, Stack, install_chart
 from ckpt_e2e.trainer_v2 import NODE
 from ckpt_e2e.training import (
     StorageView,
@@ -64,14 +69,22 @@ PYTORCHJOB, TRAINJOB = "PyTorchJob", "TrainJob"
 def queue(kueue: Kueue, scenario: Scenario) -> Iterator[str]:
     """A ClusterQueue with quota for one job (preempting lower priorities), the
     namespace's LocalQueue ``lq`` feeding it; returns the LocalQueue's name."""
+    with _queue(kueue, scenario, ONE_JOB) as lq:
+        yield lq
+
+
+@contextlib.contextmanager
+def _queue(kueue: Kueue, scenario: Scenario, quota: dict[str, str]) -> Iterator[str]:
     cq = f"cq-{scenario.namespace}"[:63]
     kueue.apply(resource_flavor())
     kueue.apply(workload_priority_class(LOW, 100))
     kueue.apply(workload_priority_class(HIGH, 1000))
-    kueue.apply(cluster_queue(cq, ONE_JOB))
+    kueue.apply(cluster_queue(cq, quota))
     kueue.apply(local_queue("lq", cq), namespace=scenario.namespace)
-    yield "lq"
-    kueue.delete("clusterqueue", cq)
+    try:
+        yield "lq"
+    finally:
+        kueue.delete("clusterqueue", cq)
 
 
 def _submit(
@@ -235,3 +248,136 @@ def test_preempted_trainjob_saves_on_sigterm_and_resumes_on_readmission(
     assert trainjobs.jobset_restarts("low") == 0
     assert "ckpt.dev/restart-attempt" not in trainjobs.annotations("low")
     _no_failure_events(scenario, "low")
+
+
+# --------------------------------------------------------------------------- scenario 2
+#: Two equal-priority jobs that run on while the victim is chosen (never to the end).
+LONG = Training(steps=2000, seed=11, step_sleep=0.2)
+TWO_JOBS = {"cpu": "2", "memory": "2Gi"}
+#: A boost that moves fast enough for a test: one point per second of at-risk work.
+BOOST = {"maxBoost": 500, "secondsPerPoint": 1.0, "minUpdateSeconds": 1.0}
+
+
+def _operator_has_kueue() -> bool:
+    """The operator's Kueue feature (``--kueue``, ``kueue.enabled`` in the chart) is here."""
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text()) or {}
+    return "kueue" in values and importlib.util.find_spec("ckpt_operator.app.kueue") is not None
+
+
+@contextlib.contextmanager
+def _operator_with_kueue(stack: Stack) -> Iterator[None]:
+    """The chart upgraded with ``kueue.enabled`` (RBAC on Workloads, ``--kueue=true``) and
+    the operator restarted from it; both put back afterwards."""
+    port = stack.install.webhook_port
+    install_chart(stack.cluster, webhook_port=port, values={"kueue": {"enabled": True}})
+    stack.operator.restart()
+    try:
+        assert "--kueue=true" in stack.operator.deployment_args()
+        yield
+    finally:
+        install_chart(stack.cluster, webhook_port=port)
+        stack.operator.restart()
+
+
+def _boost(kueue: Kueue, ns: str, job: str) -> int | None:
+    wl = kueue.workload_of(ns, PYTORCHJOB, job)
+    value = annotations_of(wl).get(PRIORITY_BOOST_ANNOTATION)
+    return None if value is None else int(value)
+
+
+def _victim(
+    kueue: Kueue, scenario: Scenario, runner: PodRunner, fresh: str, stale: str, high: str
+) -> str:
+    """Submit the preemptor ``high`` (one job's quota) and return which of ``fresh`` and
+    ``stale`` Kueue evicted for it (exactly one)."""
+    ns = scenario.namespace
+    _submit(scenario, high, PREEMPTOR, "lq", HIGH, policy=None)
+
+    def evicted() -> list[str]:
+        return [
+            j
+            for j in (fresh, stale)
+            if workload_condition(kueue.workload_of(ns, PYTORCHJOB, j), "Evicted")
+        ]
+
+    victims = scenario.cluster.wait_for(evicted, timeout=60, what=f"Kueue evicting for {high}")
+    assert isinstance(victims, list) and len(victims) == 1, victims
+    assert runner.wait_run(high, timeout=90).wait(120) == 0
+    return str(victims[0])
+
+
+def _run_pair(
+    kueue: Kueue, scenario: Scenario, runner: PodRunner, fresh: str, stale: str
+) -> tuple[PodRun, PodRun]:
+    """``fresh`` admitted first, ``stale`` a few seconds later (Kueue's own order, among
+    equal priorities: the most recently admitted goes first), both training."""
+    ns = scenario.namespace
+    _submit(scenario, fresh, LONG, "lq", LOW, policy=fresh)
+    a = runner.wait_run(fresh)
+    scenario.wait_step(a, 3)
+    _submit(scenario, stale, LONG, "lq", LOW, policy=stale)
+    b = runner.wait_run(stale)
+    scenario.wait_step(b, 3)
+    t_a, t_b = (
+        workload_condition(kueue.wait_workload(ns, PYTORCHJOB, j, "QuotaReserved"), "QuotaReserved")
+        for j in (fresh, stale)
+    )
+    assert t_a and t_b and t_a["lastTransitionTime"] < t_b["lastTransitionTime"]
+    return a, b
+
+
+def _end(scenario: Scenario, runs: list[PodRun], *jobs: str) -> None:
+    for job in jobs:
+        scenario.cluster.kubectl("delete", "pytorchjob", job, "-n", scenario.namespace)
+    for run in runs:
+        if run.local is not None:
+            run.wait(60)
+
+
+@pytest.mark.xfail(
+    not _operator_has_kueue(),
+    reason="the operator's Kueue feature (--kueue, kueue.enabled) is not in this tree yet",
+    strict=False,
+)
+def test_boost_makes_kueue_preempt_the_freshly_checkpointed_job(
+    kueue: Kueue, scenario: Scenario, stack: Stack
+) -> None:
+    ns = scenario.namespace
+    runner = scenario.runner()
+    # a pulse every step: nothing at risk; vs no save in the test's time
+    fresh_policy: dict[str, Any] = {"pulse_every": 1, "full_every": 1000}
+    stale_policy: dict[str, Any] = {"pulse_every": 1000, "full_every": 1000}
+    with _queue(kueue, scenario, TWO_JOBS), _operator_with_kueue(stack):
+        # 1. boost on: the operator writes each Workload's at-risk work as its boost
+        on = {"preemption": {"priorityBoost": {"enabled": True, **BOOST}}}
+        scenario.apply_policy("fresh-on", extra=on, **fresh_policy)
+        scenario.apply_policy("stale-on", extra=on, **stale_policy)
+        a, b = _run_pair(kueue, scenario, runner, "fresh-on", "stale-on")
+
+        def ordered() -> tuple[int, int] | None:
+            fa, fb = _boost(kueue, ns, "fresh-on"), _boost(kueue, ns, "stale-on")
+            return (fa, fb) if fa is not None and fb is not None and fa < fb else None
+
+        boosts = scenario.cluster.wait_for(
+            ordered, timeout=45, what="the fresh job's boost below the stale one's"
+        )
+        t_preempt = time.time()
+        victim_on = _victim(kueue, scenario, runner, "fresh-on", "stale-on", "high-on")
+        assert victim_on == "fresh-on", (victim_on, boosts)  # the one that loses least
+        assert a.wait(60) == 143 and b.running
+        view = scenario.view()
+        run_id = scenario.run_id("fresh-on")
+        saved = [r for r in view.since(run_id, t_preempt) if r.emergency]
+        assert saved, [(r.id, r.reason) for r in view.since(run_id, t_preempt)]
+        assert last_logged_step(scenario.results, a.pod) - max(r.step for r in saved) <= 1
+        _end(scenario, [a, b], "fresh-on", "stale-on", "high-on")
+
+        # 2. boost off (the policy field): no boost, Kueue's own order evicts the newer
+        scenario.apply_policy("fresh-off", **fresh_policy)
+        scenario.apply_policy("stale-off", **stale_policy)
+        a, b = _run_pair(kueue, scenario, runner, "fresh-off", "stale-off")
+        assert _boost(kueue, ns, "fresh-off") is None
+        assert _boost(kueue, ns, "stale-off") is None
+        victim_off = _victim(kueue, scenario, runner, "fresh-off", "stale-off", "high-off")
+        assert victim_off == "stale-off"  # the most recently admitted: much work lost
+        _end(scenario, [a, b], "fresh-off", "stale-off", "high-off")
