@@ -53,7 +53,9 @@ from ckpt_e2e.training import (
 )
 from ckpt_e2e.trainjob import TrainJobs, restart_attempt, trainjob_manifest
 
-pytestmark = pytest.mark.e2e
+# one xdist worker runs them one after another (CI: -n 2 --dist loadgroup), so Kueue (a
+# module fixture) starts once, on that worker's cluster only
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("kueue")]
 
 #: The preempted run: slow enough that the preemption lands in the middle.
 TRAINING = Training(steps=60, seed=7, step_sleep=0.15)
