@@ -287,9 +287,7 @@ def _boost(kueue: Kueue, ns: str, job: str) -> int | None:
     return None if value is None else int(value)
 
 
-def _victim(
-    kueue: Kueue, scenario: Scenario, runner: PodRunner, fresh: str, stale: str, high: str
-) -> str:
+def _victim(kueue: Kueue, scenario: Scenario, fresh: str, stale: str, high: str) -> str:
     """Submit the preemptor ``high`` (one job's quota) and return which of ``fresh`` and
     ``stale`` Kueue evicted for it (exactly one)."""
     ns = scenario.namespace
@@ -304,7 +302,7 @@ def _victim(
 
     victims = scenario.cluster.wait_for(evicted, timeout=60, what=f"Kueue evicting for {high}")
     assert isinstance(victims, list) and len(victims) == 1, victims
-    assert runner.wait_run(high, timeout=90).wait(120) == 0
+    kueue.wait_workload(ns, PYTORCHJOB, high, "Admitted", timeout=60)  # in the freed quota
     return str(victims[0])
 
 
@@ -328,10 +326,11 @@ def _run_pair(
     return a, b
 
 
-def _end(scenario: Scenario, runs: list[PodRun], *jobs: str) -> None:
+def _end(scenario: Scenario, runner: PodRunner, *jobs: str) -> None:
+    """Delete the jobs and wait until every pod process of theirs has ended."""
     for job in jobs:
         scenario.cluster.kubectl("delete", "pytorchjob", job, "-n", scenario.namespace)
-    for run in runs:
+    for run in (r for job in jobs for r in runner.runs_of(job)):
         if run.local is not None:
             run.wait(60)
 
@@ -364,7 +363,7 @@ def test_boost_makes_kueue_preempt_the_freshly_checkpointed_job(
             ordered, timeout=45, what="the fresh job's boost below the stale one's"
         )
         t_preempt = time.time()
-        victim_on = _victim(kueue, scenario, runner, "fresh-on", "stale-on", "high-on")
+        victim_on = _victim(kueue, scenario, "fresh-on", "stale-on", "high-on")
         assert victim_on == "fresh-on", (victim_on, boosts)  # the one that loses least
         assert a.wait(60) == 143 and b.running
         view = scenario.view()
@@ -372,14 +371,16 @@ def test_boost_makes_kueue_preempt_the_freshly_checkpointed_job(
         saved = [r for r in view.since(run_id, t_preempt) if r.emergency]
         assert saved, [(r.id, r.reason) for r in view.since(run_id, t_preempt)]
         assert last_logged_step(scenario.results, a.pod) - max(r.step for r in saved) <= 1
-        _end(scenario, [a, b], "fresh-on", "stale-on", "high-on")
+        # the operator asked the victim's pod to save as soon as the Workload was evicted
+        assert events(scenario.cluster, ns, name="fresh-on", reason="PreemptionSave", wait=30)
+        _end(scenario, runner, "fresh-on", "stale-on", "high-on")
 
         # 2. boost off (the policy field): no boost, Kueue's own order evicts the newer
         scenario.apply_policy("fresh-off", **fresh_policy)
         scenario.apply_policy("stale-off", **stale_policy)
-        a, b = _run_pair(kueue, scenario, runner, "fresh-off", "stale-off")
+        _run_pair(kueue, scenario, runner, "fresh-off", "stale-off")
         assert _boost(kueue, ns, "fresh-off") is None
         assert _boost(kueue, ns, "stale-off") is None
-        victim_off = _victim(kueue, scenario, runner, "fresh-off", "stale-off", "high-off")
+        victim_off = _victim(kueue, scenario, "fresh-off", "stale-off", "high-off")
         assert victim_off == "stale-off"  # the most recently admitted: much work lost
-        _end(scenario, [a, b], "fresh-off", "stale-off", "high-off")
+        _end(scenario, runner, "fresh-off", "stale-off", "high-off")
