@@ -360,16 +360,17 @@ class Checkpointer:
         restarted counter never overwrites newer checkpoints nor lets retention, which
         orders by step, delete them.
         """
-        self._check_running()
+        if not self._started or self._closed:
+            self._check_running()
         self._steps.check(step)
-        self._saver.raise_errors()
-        self._saver.drain()
-        if self._signals.sigterm and self._group is None:
+        saver, signals, e = self._saver, self._signals, self._engine
+        saver.raise_errors()
+        saver.drain()
+        if signals.sigterm and self._group is None:
             self._on_sigterm(step, agreed=False)
-        if self._signals.poll_request(self._engine, agreed=self._group is not None):
+        if signals.path and signals.poll_request(e, agreed=self._group is not None):
             self._emergency = True  # every rank's scheduler gets it through the agreement
-        e = self._engine
-        system = e.system_signals(*self._persister.system_signals(), self._signals.node_warning)
+        system = e.system_signals(*self._persister.system_signals(), signals.node_warning)
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().item()
         if isinstance(grad_norm, torch.Tensor):

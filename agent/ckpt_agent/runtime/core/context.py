@@ -319,6 +319,8 @@ class Engine:
         self.feedback: queue.SimpleQueue[SaveOutcome] = queue.SimpleQueue()
         """Persist outcomes of background threads, for the scheduler (training thread)."""
         self._latency = _LatencySample()
+        self._signals = SystemSignals()
+        """The last :meth:`system_signals` (handed out again while nothing changed)."""
         self.storage.on_write_latency = self._on_write_latency
 
     # ------------------------------------------------------------------ events and bookings
@@ -391,6 +393,8 @@ class Engine:
 
     def drain_feedback(self) -> None:
         """Hand the background threads' persist outcomes to the scheduler (training thread)."""
+        if self.feedback.empty():  # every step: no Empty raised while none came
+            return
         while True:
             try:
                 outcome = self.feedback.get_nowait()
@@ -406,7 +410,15 @@ class Engine:
         latency = self._latency.get()
         if probe_ms is not None:
             latency = probe_ms if latency is None else max(latency, probe_ms)
-        return SystemSignals(gpu_errors=gpu, write_latency_ms=latency, node_warning=node_warning)
+        last = self._signals
+        if (  # every step: the same inputs give the same (frozen) object back
+            last.write_latency_ms is latency
+            and last.gpu_errors is gpu
+            and last.node_warning is node_warning
+        ):
+            return last
+        self._signals = last = SystemSignals(gpu, latency, node_warning)
+        return last
 
     def check_owner(self) -> None:
         """In a pod the webhook injected: claim a new run for the pod's namespace (rank 0) or

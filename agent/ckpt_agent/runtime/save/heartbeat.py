@@ -196,9 +196,10 @@ class PythonRngState:
         return st
 
 
-@dataclass(frozen=True, slots=True)
-class HeartbeatCapture:
-    """What the training thread captured for one heartbeat (encoded by the writer)."""
+@dataclass(slots=True)  # not frozen: its __init__ runs on the training thread at every
+class HeartbeatCapture:  # heartbeat, and a frozen one pays an object.__setattr__ per field
+    """What the training thread captured for one heartbeat (encoded by the writer; never
+    changed once handed over)."""
 
     step: int
     time: float

@@ -326,6 +326,8 @@ class BackgroundWorker(Generic[J]):
         return True
 
     def take_errors(self) -> list[JobError]:
+        if not self._errors:  # every training step: no lock while there is none (an error
+            return []  # appended meanwhile is taken by the next call, as with the lock)
         with self._cond:
             errs, self._errors = self._errors, []
         return errs

@@ -79,6 +79,33 @@ def test_write_latency_from_any_thread_reaches_the_system_signals(
     assert fakes.storage.on_write_latency is None
 
 
+def test_the_system_signals_object_is_reused_while_its_inputs_are_the_same(
+    ck_config: ConfigFactory,
+) -> None:
+    """Every step asks for them (#27): the same inputs give the same frozen object back,
+    any changed input a new one with the new values."""
+    engine, fakes = fk.make_engine(ck_config())
+    quiet = engine.system_signals(None, None)
+    assert engine.system_signals(None, None) is quiet
+    fakes.storage.last_write_bytes = 0
+    hook = fakes.storage.on_write_latency
+    assert hook is not None
+    hook(0.003)
+    slow = engine.system_signals(None, None)
+    assert slow is not quiet and slow.write_latency_ms == 3.0
+    assert engine.system_signals(None, None) is slow
+    warned = engine.system_signals(None, None, "node NotReady")
+    assert (warned.gpu_errors, warned.write_latency_ms, warned.node_warning) == (
+        None,
+        3.0,
+        "node NotReady",
+    )
+    gpu = engine.system_signals(2, None, "node NotReady")
+    assert (gpu.gpu_errors, gpu.node_warning) == (2, "node NotReady")
+    assert engine.system_signals(None, None).node_warning is None
+    engine.close()
+
+
 def test_anomalies_the_scheduler_saw_are_what_retention_protects(
     ck_config: ConfigFactory,
 ) -> None:
