@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ckpt_agent.records import CheckpointRecord
+from ckpt_agent.records import CheckpointRecord, CheckpointStatus
+from ckpt_e2e.fit.faults import INJECT_DIR
 from ckpt_e2e.kubelet import PodRun, PodRunner
 from ckpt_e2e.kueue import (
     PRIORITY_BOOST_ANNOTATION,
@@ -38,6 +40,7 @@ from ckpt_e2e.kueue import (
 )
 from ckpt_e2e.scenario import RESTARTED_AS, Scenario
 from ckpt_e2e.stack import CHART_DIR, Stack, install_chart
+from ckpt_e2e.tools import REPO_ROOT
 from ckpt_e2e.trainer_v2 import NODE
 from ckpt_e2e.training import (
     StorageView,
@@ -384,3 +387,78 @@ def test_boost_makes_kueue_preempt_the_freshly_checkpointed_job(
         victim_off = _victim(kueue, scenario, "fresh-off", "stale-off", "high-off")
         assert victim_off == "stale-off"  # the most recently admitted: much work lost
         _end(scenario, runner, "fresh-off", "stale-off", "high-off")
+
+
+# --------------------------------------------------------------------------- save past the grace
+#: The victim's pods' grace: far shorter than the (delayed) emergency save.
+SHORT_GRACE_S = 3
+
+
+def _fault_env(fault: dict[str, Any]) -> dict[str, str]:
+    """A pod env that installs the FIT ``fault`` in every Python process of the container
+    (``ckpt_e2e.fit.faults`` through ``inject/sitecustomize.py``)."""
+    paths = [str(INJECT_DIR), str(REPO_ROOT / "e2e"), str(REPO_ROOT / "agent")]
+    own = os.environ.get("PYTHONPATH")
+    return {
+        "CKPT_FIT_FAULT": json.dumps(fault),
+        "PYTHONPATH": os.pathsep.join([*paths, *([own] if own else [])]),
+    }
+
+
+def test_preemption_save_past_the_grace_leaves_the_previous_checkpoint(
+    kueue: Kueue, scenario: Scenario, queue: str
+) -> None:
+    """The eviction's SIGTERM save cannot finish within the grace (its first blob write
+    stalls, a FIT delay): the pod is killed mid-save, nothing of that save is valid, and the
+    re-admitted pod resumes from the checkpoint before it, exactly."""
+    ns = scenario.namespace
+    ref = reference_run(TRAINING, scenario.cluster.workdir / "reference")
+    # maxGraceSeconds 0: the webhook leaves the pods' short grace as the job wrote it
+    no_raise = {"preemption": {"maxGraceSeconds": 0}}
+    scenario.apply_policy("e2e", pulse_every=10, full_every=1000, extra=no_raise)
+    view = scenario.view()
+    # after the first committed save, the next blob write (the SIGTERM save's) stalls 60 s
+    marker = scenario.results / "delay-fired"
+    fault = {"delay": {"seconds": 60, "after_commits": 1, "marker": str(marker)}}
+    runner = scenario.runner(extra_env=_fault_env(fault))
+
+    _submit(
+        scenario,
+        "low",
+        TRAINING,
+        queue,
+        LOW,
+        policy="e2e",
+        termination_grace_seconds=SHORT_GRACE_S,
+    )
+    first = runner.wait_run("low")
+    assert first.pod["spec"]["terminationGracePeriodSeconds"] == SHORT_GRACE_S
+    run_id = scenario.run_id("low")
+    scenario.cluster.wait_for(
+        lambda: view.newest_valid(run_id), timeout=90, what="the first pulse valid"
+    )
+    before = view.newest_valid(run_id)
+    assert before is not None and before.step == 10, before
+    scenario.wait_step(first, before.step + 3)
+    assert not marker.exists()  # no save since: the stall is still armed
+
+    t_preempt, high = _preempt(kueue, scenario, runner, queue, PYTORCHJOB, "low")
+    code = first.wait(60)
+    assert code in (137, 143), _log(first)
+    assert marker.exists(), "the SIGTERM save never reached its first blob"
+    assert time.time() - t_preempt < 30  # the grace ended the pod, not the 60 s stall
+    killed_at = last_logged_step(scenario.results, first.pod)
+    # nothing of the interrupted save is valid: the previous checkpoint is the resume point
+    newest = view.newest_valid(run_id)
+    assert newest is not None and newest.id == before.id, newest
+    late = [r for r in view.checkpoints(run_id) if r.step > before.step and r.has_weights]
+    assert all(r.status != CheckpointStatus.VALID for r in late), late
+    assert high.wait(120) == 0, _log(high)
+
+    kueue.wait_workload(ns, PYTORCHJOB, "low", "Admitted", timeout=60)
+    second = runner.wait_run("low", index=1, timeout=90)
+    _assert_resumed_exactly(scenario, second, before, ref)
+    assert killed_at > before.step  # the steps since it are what the preemption cost
+    job = scenario.wait_finished("low")
+    assert condition(job, "Succeeded") is not None
+    _no_failure_events(scenario, "low")
