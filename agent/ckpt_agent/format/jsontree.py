@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 from ckpt_agent.errors import JsonTreeError
@@ -98,7 +98,20 @@ def _enc(value: object, leaf: Leaf | None, path: str, depth: int) -> Json:
             len(value) == 1 and next(iter(value)) in TAGS
         )
         if plain:
-            return {k: _enc(v, leaf, _join(path, k), depth + 1) for k, v in value.items()}
+            if depth >= MAX_DEPTH:
+                return {k: _enc(v, leaf, _join(path, k), depth + 1) for k, v in value.items()}
+            enc: dict[str, Json] = {}
+            for k, v in value.items():  # exact JSON scalars as _enc returns them, without
+                t = type(v)  # the call and its path (a heartbeat's every step)
+                if (
+                    t in _SCALARS
+                    or (t is int and -_INT_LIMIT < v < _INT_LIMIT)
+                    or (t is float and math.isfinite(v))
+                ):
+                    enc[k] = v
+                else:
+                    enc[k] = _enc(v, leaf, _join(path, k), depth + 1)
+            return enc
         pairs = []
         for k, v in value.items():
             if isinstance(k, str | int | float | bool | tuple) or k is None:
@@ -127,7 +140,7 @@ _SCALARS = (str, bool, type(None))
 _INT_LIMIT: Final = 10**JSON_MAX_INT_DIGITS
 
 
-def _plain(items: list[object] | tuple[object, ...]) -> bool:
+def _plain(items: Iterable[object]) -> bool:
     """All elements are exact JSON scalars (the fast path for RNG states, index lists)."""
     for v in items:
         t = type(v)

@@ -39,3 +39,44 @@ def test_a_payload_of_the_wrong_size_is_refused() -> None:
     tree["t"][jsontree.TENSOR]["shape"] = [5]
     with pytest.raises(JsonTreeError, match="wrong size"):
         decode_inline(tree)
+
+
+def test_a_dicts_scalars_encode_as_the_walk_encodes_them() -> None:
+    """Scalars in a dict skip the recursive walk (every heartbeat encodes a data position,
+    #27): what comes out, what is tagged and what is refused are unchanged."""
+    value: dict[str, Any] = {
+        "a": 1,
+        "b": 1.5,
+        "c": "x",
+        "d": None,
+        "e": True,
+        "f": float("nan"),
+        "g": [1, 2],
+        "h": {"i": float("-inf"), "j": {"k": 0}},
+        "t": (1,),
+        "n": np.int64(3),
+    }
+    assert encode_inline(value) == {
+        "a": 1,
+        "b": 1.5,
+        "c": "x",
+        "d": None,
+        "e": True,
+        "f": {jsontree.FLOAT: "nan"},
+        "g": [1, 2],
+        "h": {"i": {jsontree.FLOAT: "-inf"}, "j": {"k": 0}},
+        "t": {jsontree.TUPLE: [1]},
+        "n": encode_inline(np.int64(3)),
+    }
+    with pytest.raises(JsonTreeError, match="a/big: an integer of more than"):
+        encode_inline({"a": {"big": 10**400}})
+
+    def chain(n: int) -> dict[str, Any]:
+        v: dict[str, Any] = {"x": 1}
+        for _ in range(n):
+            v = {"k": v}
+        return v
+
+    encode_inline(chain(jsontree.MAX_DEPTH - 1))
+    with pytest.raises(JsonTreeError, match="nested deeper than"):
+        encode_inline(chain(jsontree.MAX_DEPTH))
