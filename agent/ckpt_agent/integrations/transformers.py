@@ -264,7 +264,11 @@ class CheckpointCallback(_TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         losses, self._losses = self._losses, []
-        loss: torch.Tensor | float = torch.stack(losses).mean() if losses else math.nan
+        loss: torch.Tensor | float = math.nan
+        if len(losses) == 1:  # no accumulation: the mean of one is that one (no two ops a step)
+            loss = losses[0]
+        elif losses:
+            loss = torch.stack(losses).mean()
         # HF counts finished steps: the step just finished has index global_step - 1.
         self._pending = (state.global_step - 1, loss, self._grad_norm)
 
