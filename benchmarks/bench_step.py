@@ -17,6 +17,10 @@ second, the bytes of the newest one, and the Python memory the training thread
 allocates per step with nothing due (``tracemalloc``, net of what it frees).
 
     python benchmarks/bench_step.py --steps 2000 --repeat 3
+
+``--baseline DIR`` measures another checkout beside this one, in the same rounds (A/B on a
+shared machine): its children import ``ckpt_agent`` from ``DIR/agent``, e.g. after
+``git worktree add /tmp/base <commit>`` (rows marked ``(baseline)``).
 """
 
 from __future__ import annotations
@@ -129,23 +133,35 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--only", action="append", choices=list(CONFIGS), help="run only these")
+    p.add_argument(
+        "--baseline", type=Path, help="another checkout measured in the same rounds (A/B)"
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.steps, args.threads, args.hidden)))
         return 0
-    names = args.only or list(CONFIGS)
+    trees: list[tuple[str, Path | None]] = [("", None)]
+    if args.baseline is not None:
+        if not (args.baseline / "agent" / "ckpt_agent").is_dir():
+            p.error(f"--baseline {args.baseline}: no agent/ckpt_agent there (a checkout?)")
+        trees.insert(0, (" (baseline)", args.baseline / "agent"))
+    names = [n + label for n in args.only or list(CONFIGS) for label, _ in trees]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    load_before = os.getloadavg()[0]
     for _ in range(args.repeat):  # rounds interleaved: drift in the machine's load hits all
-        for name in names:
-            cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps)]
-            cmd += ["--threads", str(args.threads), "--hidden", str(args.hidden)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for name in args.only or list(CONFIGS):
+            for label, path in trees:
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                if path is not None:
+                    env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
+                cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps)]
+                cmd += ["--threads", str(args.threads), "--hidden", str(args.hidden)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+                runs[name + label].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(
-        f"# {machine()}, load {os.getloadavg()[0]:.1f}, {args.steps} steps, "
-        f"{args.threads} torch thread(s), median of {args.repeat} runs"
+        f"# {machine()}, load {load_before:.1f} before / {os.getloadavg()[0]:.1f} after, "
+        f"{args.steps} steps, {args.threads} torch thread(s), median of {args.repeat} runs"
     )
     cols = [
         ("median_ms", "step() median ms", ".3f"),
