@@ -51,7 +51,7 @@ import yaml
 from . import tools
 from .api import free_port, http_get
 from .cluster import LocalCluster
-from .errors import ApiError, ClusterError
+from .errors import ClusterError
 from .procs import ManagedProcess, clean_env, record_pid, wait_until
 from .trainer_v2 import yaml_docs
 
@@ -369,7 +369,11 @@ class Kueue:
 
         def alive() -> None:
             if not proc.running:
-                raise ClusterError(f"kueue exited rc={proc.poll()}:\n{proc.tail(4000)}")
+                raise ClusterError(
+                    f"kueue exited rc={proc.poll()} (it runs under `unshare --mount` for its "
+                    f"metrics certificate at {METRICS_CERT_DIR}: that needs root or "
+                    "unprivileged user namespaces; see ckpt_e2e.kueue):\n" + proc.tail(4000)
+                )
 
         wait_until(
             lambda: http_get(f"http://127.0.0.1:{health}/readyz")[0] == 200,
@@ -445,11 +449,3 @@ class Kueue:
         if self.proc is None or not self.proc.running:
             tail = self.proc.tail(3000) if self.proc is not None else ""
             raise ClusterError(f"kueue is not running:\n{tail}")
-
-
-def delete_quietly(kueue: Kueue, kind: str, name: str, namespace: str | None = None) -> None:
-    """Delete a Kueue object, ignoring an API error (test teardown)."""
-    try:
-        kueue.delete(kind, name, namespace)
-    except (ApiError, ClusterError):
-        pass
