@@ -27,7 +27,11 @@ from ckpt_agent.text import clean
 from ckpt_operator.adapters.kube import NotFoundError
 from ckpt_operator.behaviours.deps import Deps
 from ckpt_operator.behaviours.preemption import PreemptionState, reconcile_workload
-from ckpt_operator.planners.preemption import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
+from ckpt_operator.planners.workload import (
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    WORKLOADS,
+)
 
 __all__ = ["REFRESH_S", "KueueHandlers", "register_kueue"]
 

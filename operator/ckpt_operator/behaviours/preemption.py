@@ -46,15 +46,10 @@ from ckpt_operator.planners.disruption_signals import preemption_disruption
 from ckpt_operator.planners.preemption import (
     ANN_PREEMPTED,
     ANN_SAVE_SECONDS,
-    KUEUE_GROUP,
-    KUEUE_VERSION,
-    WORKLOADS,
     AtRisk,
     BoostAction,
     BoostPlan,
-    Eviction,
     Progress,
-    WorkloadView,
     at_risk,
     boost_due,
     desired_boost,
@@ -63,9 +58,16 @@ from ckpt_operator.planners.preemption import (
     plan_boost,
     progress_of,
     save_seconds_update,
-    workload_view,
 )
 from ckpt_operator.planners.validation import parse_policy_spec
+from ckpt_operator.planners.workload import (
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    WORKLOADS,
+    Eviction,
+    WorkloadView,
+    workload_view,
+)
 
 __all__ = ["PreemptionState", "RunRead", "reconcile_workload", "slim_workload"]
 

@@ -38,7 +38,9 @@ from typing import Any, Final
 from ckpt_agent.format.signal import KIND_CLEAR, KIND_WARNING, compose_signal, parse_signal
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
-from ckpt_operator.planners.preemption import Eviction
+from ckpt_operator.planners.workload import (
+    Eviction,
+)
 
 __all__ = [
     "DISRUPTION_TAINTS",

@@ -22,10 +22,10 @@ Writes (:func:`plan_boost`):
   that differs from that record (or exists without one) belongs to someone else, and the
   operator backs off (``CONFLICT``) until both annotations are removed.
 
-Evictions (:func:`eviction_of`): the Workload's ``Evicted`` condition turning ``True``
-(reasons ``Preempted``, ``PodsReadyTimeout``, ``InactiveWorkload``/``Deactivated``,
-``ClusterQueueStopped`` …) is the moment to ask the pods for an emergency checkpoint,
-before the job is suspended and its pods get SIGTERM
+Evictions (:func:`ckpt_operator.planners.workload.eviction_of`): the Workload's
+``Evicted`` condition turning ``True`` (reasons ``Preempted``, ``PodsReadyTimeout``,
+``InactiveWorkload``/``Deactivated``, ``ClusterQueueStopped`` …) is the moment to ask the
+pods for an emergency checkpoint, before the job is suspended and its pods get SIGTERM
 (:func:`ckpt_operator.planners.disruption_signals.preemption_disruption`). The eviction
 is marked on the Workload (:data:`ANN_PREEMPTED`); when it is admitted again, the steps
 lost are the newest heartbeat's step minus the newest checkpoint's (:func:`lost_steps`).
@@ -42,13 +42,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final
+from typing import Final
 
 from ckpt_agent.policy.models import PreemptionSpec, PriorityBoostSpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import Body, meta_of
-from ckpt_operator.model.jobs import parse_time
+from ckpt_operator.planners.workload import KUEUE_GROUP, WorkloadView
 
 __all__ = [
     "ANN_BOOST",
@@ -58,22 +57,14 @@ __all__ = [
     "ANN_SAVE_SECONDS",
     "DEFAULT_SAVE_SECONDS",
     "GRACE_MARGIN_S",
-    "KUEUE_GROUP",
-    "KUEUE_VERSION",
-    "WORKLOADS",
-    "WORKLOAD_KIND",
     "AtRisk",
     "BoostAction",
     "BoostPlan",
-    "Eviction",
-    "JobRef",
     "Progress",
-    "WorkloadView",
     "at_risk",
     "boost_due",
     "boost_points",
     "desired_boost",
-    "eviction_of",
     "expected_save_seconds",
     "hysteresis_points",
     "lost_steps",
@@ -82,13 +73,7 @@ __all__ = [
     "save_seconds_update",
     "saved_seconds",
     "termination_grace",
-    "workload_view",
 ]
-
-KUEUE_GROUP: Final = "kueue.x-k8s.io"
-KUEUE_VERSION: Final = "v1beta2"
-WORKLOADS: Final = "workloads"
-WORKLOAD_KIND: Final = "Workload"
 
 #: Kueue's annotation (KEP-7990): a signed int32 string; an empty value is rejected.
 ANN_BOOST: Final = f"{KUEUE_GROUP}/priority-boost"
@@ -116,122 +101,6 @@ GRACE_MARGIN_S: Final = 15.0
 DEFAULT_GRACE_S: Final = 30
 #: A new save-time estimate is written to the job only when it differs this much (share).
 SAVE_SECONDS_CHANGE: Final = 0.25
-
-
-# --------------------------------------------------------------------------- the Workload
-
-
-@dataclass(frozen=True)
-class JobRef:
-    """The job a Workload belongs to (its owner reference)."""
-
-    kind: str
-    """``PyTorchJob`` or ``TrainJob``."""
-    name: str
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """The Workload's ``Evicted=True`` condition."""
-
-    reason: str
-    """Kueue's reason: ``Preempted``, ``PodsReadyTimeout``, ``Deactivated`` …"""
-    message: str
-    since: str
-    """The condition's ``lastTransitionTime`` (one eviction; the next has another)."""
-    workload_uid: str
-
-    @property
-    def key(self) -> str:
-        """What identifies this eviction (the save-now request id is derived from it)."""
-        return f"workload/{self.workload_uid}/Evicted/{self.reason}/{self.since}"
-
-
-@dataclass(frozen=True)
-class WorkloadView:
-    """What the operator reads of a Kueue Workload."""
-
-    namespace: str
-    name: str
-    uid: str
-    owner: JobRef | None
-    admitted: bool
-    """``QuotaReserved=True`` (Kueue counts it against the quota: a preemption victim)."""
-    admitted_at: float | None
-    finished: bool
-    eviction: Eviction | None
-    annotations: Mapping[str, str]
-
-
-_OWNER_KINDS: Final = {
-    c.PYTORCHJOB_KIND: c.PYTORCHJOB_GROUP,
-    c.TRAINJOB_KIND: c.TRAINJOB_GROUP,
-}
-
-
-def _owner(refs: Iterable[Any]) -> JobRef | None:
-    found: list[tuple[bool, JobRef]] = []
-    for ref in refs:
-        if not isinstance(ref, Mapping):
-            continue
-        kind, name = ref.get("kind"), ref.get("name")
-        group = _OWNER_KINDS.get(str(kind))
-        if group is None or not isinstance(name, str) or not name:
-            continue
-        if not str(ref.get("apiVersion", "")).startswith(f"{group}/"):
-            continue
-        found.append((ref.get("controller") is True, JobRef(str(kind), name)))
-    found.sort(key=lambda f: not f[0])  # the controller first
-    return found[0][1] if found else None
-
-
-def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    out: dict[str, Mapping[str, Any]] = {}
-    for cond in Body(obj).status.get("conditions") or ():
-        if isinstance(cond, Mapping):
-            out[str(cond.get("type"))] = cond
-    return out
-
-
-def _true(cond: Mapping[str, Any] | None) -> bool:
-    return cond is not None and cond.get("status") == "True"
-
-
-def eviction_of(workload: Mapping[str, Any]) -> Eviction | None:
-    """The Workload's eviction while ``Evicted`` is ``True`` (None otherwise)."""
-    cond = _conditions(workload).get("Evicted")
-    if not _true(cond):
-        return None
-    assert cond is not None
-    reason = str(cond.get("reason") or "Evicted")
-    return Eviction(
-        reason=reason,
-        message=str(cond.get("message") or f"evicted by Kueue ({reason})"),
-        since=str(cond.get("lastTransitionTime") or ""),
-        workload_uid=str(meta_of(workload).uid or meta_of(workload).name or ""),
-    )
-
-
-def workload_view(workload: Mapping[str, Any]) -> WorkloadView:
-    """Read ``workload``."""
-    meta = meta_of(workload)
-    conds = _conditions(workload)
-    reserved = conds.get("QuotaReserved")
-    admitted_at = None
-    if _true(reserved):
-        assert reserved is not None
-        admitted_at = parse_time(reserved.get("lastTransitionTime"))
-    return WorkloadView(
-        namespace=str(meta.namespace or ""),
-        name=str(meta.name or ""),
-        uid=str(meta.uid or ""),
-        owner=_owner(meta.owner_references),
-        admitted=_true(reserved),
-        admitted_at=admitted_at,
-        finished=_true(conds.get("Finished")),
-        eviction=eviction_of(workload),
-        annotations={str(k): str(v) for k, v in meta.annotations.items() if v is not None},
-    )
 
 
 # --------------------------------------------------------------------------- at-risk work

@@ -23,13 +23,11 @@ from ckpt_operator.planners.preemption import (
     MIN_SAVE_SECONDS,
     AtRisk,
     BoostAction,
-    JobRef,
     Progress,
     at_risk,
     boost_due,
     boost_points,
     desired_boost,
-    eviction_of,
     expected_save_seconds,
     hysteresis_points,
     lost_steps,
@@ -38,6 +36,10 @@ from ckpt_operator.planners.preemption import (
     save_seconds_update,
     saved_seconds,
     termination_grace,
+)
+from ckpt_operator.planners.workload import (
+    JobRef,
+    eviction_of,
     workload_view,
 )
 from tests.ckpt_operator.conftest import record
