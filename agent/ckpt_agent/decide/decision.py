@@ -54,7 +54,8 @@ class Decision:
     score: float = 0.0
     """Sum of the weights of the fired layers."""
     components: dict[str, float] = field(default_factory=dict)
-    """Per-layer contribution: ``loss``, ``gradient``, ``system``."""
+    """Per-layer contribution: ``loss``, ``gradient``, ``system`` (the scheduler hands the
+    same dict to every decision with the same contributions: read it, do not change it)."""
     interval: int = 0
     """Current dynamic pulse interval in steps."""
     interval_rule: str = "base"

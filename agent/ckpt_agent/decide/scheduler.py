@@ -119,6 +119,9 @@ class AdaptiveScheduler:
         self._hazard = HazardModel(self.spec.risk)
         self._requested: str | None = None
         """A request_emergency reason not yet folded into the hazard."""
+        self._scores: dict[tuple[float, float, float], tuple[dict[str, float], float]] = {}
+        """Decision components and score per fired weights (the same dict in every decision
+        with those weights: decisions are read, never changed)."""
         self._quiet_path = True
         """Answer steps where at most the heartbeat is due without building a ``Due``
         (:meth:`observe`); False: always the full path (the replay test compares both)."""
@@ -285,12 +288,18 @@ class AdaptiveScheduler:
         sys_live = sys_fired and warning is not None
 
         sp = self.spec
-        components = {
-            "loss": sp.loss.weight if self._loss.fired else 0.0,
-            "gradient": sp.gradient.weight if grad.fired else 0.0,
-            "system": sp.system.weight if sys_live else 0.0,
-        }
-        score = round(sum(components.values()), 12)
+        weights = (
+            sp.loss.weight if self._loss.fired else 0.0,
+            sp.gradient.weight if grad.fired else 0.0,
+            sp.system.weight if sys_live else 0.0,
+        )
+        scored = self._scores.get(weights)
+        if scored is None:  # a few combinations per policy: each built once, then shared
+            if len(self._scores) >= 64:
+                self._scores.clear()
+            components = {"loss": weights[0], "gradient": weights[1], "system": weights[2]}
+            scored = self._scores[weights] = (components, round(sum(components.values()), 12))
+        components, score = scored
         interval, rule = pulse_interval(score, sp, self.tiers.pulse, self._costs, multiplier)
 
         counters = self._counters
