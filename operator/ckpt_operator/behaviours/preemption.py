@@ -348,9 +348,11 @@ def _save_text(eviction: Eviction, pods: int, run: RunRead) -> str:
     at_risk_text = "steps at risk unknown"
     if progress is not None and progress.newest_step is not None:
         base = progress.valid_step
-        risk = progress.newest_step - (base if base is not None else 0)
+        # the heartbeat ring is flushed a moment behind: a checkpoint may be newer than it
+        newest = max(progress.newest_step, base if base is not None else 0)
+        risk = newest - (base if base is not None else 0)
         at_risk_text = (
-            f"{risk} steps at risk (step {progress.newest_step}, newest valid checkpoint "
+            f"{risk} steps at risk (step {newest}, newest valid checkpoint "
             f"{'none' if base is None else f'step {base}'})"
         )
     return (

@@ -427,3 +427,15 @@ def test_a_trainjob_eviction_signals_its_pods(world: Any, fixture: Any) -> None:
     assert signalled[c.ANN_SAVE_NOW].startswith("Preemption-")
     assert world.counter("ckpt_preemption_saves_total", reason="PodsReadyTimeout") == 1
     assert {kind_of(e) for e in events(world, "PreemptionSave")} == {"TrainJob", "Workload"}
+
+
+def test_the_save_text_never_counts_negative_steps_at_risk(rec: Any) -> None:
+    """The heartbeat ring is flushed a moment behind: a pulse newer than its newest step
+    means nothing is at risk, not -1 steps."""
+    from ckpt_operator.behaviours.preemption import RunRead, _save_text
+    from ckpt_operator.planners.workload import Eviction
+
+    eviction = Eviction("Preempted", "m", "t", "uid")
+    run = RunRead([rec("pulse", 50, created_at=11.0)], [(49, 10.0)])
+    text = _save_text(eviction, 1, run)
+    assert "0 steps at risk (step 50, newest valid checkpoint step 50)" in text
