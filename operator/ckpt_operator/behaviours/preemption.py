@@ -40,20 +40,24 @@ from ckpt_operator.kinds.kind import JobKind
 from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
 from ckpt_operator.kinds.trainjob import TRAINJOB
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jobs import JobFacts, job_facts
 from ckpt_operator.planners.disruption_signals import preemption_disruption
 from ckpt_operator.planners.preemption import (
+    ANN_HELD,
     ANN_PREEMPTED,
     ANN_SAVE_SECONDS,
+    HOLD_MARGIN_S,
     AtRisk,
     BoostAction,
     BoostPlan,
     Progress,
     at_risk,
+    blocking_pods,
     boost_due,
     desired_boost,
     expected_save_seconds,
+    hold_release,
     lost_steps,
     plan_boost,
     progress_of,
@@ -151,11 +155,18 @@ def _kind(view: WorkloadView) -> JobKind:
 
 
 async def _patch_workload(
-    deps: Deps, view: WorkloadView, version: object, annotations: Mapping[str, str | None]
+    deps: Deps,
+    view: WorkloadView,
+    version: object,
+    annotations: Mapping[str, str | None],
+    *,
+    spec: Obj | None = None,
 ) -> bool:
-    """Merge-patch the Workload's annotations, on the version read (False: it changed or
-    went meanwhile; the next event or refresh looks again)."""
+    """Merge-patch the Workload's annotations (and ``spec`` fields), on the version read
+    (False: it changed or went meanwhile; the next event or refresh looks again)."""
     patch: Obj = {"metadata": {"annotations": dict(annotations)}}
+    if spec:
+        patch["spec"] = dict(spec)
     if version:
         patch["metadata"]["resourceVersion"] = str(version)
     try:
@@ -202,8 +213,11 @@ async def reconcile_workload(
     ended = facts.succeeded or facts.failed or facts.deleting
     version = meta_of(workload).resource_version
     objs = (job, workload)
-    if view.eviction is not None and pre.save_on_eviction and not ended:
-        await _save_on_eviction(deps, view, objs, kind, facts, spec)
+    if ANN_HELD in view.annotations:  # re-admission held until the evicted pods are gone
+        await _release_if_due(deps, view, objs, kind, facts, ended=ended, now=now)
+    elif view.eviction is not None and pre.save_on_eviction and not ended:
+        active = Body(workload).spec.get("active") is not False
+        await _save_on_eviction(deps, view, objs, kind, facts, spec, hold=active, now=now)
         # the boost's removal goes with the next look (the mark changed the version)
         if ANN_PREEMPTED not in view.annotations:
             return None
@@ -321,26 +335,74 @@ async def _save_on_eviction(
     kind: JobKind,
     facts: JobFacts,
     spec: CheckpointPolicySpec,
+    *,
+    hold: bool,
+    now: float,
 ) -> None:
-    """Signal every pod of the job (once per eviction), mark the Workload, tell."""
+    """Signal every pod of the job (once per eviction), mark the Workload, tell. With
+    ``hold`` (the Workload is active: nobody deactivated it on purpose) and pods still
+    there, its re-admission is held (``spec.active: false``, :data:`ANN_HELD`) until they
+    have gone (:func:`_release_if_due`)."""
     eviction = view.eviction
     assert eviction is not None
     disruption = preemption_disruption(eviction)
     if view.annotations.get(ANN_PREEMPTED) == disruption.request_id:
         return  # handled (the mark is written after the signals; the pod index may lag)
+    pods = deps.pod_index(kind).of_job(view.namespace, facts.name)
     signalled = 0
-    for pod in deps.pod_index(kind).of_job(view.namespace, facts.name):
+    for pod in pods:
         try:
             signalled += await signal_save_now(deps, pod, disruption)
         except NotFoundError:  # gone meanwhile: nothing to save there
             continue
+    blocking = blocking_pods(pods) if hold else []
+    mark: dict[str, str | None] = {ANN_PREEMPTED: disruption.request_id}
+    if blocking:
+        mark[ANN_HELD] = f"{now:.3f}"
     # before the Event: a restarted operator never books it twice
-    await _patch_workload(deps, view, None, {ANN_PREEMPTED: disruption.request_id})
+    held = await _patch_workload(
+        deps, view, None, mark, spec={"active": False} if blocking else None
+    )
+    if held and blocking:
+        _emit(
+            deps,
+            objs,
+            "Normal",
+            "PreemptionHold",
+            f"Kueue's re-admission of the Workload waits until its {len(blocking)} evicted "
+            "pod(s) have ended (their emergency checkpoint; the training-operator would count "
+            "a pod ending after the re-admission as a failure): spec.active is false meanwhile, "
+            f"at most their grace plus {HOLD_MARGIN_S:.0f}s",
+        )
     if not signalled:
         return
     deps.metrics.preemption_saves.labels(eviction.reason).inc()
     run = await _read_run(deps, facts, spec, view.namespace)
     _emit(deps, objs, "Normal", "PreemptionSave", _save_text(eviction, signalled, run))
+
+
+async def _release_if_due(
+    deps: Deps,
+    view: WorkloadView,
+    objs: tuple[Mapping[str, Any], ...],
+    kind: JobKind,
+    facts: JobFacts,
+    *,
+    ended: bool,
+    now: float,
+) -> None:
+    """Activate a held Workload again once its evicted pods are gone (the refresh looks
+    every few seconds; :func:`~ckpt_operator.planners.preemption.hold_release` decides)."""
+    pods = deps.pod_index(kind).of_job(view.namespace, facts.name)
+    why = hold_release(
+        view.annotations.get(ANN_HELD), blocking_pods(pods), now=now, job_ended=ended
+    )
+    if why is None:
+        return
+    if await _patch_workload(deps, view, None, {ANN_HELD: None}, spec={"active": True}):
+        _emit(
+            deps, objs, "Normal", "PreemptionReleased", f"Kueue may admit the Workload again: {why}"
+        )
 
 
 def _save_text(eviction: Eviction, pods: int, run: RunRead) -> str:

@@ -30,6 +30,12 @@ pods for an emergency checkpoint, before the job is suspended and its pods get S
 is marked on the Workload (:data:`ANN_PREEMPTED`); when it is admitted again, the steps
 lost are the newest heartbeat's step minus the newest checkpoint's (:func:`lost_steps`).
 
+The re-admission waits for the evicted pods (:func:`hold_release`, :func:`blocking_pods`):
+Kueue re-admits as soon as the quota allows, possibly while they still save, and the
+training-operator then fails the re-admitted job when it sees them end; the Workload is
+held inactive (:data:`ANN_HELD`) until they are gone, at most their grace plus
+:data:`HOLD_MARGIN_S`.
+
 Grace (:func:`termination_grace`): the webhook raises a pod's
 ``terminationGracePeriodSeconds`` to cover the expected save (:data:`ANN_SAVE_SECONDS` on
 the job, measured by the operator; else :data:`DEFAULT_SAVE_SECONDS`) plus
@@ -42,30 +48,35 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Any, Final
 
 from ckpt_agent.policy.models import PreemptionSpec, PriorityBoostSpec
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus
 from ckpt_operator.model import constants as c
+from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.planners.workload import KUEUE_GROUP, WorkloadView
 
 __all__ = [
     "ANN_BOOST",
     "ANN_BOOST_WRITTEN",
     "ANN_BOOST_WRITTEN_AT",
+    "ANN_HELD",
     "ANN_PREEMPTED",
     "ANN_SAVE_SECONDS",
     "DEFAULT_SAVE_SECONDS",
     "GRACE_MARGIN_S",
+    "HOLD_MARGIN_S",
     "AtRisk",
     "BoostAction",
     "BoostPlan",
     "Progress",
     "at_risk",
+    "blocking_pods",
     "boost_due",
     "boost_points",
     "desired_boost",
     "expected_save_seconds",
+    "hold_release",
     "hysteresis_points",
     "lost_steps",
     "plan_boost",
@@ -83,6 +94,9 @@ ANN_BOOST_WRITTEN: Final = f"{c.PREFIX}/priority-boost-written"
 ANN_BOOST_WRITTEN_AT: Final = f"{c.PREFIX}/priority-boost-written-at"
 #: On the Workload: the eviction whose save was requested (until it is admitted again).
 ANN_PREEMPTED: Final = f"{c.PREFIX}/preempted"
+#: On the Workload: the operator holds its re-admission (``spec.active: false``) until the
+#: pods Kueue's eviction ends have gone; the value: since when (unix seconds).
+ANN_HELD: Final = f"{c.PREFIX}/held-for-evicted-pods"
 #: On the job: the expected save time in seconds as the operator estimated it (the
 #: webhook raises the pods' termination grace to cover it).
 ANN_SAVE_SECONDS: Final = f"{c.PREFIX}/save-seconds"
@@ -97,6 +111,9 @@ MIN_SAVE_SECONDS: Final = 10.0
 ASSUMED_WRITE_BYTES_PER_S: Final = 100 * 1024 * 1024
 #: Seconds of grace beyond the expected save (the COMMIT, the process's own exit).
 GRACE_MARGIN_S: Final = 15.0
+#: Seconds a hold outlasts the evicted pods' longest grace before it is released anyway
+#: (a pod stuck terminating on a lost node must not keep the job out of its queue forever).
+HOLD_MARGIN_S: Final = 60.0
 #: Kubernetes' default ``terminationGracePeriodSeconds``.
 DEFAULT_GRACE_S: Final = 30
 #: A new save-time estimate is written to the job only when it differs this much (share).
@@ -346,6 +363,52 @@ def lost_steps(annotations: Mapping[str, str], progress: Progress) -> int | None
         return None
     base = progress.saved_step if progress.saved_step is not None else 0
     return max(0, progress.newest_step - base)
+
+
+def blocking_pods(pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods an eviction has not ended yet: being deleted (a process may still save, and
+    the training-operator counts a pod it sees end as a failed replica of the re-admitted
+    job), or not ended at all. A pod that ended and is not being deleted blocks nothing."""
+    out = []
+    for pod in pods:
+        body = Body(pod)
+        ended = body.status.get("phase") in ("Succeeded", "Failed")
+        if meta_of(pod).deletion_timestamp or not ended:
+            out.append(pod)
+    return out
+
+
+def _grace_of(pod: Mapping[str, Any]) -> float:
+    meta = meta_of(pod)
+    grace = meta.raw.get("deletionGracePeriodSeconds")
+    if grace is None:
+        grace = Body(pod).spec.get("terminationGracePeriodSeconds")
+    return float(grace) if isinstance(grace, int | float) else float(DEFAULT_GRACE_S)
+
+
+def hold_release(
+    held: str | None, blocking: Sequence[Mapping[str, Any]], *, now: float, job_ended: bool
+) -> str | None:
+    """Why a Workload held after its eviction (``held``: the :data:`ANN_HELD` value) may be
+    activated again now; None: keep holding. Kueue re-admits an evicted Workload as soon as
+    the quota allows, which may be while its evicted pods still write their emergency
+    checkpoint: the training-operator then sees them end and fails the re-admitted job. So
+    the re-admission waits until they are gone, at most their longest grace plus
+    :data:`HOLD_MARGIN_S`."""
+    if job_ended:
+        return "the job ended"
+    if not blocking:
+        return "the evicted pods have ended"
+    since = _float(held)
+    if since is None:
+        return "the hold's start is unreadable"
+    bound = max(_grace_of(p) for p in blocking) + HOLD_MARGIN_S
+    if now - since >= bound:
+        return (
+            f"{len(blocking)} evicted pod(s) still there after {now - since:.0f}s (their grace "
+            f"plus {HOLD_MARGIN_S:.0f}s): released so the job is not kept out of its queue"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- grace

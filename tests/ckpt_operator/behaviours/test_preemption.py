@@ -24,6 +24,7 @@ from ckpt_operator.model.jobs import format_time
 from ckpt_operator.planners.preemption import (
     ANN_BOOST,
     ANN_BOOST_WRITTEN,
+    ANN_HELD,
     ANN_PREEMPTED,
     ANN_SAVE_SECONDS,
     BoostAction,
@@ -56,6 +57,7 @@ async def _patch_custom(
             ann.pop(k, None)
         else:
             ann[k] = v
+    obj.setdefault("spec", {}).update(patch.get("spec", {}))
     meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
     return copy.deepcopy(obj)
 
@@ -307,6 +309,52 @@ def test_an_eviction_asks_every_pod_to_save_once(kueue: Any, rec: Any) -> None:
     assert "evicted (Preempted)" in events(kueue, "PriorityBoostChanged")[-1].message
 
 
+def test_readmission_is_held_until_the_evicted_pods_are_gone(kueue: Any, rec: Any) -> None:
+    """Kueue re-admits as soon as the quota allows; the training-operator would count an
+    evicted pod still saving as a failed replica of the re-admitted job: the Workload is
+    inactive until the pods are gone (or their grace plus a margin has passed)."""
+    checkpoints(kueue, rec)
+    state = PreemptionState()
+    run(reconcile_workload(kueue.deps, state, workload(kueue, admitted(kueue), evicted())))
+    wl = current(kueue)
+    assert wl["spec"]["active"] is False
+    assert float(wl["metadata"]["annotations"][ANN_HELD]) == kueue.clock.now
+    (hold, *_) = events(kueue, "PreemptionHold")
+    assert "1 evicted pod(s)" in hold.message
+    # the pod is terminating (its save): still held, at every look
+    pod = kueue.api.pods[(NS, "mnist-ddp-worker-0")]
+    pod["metadata"]["deletionTimestamp"] = format_time(kueue.clock.now)
+    kueue.deps.pods.upsert(pod)
+    kueue.clock.now += 20
+    run(reconcile_workload(kueue.deps, state, current(kueue)))
+    assert current(kueue)["spec"]["active"] is False and not events(kueue, "PreemptionReleased")
+    # gone: active again, the mark of the hold removed, said once
+    kueue.deps.pods.remove(pod)
+    run(reconcile_workload(kueue.deps, state, current(kueue)))
+    wl = current(kueue)
+    assert wl["spec"]["active"] is True and ANN_HELD not in wl["metadata"]["annotations"]
+    released = events(kueue, "PreemptionReleased")
+    assert {kind_of(e) for e in released} == {"PyTorchJob", "Workload"}
+    assert "the evicted pods have ended" in released[0].message
+    run(reconcile_workload(kueue.deps, state, current(kueue)))
+    assert len(events(kueue, "PreemptionReleased")) == 2
+    assert kueue.counter("ckpt_preemption_saves_total", reason="Preempted") == 1
+
+
+def test_a_workload_deactivated_by_someone_is_never_held_or_reactivated(
+    kueue: Any, rec: Any
+) -> None:
+    checkpoints(kueue, rec)
+    wl = workload(kueue, admitted(kueue), evicted("InactiveWorkload"))
+    wl["spec"]["active"] = False
+    kueue.api.add_custom("workloads", copy.deepcopy(wl))
+    run(reconcile_workload(kueue.deps, PreemptionState(), wl))
+    assert events(kueue, "PreemptionSave")  # its pods still save
+    assert ANN_HELD not in current(kueue)["metadata"]["annotations"]
+    assert current(kueue)["spec"]["active"] is False  # left as its owner set it
+    assert not events(kueue, "PreemptionHold")
+
+
 def test_no_save_request_when_save_on_eviction_is_off(kueue: Any, rec: Any) -> None:
     kueue.api.policies[(NS, "llm-finetune")]["spec"]["preemption"] = {"saveOnEviction": False}
     run(reconcile_workload(kueue.deps, PreemptionState(), workload(kueue, evicted())))
@@ -324,7 +372,10 @@ def test_readmission_books_the_steps_lost(kueue: Any, rec: Any) -> None:
     kueue.source.runs[RUN_ID].append(rec("full", 1460, created_at=now))
     kueue.source.heartbeats[RUN_ID].append((1461, now + 1))
     kueue.clock.now += 120
+    kueue.deps.pods.remove(kueue.api.pods[(NS, "mnist-ddp-worker-0")])  # the pod ended
+    run(reconcile_workload(kueue.deps, state, current(kueue)))  # the hold is released
     marked = current(kueue)["metadata"]["annotations"]
+    assert ANN_HELD not in marked
     run(reconcile_workload(kueue.deps, state, workload(kueue, admitted(kueue), **marked)))
     assert kueue.metrics.registry.get_sample_value("ckpt_preemption_lost_steps_count") == 1
     assert kueue.metrics.registry.get_sample_value("ckpt_preemption_lost_steps_sum") == 1

@@ -20,15 +20,18 @@ from ckpt_operator.planners.preemption import (
     ASSUMED_WRITE_BYTES_PER_S,
     DEFAULT_SAVE_SECONDS,
     GRACE_MARGIN_S,
+    HOLD_MARGIN_S,
     MIN_SAVE_SECONDS,
     AtRisk,
     BoostAction,
     Progress,
     at_risk,
+    blocking_pods,
     boost_due,
     boost_points,
     desired_boost,
     expected_save_seconds,
+    hold_release,
     hysteresis_points,
     lost_steps,
     plan_boost,
@@ -454,3 +457,44 @@ def test_annotation_names_are_ours_except_kueues() -> None:
     assert ANN_BOOST == "kueue.x-k8s.io/priority-boost"
     for name in (ANN_BOOST_WRITTEN, ANN_BOOST_WRITTEN_AT, ANN_PREEMPTED, ANN_SAVE_SECONDS):
         assert name.startswith(c.PREFIX + "/")
+
+
+# --------------------------------------------------------------------------- the hold
+
+
+def _pod(phase: str = "Running", deleting: bool = False, grace: int | None = None) -> Any:
+    pod: dict[str, Any] = {"metadata": {"name": "p"}, "spec": {}, "status": {"phase": phase}}
+    if deleting:
+        pod["metadata"]["deletionTimestamp"] = "2024-05-02T12:00:00Z"
+    if grace is not None:
+        pod["spec"]["terminationGracePeriodSeconds"] = grace
+    return pod
+
+
+def test_blocking_pods_are_those_not_ended_or_being_deleted() -> None:
+    running, deleting = _pod(), _pod("Failed", deleting=True)
+    ended, pending = _pod("Succeeded"), _pod("Pending")
+    assert blocking_pods([running, deleting, ended, pending]) == [running, deleting, pending]
+    assert blocking_pods([]) == []
+
+
+def test_hold_release_rules() -> None:
+    now = 1000.0
+    held = f"{now - 10:.3f}"
+    saving = [_pod(deleting=True, grace=75)]
+    assert hold_release(held, saving, now=now, job_ended=False) is None
+    assert hold_release(held, [], now=now, job_ended=False) == "the evicted pods have ended"
+    assert hold_release(held, saving, now=now, job_ended=True) == "the job ended"
+    assert "unreadable" in (hold_release("x", saving, now=now, job_ended=False) or "")
+    # bounded: the longest grace plus the margin, then released with a reason
+    late = now - 10 + 75 + HOLD_MARGIN_S
+    assert hold_release(held, saving, now=late - 1, job_ended=False) is None
+    why = hold_release(held, saving, now=late, job_ended=False)
+    assert why is not None and "still there" in why
+    # a deletion's own grace wins; none known: Kubernetes' default
+    short = _pod(deleting=True, grace=600)
+    short["metadata"]["deletionGracePeriodSeconds"] = 5
+    assert hold_release(held, [short], now=now - 10 + 5 + HOLD_MARGIN_S, job_ended=False)
+    assert (
+        hold_release(held, [_pod()], now=now - 10 + 30 + HOLD_MARGIN_S - 1, job_ended=False) is None
+    )
