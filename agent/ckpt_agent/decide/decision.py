@@ -86,28 +86,23 @@ class Decision:
     ) -> Decision:
         """``Decision(step, save=tier is not None, tier, ...)`` with no emergency, not
         lightweight, not high-risk: the same instance, built without the frozen
-        ``__init__``'s one ``object.__setattr__`` per field (the scheduler's every step)."""
+        ``__init__``'s one ``object.__setattr__`` per field (the scheduler's every step).
+        Its ``__dict__`` is a copy of a blank decision's, so it shares the class's keys
+        as one built by ``__init__`` does (no bigger)."""
+        fields = _BLANK.copy()
+        fields["step"] = step
+        fields["save"] = tier is not None
+        fields["tier"] = tier
+        fields["score"] = score
+        fields["components"] = components
+        fields["interval"] = interval
+        fields["interval_rule"] = interval_rule
+        fields["reason"] = reason
+        fields["anomaly"] = anomaly
+        fields["hazard"] = hazard
+        fields["warning"] = warning
         d = _new(cls)
-        _set(
-            d,
-            "__dict__",
-            {
-                "step": step,
-                "save": tier is not None,
-                "tier": tier,
-                "lightweight": False,
-                "emergency": False,
-                "high_risk": False,
-                "score": score,
-                "components": components,
-                "interval": interval,
-                "interval_rule": interval_rule,
-                "reason": reason,
-                "anomaly": anomaly,
-                "hazard": hazard,
-                "warning": warning,
-            },
-        )
+        _set(d, "__dict__", fields)
         return d
 
     def to_dict(self) -> dict[str, Any]:
@@ -172,6 +167,10 @@ class Decision:
     def to_json_line(self) -> str:
         """One line of JSON (no trailing newline), keys sorted."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+_BLANK: dict[str, Any] = vars(Decision(step=0, save=False, tier=None))
+""":meth:`Decision.quick`'s template (a blank decision's fields, keys shared with the class)."""
 
 
 def merge_decisions(decisions: Iterable[Decision]) -> Decision:

@@ -14,6 +14,8 @@ seeded sequences of every kind of input (:mod:`scheduler_replay`):
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from scheduler_replay import CONFIGS, digest, replay, scheduler
 
@@ -92,5 +94,6 @@ def test_quick_decision_is_the_decision_init_builds() -> None:
         assert quick == built
         assert repr(quick) == repr(built)
         assert quick.to_json_line() == built.to_json_line()
+        assert sys.getsizeof(vars(quick)) <= sys.getsizeof(vars(built))  # keys shared too
         with pytest.raises(AttributeError):  # still frozen
             quick.step = 8  # type: ignore[misc]
