@@ -455,3 +455,63 @@ def test_preemption_save_past_the_grace_leaves_the_previous_checkpoint(
     job = scenario.wait_finished("low")
     assert condition(job, "Succeeded") is not None
     _no_failure_events(scenario, "low")
+
+
+# ------------------------------------------------------------ a save that outlasts the preemptor
+def test_readmission_waits_for_the_evicted_pod_still_saving(
+    kueue: Kueue, scenario: Scenario, stack: Stack, queue: str
+) -> None:
+    """The preemptor is done while the evicted pod still writes its emergency checkpoint
+    (its first blob stalls until the test lets it go on). Kueue would re-admit the job at
+    once, and the training-operator would then see the old pod end and fail the job (a
+    counted restart); with the operator's Kueue feature the Workload stays inactive until
+    the pod is gone, then is admitted and resumes from that save, in place."""
+    ns = scenario.namespace
+    ref = reference_run(TRAINING, scenario.cluster.workdir / "reference")
+    scenario.apply_policy("e2e", pulse_every=50, full_every=1000)
+    view = scenario.view()
+    go_on = scenario.results / "save-may-go-on"
+    marker = scenario.results / "delay-fired"
+    stall = {"seconds": 120, "after_commits": 0, "marker": str(marker), "until_file": str(go_on)}
+    runner = scenario.runner(extra_env=_fault_env({"delay": stall}))
+    with _operator_with_kueue(stack):
+        _submit(scenario, "low", TRAINING, queue, LOW, policy="e2e")
+        first = runner.wait_run("low")
+        run_id = scenario.run_id("low")
+        scenario.wait_step(first, 12)
+        assert not marker.exists()
+
+        # 1. evicted; the preemptor runs in the freed quota and finishes, the save stalls
+        t_preempt, high = _preempt(kueue, scenario, runner, queue, PYTORCHJOB, "low")
+        assert high.wait(120) == 0, _log(high)
+        assert marker.exists() and first.running, _log(first)
+
+        # 2. the quota is free, but the Workload stays held while its pod saves
+        deadline = time.time() + 8
+        while time.time() < deadline:
+            wl = kueue.workload_of(ns, PYTORCHJOB, "low")
+            assert wl is not None and wl["spec"].get("active") is False, wl
+            reserved = workload_condition(wl, "QuotaReserved")
+            assert not reserved or reserved["status"] != "True", reserved
+            assert condition(scenario.job("low"), "Failed") is None
+            time.sleep(0.5)
+        assert first.running
+        assert events(scenario.cluster, ns, name="low", reason="PreemptionHold", wait=10)
+
+        # 3. the save goes on: it commits, the pod ends, the hold is released, re-admitted
+        go_on.write_text("")
+        assert first.wait(60) == 143, _log(first)
+        killed_at = last_logged_step(scenario.results, first.pod)
+        save = view.newest_valid(run_id)
+        assert save is not None and save.emergency and save.created_at >= t_preempt, save
+        assert killed_at - save.step <= 1, (killed_at, save.step)
+        kueue.wait_workload(ns, PYTORCHJOB, "low", "Admitted", timeout=60)
+        assert events(scenario.cluster, ns, name="low", reason="PreemptionReleased", wait=10)
+        second = runner.wait_run("low", index=1, timeout=90)
+        _assert_resumed_exactly(scenario, second, save, ref)
+
+        # 4. no failure, no restart: the job succeeded in place
+        job = scenario.wait_finished("low")
+        assert condition(job, "Succeeded") is not None and condition(job, "Failed") is None
+        _no_failure_events(scenario, "low")
+        assert scenario.job("low-r1") is None

@@ -15,9 +15,11 @@ Keys (all optional):
     manifest, just before the COMMIT, or just before the validation verdict. One shot
     across processes: the first to fire creates ``marker``; none fires once it exists.
 ``delay``
-    ``{"seconds": S, "after_commits": N, "marker": PATH}``: sleep ``S`` seconds before
-    writing a blob (once this process published ``N`` COMMITs; one shot via ``marker``),
-    so that a snapshot is still unpersisted when the harness kills the persister.
+    ``{"seconds": S, "after_commits": N, "marker": PATH, "until_file": PATH}``: sleep ``S``
+    seconds before writing a blob (once this process published ``N`` COMMITs; one shot via
+    ``marker``), so that a snapshot is still unpersisted when the harness kills the
+    persister; with ``until_file``, only until that file exists (at most ``S``): the test
+    decides when the save goes on.
 ``errors``
     a list of ``{"errno": "EIO" | "ENOSPC" | "EROFS", "op": "read" | "write" | "create",
     "names": [substrings] | null, "while_file": PATH | null, "times": N | null}``: the
@@ -139,6 +141,7 @@ def _install_delay(delay: dict[str, Any]) -> None:
     seconds = float(delay["seconds"])
     after = int(delay.get("after_commits", 0))
     marker = delay.get("marker")
+    until = delay.get("until_file")
     commits = {"n": 0}
     original_commit = fs.LocalStorage.commit
     original_exclusive = fs.LocalStorage.create_exclusive
@@ -157,7 +160,9 @@ def _install_delay(delay: dict[str, Any]) -> None:
 
     def write(self: fs_writer.FileWriter, data: memoryview) -> None:
         if "/blobs/" in self.key and commits["n"] >= after and _claim(marker):
-            time.sleep(seconds)
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not (until and os.path.exists(until)):
+                time.sleep(min(0.05, seconds))
         original_write(self, data)
 
     fs.LocalStorage.commit = commit  # type: ignore[method-assign]
