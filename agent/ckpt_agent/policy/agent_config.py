@@ -48,6 +48,7 @@ from ckpt_agent.policy.models import (
     AgentSpec,
     CheckpointPolicySpec,
     CompressionSpec,
+    PreemptionSpec,
     RecoverySpec,
     RetentionSpec,
     TiersSpec,
@@ -162,6 +163,8 @@ class AgentConfig(CamelModel):
     retention: RetentionSpec = Field(default_factory=RetentionSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     agent: AgentSpec = Field(default_factory=AgentSpec)
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
+    """The operator's (Kueue preemption); carried so the file describes the whole policy."""
 
     # ------------------------------------------------------------------ policy <-> config
 
@@ -212,6 +215,7 @@ class AgentConfig(CamelModel):
             retention=spec.retention.model_copy(deep=True),
             recovery=spec.recovery.model_copy(deep=True),
             agent=spec.agent.model_copy(deep=True),
+            preemption=spec.preemption.model_copy(deep=True),
         )
 
     def to_policy_spec(self) -> CheckpointPolicySpec:
@@ -248,6 +252,7 @@ class AgentConfig(CamelModel):
             retention=self.retention,
             recovery=self.recovery,
             agent=self.agent,
+            preemption=self.preemption,
         )
 
     # ------------------------------------------------------------------ files and env

@@ -154,8 +154,16 @@ def _s3_spec() -> CheckpointPolicySpec:
         CheckpointPolicySpec.model_validate(
             {"storage": {"local": {"path": "/mnt/ckpt", "pvcName": "shared"}}}
         ),
+        CheckpointPolicySpec.model_validate(
+            {
+                "preemption": {
+                    "priorityBoost": {"enabled": True, "maxBoost": 7},
+                    "maxGraceSeconds": 9,
+                }
+            }
+        ),
     ],
-    ids=["defaults", "s3", "pvc"],
+    ids=["defaults", "s3", "pvc", "preemption"],
 )
 def test_policy_to_agent_config_round_trip(spec: CheckpointPolicySpec) -> None:
     cfg = AgentConfig.from_policy(spec, run_id="run-1", resume_from="pulse_step_000000000100")
