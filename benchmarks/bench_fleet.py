@@ -371,6 +371,36 @@ CHECKPOINTS = ((Tier.FULL, 100), (Tier.PULSE, 200))
 RESUME_FROM = "ckpt.dev/resume-from"
 
 
+def write_checkpoints(
+    storage: Storage,
+    run_id: str,
+    checkpoints: Sequence[tuple[Tier, int]] = CHECKPOINTS,
+    created_at: float | None = None,
+) -> str:
+    """Real checkpoints of ``run_id`` in ``storage`` (each a few KiB, SHA-256 and a VALID
+    validation record as the agent and validator write them), chained in the order given;
+    returns the newest's id. ``created_at``: their creation time (default: now)."""
+    writer = CheckpointWriter(storage, run_id, codec=CodecPolicy(codec="none"), inline_max_bytes=0)
+    prev: str | None = None
+    newest = ""
+    for tier, step in checkpoints:
+        meta = CheckpointMeta(
+            run_id=run_id,
+            step=step,
+            tier=tier,
+            created_at=time.time() if created_at is None else created_at,
+            prev_hash=prev,
+        )
+        weights = os.urandom(16 * 1024)
+        tensors = [TensorSource("weights", "uint8", (len(weights),), memoryview(weights))]
+        rank = writer.write_rank(meta, 0, {"step": step}, tensors)
+        done = writer.commit(meta, [rank])
+        record = ValidationVerdict(meta.checkpoint_id, done.manifest_hash, CheckpointStatus.VALID)
+        storage.commit(validation_key(run_id, meta.checkpoint_id), record.to_bytes())
+        prev, newest = done.manifest_hash, meta.checkpoint_id
+    return newest
+
+
 @dataclass
 class S3Checkpoints:
     """``--storage s3``: a real MinIO holds the policy's storage, and every job's run gets
@@ -405,25 +435,7 @@ class S3Checkpoints:
 
     def write(self, run_id: str) -> str:
         """The run's checkpoints; returns the id a restart must resume from."""
-        writer = CheckpointWriter(
-            self.storage, run_id, codec=CodecPolicy(codec="none"), inline_max_bytes=0
-        )
-        prev: str | None = None
-        newest = ""
-        for tier, step in CHECKPOINTS:
-            meta = CheckpointMeta(
-                run_id=run_id, step=step, tier=tier, created_at=time.time(), prev_hash=prev
-            )
-            weights = os.urandom(16 * 1024)
-            tensors = [TensorSource("weights", "uint8", (len(weights),), memoryview(weights))]
-            rank = writer.write_rank(meta, 0, {"step": step}, tensors)
-            done = writer.commit(meta, [rank])
-            record = ValidationVerdict(
-                meta.checkpoint_id, done.manifest_hash, CheckpointStatus.VALID
-            )
-            self.storage.commit(validation_key(run_id, meta.checkpoint_id), record.to_bytes())
-            prev, newest = done.manifest_hash, meta.checkpoint_id
-        return newest
+        return write_checkpoints(self.storage, run_id)
 
     def stop(self) -> None:
         self.storage.close()
