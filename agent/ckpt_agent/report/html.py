@@ -106,6 +106,74 @@ def _status(v: str) -> str:
     return f'<span class="{cls}">{_e(v)}</span>'
 
 
+def _lost(n: int | None) -> str:
+    return "unknown" if n is None else str(n)
+
+
+def _preempted(count: object, lost: object) -> str:
+    """``count (steps lost)`` of a run's preemptions ("0" when none)."""
+    n = count if isinstance(count, int) else 0
+    return "0" if not n else f"{n} ({_lost(lost if isinstance(lost, int) else None)})"
+
+
+def _resumed(r: dict[str, Any]) -> str:
+    if r["resume_action"] is None:
+        return "not in the log"
+    if r["resumed_from"] is None:
+        return str(r["resume_action"])
+    if r["resumed_from"] < 0:
+        return f"{r['resume_action']}: nothing kept"
+    return f"{r['resume_action']}: step {r['resumed_from']} ({r['resume_checkpoint'] or '?'})"
+
+
+def _preemption_rows(p: dict[str, Any] | None) -> list[str]:
+    """The Kueue preemptions section: one row per eviction, then the totals."""
+    p = p or {"count": 0, "steps_lost": None, "lost_unknown": 0, "rows": []}
+    rows = p.get("rows") or []
+    out = ["<h2>Kueue preemptions</h2>"]
+    out.append(
+        _table(
+            (
+                "time (UTC)",
+                "request",
+                "Kueue's reason",
+                "step saved",
+                "emergency saves",
+                "last step trained",
+                "resumed",
+                "steps lost",
+            ),
+            (
+                (
+                    _when(r["time"]),
+                    r["request"],
+                    r["reason"] or "not in the log",
+                    "not committed"
+                    if r["step_saved"] is None
+                    else f"{r['step_saved']} ({r['checkpoint']})",
+                    "; ".join(
+                        f"{v['trigger']} step {v['step']}"
+                        + (f" {v['status']}" if v["checkpoint"] else " not committed")
+                        for v in r["saves"]
+                    ),
+                    "n/a" if r["last_step"] is None else str(r["last_step"]),
+                    _resumed(r),
+                    _lost(r["steps_lost"]),
+                )
+                for r in rows
+            ),
+        )
+    )
+    if rows:
+        unknown = int(p.get("lost_unknown") or 0)
+        out.append(
+            f"<p>{len(rows)} preemption(s), {_e(_lost(p.get('steps_lost')))} step(s) lost in all"
+            + (f" ({unknown} with no resume in the log: unknown)" if unknown else "")
+            + ".</p>"
+        )
+    return out
+
+
 def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
     """The HTML report of one run (``svgs`` from :func:`~ckpt_agent.report.plots.plot_all`)."""
     rec = s["recovery"]
@@ -125,6 +193,13 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
                 ("compression: stored (with manifests) of raw", _pct(s["compression_share"])),
                 ("recovery success", _pct(rec["success_rate"])),
                 ("mean recovery time", _sec(rec["mean_s"])),
+                (
+                    "Kueue preemptions (steps lost)",
+                    _preempted(
+                        (s.get("preemptions") or {}).get("count"),
+                        (s.get("preemptions") or {}).get("steps_lost"),
+                    ),
+                ),
             ]
         ),
     ]
@@ -216,6 +291,7 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
             ),
         )
     )
+    body += _preemption_rows(s.get("preemptions"))
     if s["manual_recoveries"]:
         body.append("<h2>Manual recoveries (audit.log)</h2>")
         keys = sorted({k for a in s["manual_recoveries"] for k in a})[:10]
@@ -265,6 +341,7 @@ def fleet_page(f: dict[str, Any], svg: str | None) -> str:
                 "recovery success",
                 "checkpoints",
                 "corrupted",
+                "preemptions (steps lost)",
                 "traits",
             ),
             (
@@ -276,6 +353,7 @@ def fleet_page(f: dict[str, Any], svg: str | None) -> str:
                     _pct(r["recovery_success_rate"]),
                     str(r["checkpoints"]),
                     str(r["corrupted"]),
+                    _preempted(r.get("preemptions"), r.get("preemption_steps_lost")),
                     ", ".join(r["traits"]),
                 )
                 for r in f["runs"]

@@ -15,6 +15,10 @@ Definitions (also in ``docs/observability.md``):
   (de-duplication at work); **raw bytes**: the tensors' uncompressed size, against
   which the full save's stored bytes show compression at work. A size the logs do
   not give is ``None`` ("n/a"), never 0.
+* **Preemptions**: the Kueue evictions the run went through (save-now signals whose
+  request id says ``Preemption``, and the SIGTERM saves that followed them), each with
+  its step saved and the steps lost on the resume that followed
+  (:mod:`ckpt_agent.report.preemptions`).
 * **Saves** come from the trainer's ``committed`` events (in-process persister) or
   from committed ``persisted`` events (shared-memory mode: the trainer's and the
   persister's ``sidecar.jsonl``), joined with the snapshot's stall by step and tier
@@ -30,6 +34,7 @@ from typing import Any
 
 from ckpt_agent.format.layout import parse_checkpoint_id
 from ckpt_agent.records import CheckpointRecord
+from ckpt_agent.report.preemptions import preemption_totals, preemptions
 
 __all__ = [
     "LOW_HEALTH",
@@ -345,6 +350,7 @@ def run_summary(
             Counter(_str(e.get("action"), 40) for e in ev.get("backpressure", []))
         ),
         "emergency_saves": len(ev.get("save_now", [])) + len(ev.get("sigterm", [])),
+        "preemptions": preemption_totals(preemptions(events, saves)),
         "anomalies": anomalies[-200:],
         "series": series,
         "saves": saves,
@@ -356,6 +362,11 @@ def run_summary(
         ],
         "has_log": bool(events),
     }
+
+
+def _preempted(s: dict[str, Any]) -> dict[str, Any]:
+    """The summary's preemptions figure (none in a summary made before it existed)."""
+    return _dict(s.get("preemptions")) or {"count": 0, "steps_lost": None}
 
 
 def traits_of(s: dict[str, Any]) -> list[str]:
@@ -375,6 +386,8 @@ def traits_of(s: dict[str, Any]) -> list[str]:
         out.append("training anomalies")
     if s["emergency_saves"]:
         out.append("emergency saves")
+    if _preempted(s)["count"]:
+        out.append("preempted")
     if s["manual_recoveries"]:
         out.append("manual recoveries")
     if not s["has_log"]:
@@ -396,6 +409,8 @@ def fleet_summary(runs: Sequence[dict[str, Any]], low: float = LOW_HEALTH) -> di
                 "recovery_success_rate": s["recovery"]["success_rate"],
                 "checkpoints": s["checkpoints"],
                 "corrupted": s["verdicts"].get("corrupted", 0),
+                "preemptions": _preempted(s)["count"],
+                "preemption_steps_lost": _preempted(s)["steps_lost"],
                 "traits": traits_of(s),
             }
         )

@@ -3,13 +3,18 @@
 Run 1 trains 40 steps and takes an emergency save; a byte of that newest
 checkpoint's weights is then flipped, so run 2's resume rejects it and takes the
 next rung of the recovery ladder; run 2 trains on and closes with a final save.
-:func:`make_flash_run` is a run in shared-memory (flash) mode, as injected pods run.
+:func:`make_flash_run` is a run in shared-memory (flash) mode, as injected pods run;
+:func:`make_preempted_run` one that a node drain and then a Kueue preemption interrupt.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,8 @@ import torch
 from ckpt_agent.format.layout import blob_key, rank_manifest_key
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_operator.planners.disruption_signals import preemption_disruption
+from ckpt_operator.planners.workload import Eviction
 
 RUN = "run1"
 
@@ -39,17 +46,35 @@ class RealRun:
 
 
 def _train(
-    cfg: AgentConfig, stop: int, *, save: str | None, final: bool, wait: bool = False
+    cfg: AgentConfig,
+    stop: int,
+    *,
+    save: str | None,
+    final: bool,
+    wait: bool = False,
+    before_step: Mapping[int, Callable[[], None]] | None = None,
+    sigterm: bool = False,
 ) -> None:
+    """Train to ``stop``; ``before_step[s]()`` runs after step ``s`` trained, before
+    ``ckpt.step(s)``; ``sigterm``: the agent's SIGTERM handler, the loop going on after it."""
     torch.manual_seed(stop)
     model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU(), torch.nn.Linear(300, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = Checkpointer(cfg, model=model, optimizer=opt, backpressure="wait" if wait else "defer")
+    ckpt = Checkpointer(
+        cfg,
+        model=model,
+        optimizer=opt,
+        backpressure="wait" if wait else "defer",
+        handle_sigterm=sigterm,
+        exit_on_sigterm=False,
+    )
     for s in range(ckpt.start().step, stop):
         opt.zero_grad()
         loss = model(torch.randn(4, 8)).pow(2).mean()
         loss.backward()
         opt.step()
+        if before_step and s in before_step:
+            before_step[s]()
         ckpt.step(s, loss)
         if wait:  # each snapshot persisted before the next (none coalesced into a newer one)
             assert ckpt.wait(60, validation=False)
@@ -77,6 +102,60 @@ def make_flash_run(
     cfg = make_config(root, runId=run_id, workDir=str(work), shmDir=str(root / "shm"))
     # every due save taken and persisted (a loaded machine would defer or coalesce some)
     _train(cfg, 40, save=None, final=True, wait=True)
+    return RealRun(root / "store", work, run_id, rejected="")
+
+
+#: The save-now request of the node drain in :func:`make_preempted_run` (a pod evicted
+#: through the eviction API: the operator's ``DisruptionTarget`` reason), not a preemption.
+DRAIN_REQUEST = "EvictionByEvictionAPI-aaaaaaaaaaaa"
+#: Steps of :func:`make_preempted_run`: the drain's save-now, the Kueue eviction's, SIGTERM,
+#: the last step the evicted pod trained, the last step of the resumed run.
+DRAIN_AT, PREEMPT_AT, SIGTERM_AT, EVICTED_LAST, RESUMED_LAST = 10, 30, 33, 36, 44
+
+
+def _signal(path: Path, content: str) -> None:
+    """Write the save-now signal file as the downward API does (a new mtime: a change)."""
+    path.write_text(content)
+    later = time.time_ns() + 10**9
+    os.utime(path, ns=(later, later))
+
+
+def make_preempted_run(
+    make_config: Callable[..., AgentConfig], root: Path, request: str, run_id: str = "pre1"
+) -> RealRun:
+    """A run that a node drain and a Kueue preemption interrupt, then resumed.
+
+    The drain's save-now (:data:`DRAIN_REQUEST`) comes after step :data:`DRAIN_AT`; the
+    operator's preemption signal ``request`` after step :data:`PREEMPT_AT` (the emergency
+    full save of that step), SIGTERM after :data:`SIGTERM_AT` (saved too); the pod trains
+    on to :data:`EVICTED_LAST` within its grace (nothing saved: no heartbeat, a pulse
+    every 100 steps), ends; the re-admitted run resumes from step :data:`SIGTERM_AT`'s
+    checkpoint and trains to :data:`RESUMED_LAST`: 3 steps lost. Needs the main thread
+    (a SIGTERM handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("the SIGTERM of a preemption needs the main thread")
+    work = root / "work" / run_id
+    sig = root / "save-now"
+    sig.write_text("")
+    cfg = make_config(
+        root,
+        runId=run_id,
+        workDir=str(work),
+        signalFile=str(sig),
+        tiers={
+            "heartbeat": {"enabled": False},
+            "pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500},
+        },
+    )
+    hooks = {
+        DRAIN_AT: lambda: _signal(sig, DRAIN_REQUEST),
+        PREEMPT_AT: lambda: _signal(sig, request),
+        SIGTERM_AT: lambda: os.kill(os.getpid(), signal.SIGTERM),
+    }
+    _train(
+        cfg, EVICTED_LAST + 1, save=None, final=False, wait=True, before_step=hooks, sigterm=True
+    )
+    _train(cfg, RESUMED_LAST + 1, save=None, final=True, wait=True)
     return RealRun(root / "store", work, run_id, rejected="")
 
 
@@ -108,6 +187,17 @@ def rp_flash_run(
 ) -> RealRun:
     """A real run in shared-memory mode (:func:`make_flash_run`), read-only."""
     return make_flash_run(ck_make_config, tmp_path_factory.mktemp("report-flash"))
+
+
+@pytest.fixture(scope="session")
+def rp_preempted_run(
+    tmp_path_factory: pytest.TempPathFactory, ck_make_config: Callable[..., AgentConfig]
+) -> RealRun:
+    """A real run a drain and a Kueue preemption interrupt (:func:`make_preempted_run`),
+    with the operator's request id of a preemption; read-only."""
+    eviction = Eviction("Preempted", "Preempted to accommodate a workload", "t0", "uid-1")
+    request = preemption_disruption(eviction).signal
+    return make_preempted_run(ck_make_config, tmp_path_factory.mktemp("report-preempt"), request)
 
 
 @pytest.fixture(scope="session")
