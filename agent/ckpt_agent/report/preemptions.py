@@ -5,7 +5,11 @@ When Kueue evicts an opted-in job the operator (``--kueue``) writes the save-now
 agent logs it as a ``signal`` event and takes an emergency full save at its next step
 (a ``decision`` with ``emergency``); the pods then get SIGTERM, and the agent saves again
 (a ``sigterm`` event; rank 0 of a run with several ranks logs it on every rank). After the
-re-admission a new pod logs a ``start`` event: the resume.
+re-admission a new pod logs a ``start`` event: the resume. The evicted pods' work
+directories go with them unless collected, so storage speaks too: a one-rank run's
+emergency checkpoint records the request in its ``reason`` ("emergency: save-now signal
+'Preemption-…'"), and a preemption no log shows is found there (its signal's save only;
+steps lost unknown).
 
 One preemption per request id (the operator's id is one per eviction, repeated on every
 pod and rank): its time (the first ``signal``), Kueue's reason when the log holds the
@@ -27,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckpt_agent.format.layout import parse_checkpoint_id
+from ckpt_agent.records import CheckpointRecord
 from ckpt_agent.text import clean
 
 __all__ = ["PREEMPTION_REQUEST", "kueue_reason", "preemption_totals", "preemptions"]
@@ -38,6 +43,8 @@ PREEMPTION_REQUEST = "Preemption-"
 TEXT_LIMIT = 300
 #: Where the operator's save-now reason names Kueue's eviction reason.
 _KUEUE = re.compile(r"Kueue evicted the (?:job's )?Workload \(([^()]{1,200})\)")
+#: The request in an emergency checkpoint's stored ``reason`` (the scheduler's words).
+_STORED = re.compile(r"save-now signal '(" + PREEMPTION_REQUEST + r"[^'\s]{1,100})")
 #: The signal event's fields that may carry the operator's reason text.
 _REASON_FIELDS = ("reason", "message")
 
@@ -145,12 +152,26 @@ def _join(row: dict[str, Any], saves: Sequence[dict[str, Any]]) -> None:
     del row["_signal_saved"]
 
 
+def _from_storage(rows: dict[str, dict[str, Any]], records: Iterable[CheckpointRecord]) -> None:
+    """Add the preemptions only storage shows: emergency checkpoints whose stored reason
+    names a preemption's request no log event did."""
+    for r in records:
+        m = _STORED.search(r.reason) if r.emergency else None
+        if m is None or m.group(1) in rows:
+            continue
+        row = rows[m.group(1)] = _new({"request": m.group(1), "time": r.created_at}, None)
+        _add_save(row, r.step, "save-now")
+
+
 def preemptions(
-    events: Iterable[dict[str, Any]], saves: Sequence[dict[str, Any]] = ()
+    events: Iterable[dict[str, Any]],
+    saves: Sequence[dict[str, Any]] = (),
+    records: Iterable[CheckpointRecord] = (),
 ) -> list[dict[str, Any]]:
     """One row per Kueue preemption, oldest first (see the module doc); ``events`` are the
     run's decision-log events (persister-log ones are skipped), ``saves`` the summary's
-    save rows (``checkpoint``, ``step``, ``tier``, ``status``)."""
+    save rows (``checkpoint``, ``step``, ``tier``, ``status``), ``records`` the run's
+    stored checkpoints."""
     ordered = sorted(
         (e for e in events if e.get("source") is None),
         key=lambda e: _num(e.get("time")) or 0.0,
@@ -189,6 +210,7 @@ def preemptions(
             if open_row is not None:
                 _resume(open_row, e)
                 open_row = None
+    _from_storage(rows, records)
     out = sorted(rows.values(), key=lambda r: r["time"] or 0.0)
     for row in out:
         _join(row, saves)

@@ -350,7 +350,7 @@ def run_summary(
             Counter(_str(e.get("action"), 40) for e in ev.get("backpressure", []))
         ),
         "emergency_saves": len(ev.get("save_now", [])) + len(ev.get("sigterm", [])),
-        "preemptions": preemption_totals(preemptions(events, saves)),
+        "preemptions": preemption_totals(preemptions(events, saves, records)),
         "anomalies": anomalies[-200:],
         "series": series,
         "saves": saves,

@@ -146,6 +146,7 @@ def make_preempted_run(
             "heartbeat": {"enabled": False},
             "pulse": {"baseInterval": 100, "minInterval": 50, "maxInterval": 500},
         },
+        retention={"routineKeep": 10, "importantKeep": 10},  # the drain's save stays stored
     )
     hooks = {
         DRAIN_AT: lambda: _signal(sig, DRAIN_REQUEST),

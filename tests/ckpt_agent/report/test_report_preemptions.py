@@ -100,6 +100,30 @@ def test_a_drain_save_now_is_not_a_preemption(rp_preempted_run: RealRun) -> None
     assert preemptions(only_drain, s["saves"]) == []
 
 
+def test_without_the_evicted_pods_logs_storage_still_tells(rp_preempted_run: RealRun) -> None:
+    """The evicted pod's work directory went with it: the signal's emergency checkpoint
+    names the request in its stored reason; the steps lost are unknown."""
+    data = load_run(LocalStorage(rp_preempted_run.store), rp_preempted_run.run_id, None)
+    assert not data.events
+    s = run_summary(rp_preempted_run.run_id, data.records, data.events, data.audit)
+    (row,) = s["preemptions"]["rows"]
+    assert row["request"] == _summary(rp_preempted_run)["preemptions"]["rows"][0]["request"]
+    assert row["saves"] == [
+        {
+            "step": PREEMPT_AT,
+            "trigger": "save-now",
+            "checkpoint": f"full_step_{PREEMPT_AT:012d}",
+            "status": "valid",
+        }
+    ]
+    assert row["step_saved"] == PREEMPT_AT and row["time"] is not None
+    assert row["steps_lost"] is None and s["preemptions"]["lost_unknown"] == 1
+    assert "preempted" in fleet_summary([s])["runs"][0]["traits"]
+    # the drain's emergency checkpoint names its own request: not a preemption
+    drained = next(r for r in data.records if r.step == DRAIN_AT)
+    assert drained.emergency and DRAIN_REQUEST in drained.reason
+
+
 def test_fleet_view_has_a_preemptions_column_and_trait(
     rp_run: RealRun, rp_preempted_run: RealRun, tmp_path: Path
 ) -> None:
@@ -137,7 +161,9 @@ def test_an_odd_reason_is_cleaned_and_escaped(rp_preempted_run: RealRun, tmp_pat
         lines.append(json.dumps(e))
     log.write_text("\n".join(lines) + "\n")
     s = _summary(rp_preempted_run, work)
-    (row,) = s["preemptions"]["rows"]
+    # storage still holds the true request id (the signal save's reason): a row of its own
+    row, stored = s["preemptions"]["rows"]  # by time: the signal, then the checkpoint
+    assert row["request"] == stored["request"] + "\\x07<script>"
     assert is_clean(row["reason"]) and is_clean(row["request"]) and is_clean(row["message"])
     assert row["reason"] == "Pre\\x1b[31mempted\\u202e<img src=x>"
     assert row["request"].endswith("\\x07<script>") and "\\x00" in row["message"]
