@@ -68,7 +68,7 @@ def _text(v: Any) -> str:
 def kueue_reason(text: str) -> str | None:
     """Kueue's eviction reason in the operator's save-now text (``Preempted``,
     ``PodsReadyTimeout``, ...), cleaned; None when ``text`` does not name one."""
-    m = _KUEUE.search(text)
+    m = _KUEUE.search(text[:2000])  # the operator's text is short; a log's may not be
     return clean(m.group(1).strip(), TEXT_LIMIT) if m else None
 
 
@@ -127,7 +127,7 @@ def _resume(row: dict[str, Any], e: dict[str, Any]) -> None:
             next_step = parse_checkpoint_id(checkpoint)[1] + 1
         except ValueError:
             next_step = None
-    row["resume_action"] = _text(e.get("action")) or None
+    row["resume_action"] = _text(e.get("action")) or "start"
     row["resume_checkpoint"] = checkpoint
     if next_step is not None:
         row["resumed_from"] = next_step - 1  # -1: a fresh start kept nothing
