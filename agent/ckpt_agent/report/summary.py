@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ckpt_agent.format.layout import parse_checkpoint_id
@@ -349,7 +349,7 @@ def run_summary(
         "backpressure": dict(
             Counter(_str(e.get("action"), 40) for e in ev.get("backpressure", []))
         ),
-        "emergency_saves": len(ev.get("save_now", [])) + len(ev.get("sigterm", [])),
+        "emergency_saves": _emergency_saves(ev),
         "preemptions": preemption_totals(preemptions(events, saves, records)),
         "anomalies": anomalies[-200:],
         "series": series,
@@ -367,6 +367,23 @@ def run_summary(
 def _preempted(s: dict[str, Any]) -> dict[str, Any]:
     """The summary's preemptions figure (none in a summary made before it existed)."""
     return _dict(s.get("preemptions")) or {"count": 0, "steps_lost": None}
+
+
+def _emergency_saves(ev: Mapping[str, Sequence[Mapping[str, Any]]]) -> int:
+    """Emergency saves taken, one per step: an explicit ``save_now()``, a SIGTERM (which
+    logs ``sigterm`` and ``save_now`` for the same save), and the scheduler's emergency
+    decisions (a save-now signal file, a node warning)."""
+    steps = {
+        _num(e.get("step"))
+        for e in (*ev.get("save_now", ()), *ev.get("sigterm", ()))
+        if _num(e.get("step")) is not None
+    }
+    steps |= {
+        _num(e.get("step"))
+        for e in ev.get("decision", ())
+        if e.get("emergency") and e.get("save") and _num(e.get("step")) is not None
+    }
+    return len(steps)
 
 
 def traits_of(s: dict[str, Any]) -> list[str]:

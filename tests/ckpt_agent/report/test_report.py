@@ -294,3 +294,17 @@ def test_plots_without_data_still_render() -> None:
     svgs = plot_all(s)
     assert set(svgs) == set(PLOTS) and all(v.startswith("<svg") for v in svgs.values())
     assert "no decisions in the decision log" in svgs["score"]
+
+
+def test_emergency_saves_count_each_save_once() -> None:
+    """A SIGTERM logs ``sigterm`` and ``save_now`` for one save; a save-now signal file is
+    an emergency decision of the scheduler (no ``save_now`` event): each counts once."""
+    events = [
+        {"event": "decision", "step": 10, "emergency": True, "save": True, "time": 1.0},
+        {"event": "decision", "step": 11, "emergency": False, "save": False, "time": 2.0},
+        {"event": "sigterm", "step": 33, "time": 3.0},
+        {"event": "save_now", "step": 33, "tier": "full", "reason": "SIGTERM", "time": 3.0},
+        {"event": "decision", "step": 33, "emergency": True, "save": True, "time": 3.0},
+    ]
+    assert run_summary("r", [], events)["emergency_saves"] == 2
+    assert run_summary("r", [], [])["emergency_saves"] == 0
