@@ -94,15 +94,15 @@ def _enc(value: object, leaf: Leaf | None, path: str, depth: int) -> Json:
     if type(value) is bytes:
         return {BYTES: base64.b64encode(value).decode("ascii")}
     if isinstance(value, dict) and type(value).__module__ in ("builtins", "collections"):
-        plain = all(isinstance(k, str) for k in value) and not (
-            len(value) == 1 and next(iter(value)) in TAGS
-        )
-        if plain:
-            if depth >= MAX_DEPTH:
-                return {k: _enc(v, leaf, _join(path, k), depth + 1) for k, v in value.items()}
+        if depth < MAX_DEPTH and not (len(value) == 1 and next(iter(value)) in TAGS):
+            # str keys (the common case, e.g. a heartbeat's data position at every step):
+            # exact JSON scalars as _enc returns them, without the call and its path;
+            # at the first other key, the tagged form below (same values, same errors)
             enc: dict[str, Json] = {}
-            for k, v in value.items():  # exact JSON scalars as _enc returns them, without
-                t = type(v)  # the call and its path (a heartbeat's every step)
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    break
+                t = type(v)
                 if (
                     t in _SCALARS
                     or (t is int and -_INT_LIMIT < v < _INT_LIMIT)
@@ -111,7 +111,13 @@ def _enc(value: object, leaf: Leaf | None, path: str, depth: int) -> Json:
                     enc[k] = v
                 else:
                     enc[k] = _enc(v, leaf, _join(path, k), depth + 1)
-            return enc
+            else:
+                return enc
+        plain = all(isinstance(k, str) for k in value) and not (
+            len(value) == 1 and next(iter(value)) in TAGS
+        )
+        if plain:  # only nested too deep: the values' own _enc says so
+            return {k: _enc(v, leaf, _join(path, k), depth + 1) for k, v in value.items()}
         pairs = []
         for k, v in value.items():
             if isinstance(k, str | int | float | bool | tuple) or k is None:

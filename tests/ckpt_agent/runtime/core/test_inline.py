@@ -70,6 +70,13 @@ def test_a_dicts_scalars_encode_as_the_walk_encodes_them() -> None:
     }
     with pytest.raises(JsonTreeError, match="a/big: an integer of more than"):
         encode_inline({"a": {"big": 10**400}})
+    with pytest.raises(JsonTreeError, match="a: an integer of more than"):
+        encode_inline({"a": 10**400, 3: 1})  # the error of the first value, keys mixed
+    # keys other than str, wherever they come, and a tag as the only key: the tagged form
+    assert encode_inline({"b": 2, 1: "a"}) == {jsontree.DICT: [["b", 2], [1, "a"]]}
+    assert encode_inline({1: "a", "b": 2}) == {jsontree.DICT: [[1, "a"], ["b", 2]]}
+    assert encode_inline({jsontree.TUPLE: [1]}) == {jsontree.DICT: [[jsontree.TUPLE, [1]]]}
+    assert encode_inline({jsontree.TUPLE: [1], "x": 1}) == {jsontree.TUPLE: [1], "x": 1}
 
     def chain(n: int) -> dict[str, Any]:
         v: dict[str, Any] = {"x": 1}
