@@ -26,10 +26,12 @@ Measured: every write of the boost, as a watch of the namespace's Workloads sees
 operator's record (``ckpt.dev/priority-boost-written``/``-written-at``) change: per job the
 writes (mean, max), the bound the rate limit implies (``floor(elapsed /
 minUpdateSeconds) + 1`` from the job's first write to the end) and the shortest gap between
-two writes of one Workload; the API server's Workload requests (``apiserver_request_total``
-by verb and subresource: the operator's PATCHes and Kueue's own), the operator's requests
-(its flow schema) and its metric ``ckpt_priority_boost_writes_total``; the operator's CPU
-seconds and peak RSS over the window, and the machine's load average.
+two writes of one Workload (``written-at`` has whole seconds); the API server's requests
+on Workloads, Events and PyTorchJobs (``apiserver_request_total`` by verb and subresource,
+every client: the operator's PATCHes and Kueue's own), the namespace's Events by reason,
+the operator's requests (its flow schema) and its metric
+``ckpt_priority_boost_writes_total``; the operator's CPU seconds and peak RSS over the
+window, and the machine's load average.
 
 Run (about 5 minutes of setup plus ``--duration``)::
 
@@ -56,6 +58,7 @@ import psutil
 from bench_fleet import (
     OPERATOR_FLOW,
     ProcessTree,
+    event_counts,
     job_pod,
     percentile,
     samples,
@@ -154,15 +157,21 @@ class WorkloadWatch:
             self.boosts.seen(wl)
 
 
-def workload_requests(cluster: LocalCluster) -> Counter[str]:
-    """``apiserver_request_total`` for Workloads by ``VERB[/subresource]``, plus
-    ``operator``: every request dispatched for the operator's flow schema."""
+#: The resources whose API requests are counted (``apiserver_request_total``).
+COUNTED = ("workloads", "events", "pytorchjobs")
+
+
+def api_requests(cluster: LocalCluster) -> Counter[str]:
+    """``apiserver_request_total`` of :data:`COUNTED` by ``VERB resource[/subresource]``
+    (every client), plus ``operator``: every request dispatched for the operator's flow
+    schema."""
     text = cluster.kubectl("get", "--raw", "/metrics").stdout
     out: Counter[str] = Counter()
     for labels, value in samples(text, "apiserver_request_total"):
-        if labels.get("resource") == "workloads":
+        resource = labels.get("resource", "")
+        if resource in COUNTED:
             sub = labels.get("subresource", "")
-            out[labels.get("verb", "") + (f"/{sub}" if sub else "")] += int(value)
+            out[f"{labels.get('verb', '')} {resource}" + (f"/{sub}" if sub else "")] += int(value)
     for labels, value in samples(text, "apiserver_flowcontrol_dispatched_requests_total"):
         if labels.get("flow_schema") == OPERATOR_FLOW:
             out["operator"] += int(value)
@@ -239,7 +248,8 @@ def run(
         log(f"{len(with_ckpt)} runs given checkpoints")
 
         # the window: from here, --duration seconds
-        before = workload_requests(cluster)
+        before = api_requests(cluster)
+        events_before = event_counts(cluster, ns)
         ops_before = {
             a: stack.operator.metric(BOOST_WRITES, {"action": a}) for a in ("write", "remove")
         }
@@ -263,7 +273,8 @@ def run(
             time.sleep(1.0)
         t1_wall = time.time()
         cpu = tree.cpu() - cpu0
-        delta = workload_requests(cluster) - before
+        delta = api_requests(cluster) - before
+        events = event_counts(cluster, ns) - events_before
         ops = {
             a: stack.operator.metric(BOOST_WRITES, {"action": a}) - ops_before[a]
             for a in ("write", "remove")
@@ -318,8 +329,12 @@ def run(
                 f"{ops['write']:.0f}, remove {ops['remove']:.0f}",
             ),
             (
-                "Workload requests in the window (API server, every client)",
+                "API requests in the window (API server, every client)",
                 ", ".join(f"{k} {v}" for k, v in sorted(delta.items()) if k != "operator"),
+            ),
+            (
+                "Events in the window, by reporter/reason",
+                ", ".join(f"{k} {v}" for k, v in events.most_common(8)) or "none",
             ),
             (
                 "the operator's API requests in the window",
