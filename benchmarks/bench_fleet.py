@@ -22,6 +22,9 @@ the operator's CPU seconds, peak RSS and RSS after each round's deletion (``--ro
 Run (a few minutes at the default N)::
 
     .venv/bin/python benchmarks/bench_fleet.py --jobs 40 [--write-doc]
+
+The Kueue priority boost at fleet scale (issue #30) is ``bench_fleet_kueue.py`` (it uses
+this module's helpers).
 """
 
 from __future__ import annotations
