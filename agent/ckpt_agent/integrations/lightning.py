@@ -158,20 +158,42 @@ def _loop_state(loop: Any, destination: dict[str, Any], prefix: str = "") -> dic
     heartbeat, on the training thread): Lightning's ``_Loop.state_dict`` with the progress
     counters read by :func:`_progress_state`. A loop or progress class that overrides
     ``state_dict`` is asked itself."""
-    loops = _pl.loops.loop
-    base, progress = loops._Loop, _pl.loops.progress._BaseProgress
     destination[prefix + "state_dict"] = loop.on_save_checkpoint()
     for k, v in loop.__dict__.items():
+        kind = _KINDS.get(type(v))
+        if kind is None:
+            kind = _kind(type(v))
+        if kind == _OTHER:
+            continue
         key = prefix + k
-        if isinstance(v, progress):
-            own = type(v).state_dict is progress.state_dict
-            destination[key] = _progress_state(v) if own else v.state_dict()
-        elif isinstance(v, base):
-            if type(v).state_dict is base.state_dict:
-                _loop_state(v, destination, key + ".")
-            else:
-                v.state_dict(destination, key + ".")
+        if kind == _PROGRESS:
+            destination[key] = _progress_state(v)
+        elif kind == _LOOP:
+            _loop_state(v, destination, key + ".")
+        elif kind == _OWN_PROGRESS:
+            destination[key] = v.state_dict()
+        else:
+            v.state_dict(destination, key + ".")
     return destination
+
+
+_OTHER, _PROGRESS, _OWN_PROGRESS, _LOOP, _OWN_LOOP = range(5)
+_KINDS: dict[type, int] = {}
+"""What :func:`_loop_state` does with a loop attribute of each type (a loop has dozens of
+attributes: two ``isinstance`` each, at every heartbeat, were a third of its cost)."""
+
+
+def _kind(t: type) -> int:
+    base, progress = _pl.loops.loop._Loop, _pl.loops.progress._BaseProgress
+    own = getattr(t, "state_dict", None)
+    if issubclass(t, progress):
+        kind = _PROGRESS if own is progress.state_dict else _OWN_PROGRESS
+    elif issubclass(t, base):
+        kind = _LOOP if own is base.state_dict else _OWN_LOOP
+    else:
+        kind = _OTHER
+    _KINDS[t] = kind
+    return kind
 
 
 class _FitProgress:
