@@ -416,8 +416,10 @@ class S3Checkpoints:
     storage: Storage
 
     @classmethod
-    def start(cls, sc: Scenario, workdir: Path) -> S3Checkpoints:
-        server = s3servers.start_minio(s3servers.build_tool("minio"), workdir)
+    def start(
+        cls, sc: Scenario, workdir: Path, extra_env: dict[str, str] | None = None
+    ) -> S3Checkpoints:
+        server = s3servers.start_minio(s3servers.build_tool("minio"), workdir, extra_env=extra_env)
         bucket = f"bench-fleet-{uuid.uuid4().hex[:8]}"
         server.client().create_bucket(Bucket=bucket)
         secret = {

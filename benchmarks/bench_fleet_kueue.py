@@ -31,7 +31,9 @@ on Workloads, Events and PyTorchJobs (``apiserver_request_total`` by verb and su
 every client: the operator's PATCHes and Kueue's own), the namespace's Events by reason,
 the operator's requests (its flow schema) and its metric
 ``ckpt_priority_boost_writes_total``; the operator's CPU seconds and peak RSS over the
-window, and the machine's load average.
+window, and the machine's load average. With ``--storage s3`` the policies' storage is a
+real MinIO (``bench_fleet.S3Checkpoints``) and its request counts by API (minus this
+benchmark's own new checkpoints) say what the operator's looks cost an object store.
 
 Run (about 5 minutes of setup plus ``--duration``)::
 
@@ -47,6 +49,7 @@ import math
 import os
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +61,7 @@ import psutil
 from bench_fleet import (
     OPERATOR_FLOW,
     ProcessTree,
+    S3Checkpoints,
     event_counts,
     job_pod,
     percentile,
@@ -95,6 +99,8 @@ SETTINGS: dict[str, dict[str, float]] = {
 }
 GROUPS = ("none", "once", "every")
 BOOST_WRITES = "ckpt_priority_boost_writes_total"
+#: ``--storage s3``: MinIO's request counts readable without a token.
+MINIO_ENV = {"MINIO_PROMETHEUS_AUTH_TYPE": "public"}
 
 
 @dataclass
@@ -194,11 +200,32 @@ def bound(first: float, end: float, min_update: float) -> int:
     return math.floor(max(0.0, end - first) / min_update) + 1
 
 
+def s3_requests(s3: S3Checkpoints | None) -> Counter[str]:
+    """MinIO's S3 requests by API (``minio_api_requests_total``, metrics v3: live, where
+    v2's are a snapshot; public: :data:`MINIO_ENV`)."""
+    if s3 is None:
+        return Counter()
+    with urllib.request.urlopen(
+        f"{s3.server.endpoint}/minio/metrics/v3/api/requests", timeout=10
+    ) as r:
+        text = r.read().decode()
+    out: Counter[str] = Counter()
+    for labels, value in samples(text, "minio_api_requests_total"):
+        if labels.get("type") == "s3":
+            out[labels.get("name", "?")] += int(value)
+    return out
+
+
 def run(
-    n: int, duration: float, recheckpoint: float, log: Callable[[str], None]
+    n: int,
+    duration: float,
+    recheckpoint: float,
+    log: Callable[[str], None],
+    storage_kind: str = "local",
 ) -> list[tuple[str, str]]:
     cluster = LocalCluster(startup_timeout=300)
     cluster.start()
+    s3: S3Checkpoints | None = None
     try:
         kueue = Kueue(cluster).start()
         log(f"Kueue started in {kueue.timings['total']:.0f} s")
@@ -206,9 +233,12 @@ def run(
         assert "--kueue=true" in stack.operator.deployment_args()
         ns = cluster.create_namespace(f"bench-kueue-{uuid.uuid4().hex[:5]}")
         sc = Scenario(cluster, ns, stack.operator)
+        if storage_kind == "s3":
+            s3 = S3Checkpoints.start(sc, cluster.log_dir / "minio", extra_env=MINIO_ENV)
         for setting, boost in SETTINGS.items():
             sc.apply_policy(
                 setting,
+                s3.policy_storage() if s3 is not None else None,
                 extra={"preemption": {"priorityBoost": {"enabled": True, **boost}}},
                 retention={"reconcileIntervalSeconds": 3600},
             )
@@ -240,7 +270,7 @@ def run(
             cluster.wait_for(functools.partial(job_pod, sc, name), 180, f"{name}'s pod")
         log(f"{n} Workloads admitted, pods created, {time.monotonic() - t_submit:.0f} s")
 
-        storage = open_storage(f"file://{sc.store}")
+        storage = s3.storage if s3 is not None else open_storage(f"file://{sc.store}")
         run_ids = {name: sc.run_id(name) for name, _, _ in jobs}
         with_ckpt = [name for name, _, g in jobs if g != "none"]
         with ThreadPoolExecutor(4) as pool:
@@ -249,6 +279,14 @@ def run(
 
         # the window: from here, --duration seconds
         before = api_requests(cluster)
+        s3_before = s3_requests(s3)
+        ours: Counter[str] = Counter()  # this benchmark's own S3 requests (new checkpoints)
+        if s3 is not None:
+
+            def count(event_name: str, **_: Any) -> None:
+                ours[event_name.rsplit(".", 1)[-1]] += 1
+
+            s3.storage.client.meta.events.register("before-call.s3", count)  # type: ignore[attr-defined]
         events_before = event_counts(cluster, ns)
         ops_before = {
             a: stack.operator.metric(BOOST_WRITES, {"action": a}) for a in ("write", "remove")
@@ -274,6 +312,8 @@ def run(
         t1_wall = time.time()
         cpu = tree.cpu() - cpu0
         delta = api_requests(cluster) - before
+        s3_after = s3_requests(s3)
+        s3_delta = s3_after - s3_before - ours
         events = event_counts(cluster, ns) - events_before
         ops = {
             a: stack.operator.metric(BOOST_WRITES, {"action": a}) - ops_before[a]
@@ -287,7 +327,8 @@ def run(
             values = dict(boosts.values)
             removals = Counter(boosts.removals)
         warnings = stack.operator.tail(200_000).count("WARNING")
-        storage.close()
+        if s3 is None:
+            storage.close()
         log(f"operator CPU {cpu:.1f} s, peak RSS {tree.peak_rss / 2**20:.0f} MiB")
 
         rows: list[tuple[str, str]] = []
@@ -350,6 +391,20 @@ def run(
                 f"baseline {baseline / 2**20:.0f} MiB, peak in the window "
                 f"{tree.peak_rss / 2**20:.0f} MiB",
             ),
+            *(
+                [
+                    (
+                        "S3 requests in the window but this benchmark's new checkpoints "
+                        "(MinIO, by API)",
+                        f"{sum(s3_delta.values())} ({sum(s3_delta.values()) / duration:.1f}/s): "
+                        + ", ".join(f"{k} {v}" for k, v in s3_delta.most_common())
+                        + f" (MinIO's count {sum((s3_after - s3_before).values())}, this "
+                        f"benchmark's {sum(ours.values())})",
+                    )
+                ]
+                if s3 is not None
+                else []
+            ),
             ("operator log WARNING lines (whole run)", str(warnings)),
             (
                 "load average (1 min) in the window",
@@ -358,6 +413,8 @@ def run(
         ]
         return rows
     finally:
+        if s3 is not None:
+            s3.stop()
         cluster.stop()
 
 
@@ -371,14 +428,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=30.0,
         help="seconds between new checkpoints of the 'every' runs",
     )
+    p.add_argument(
+        "--storage",
+        choices=("local", "s3"),
+        default="local",
+        help="the policies' storage: local (a folder) or s3 (a real MinIO; the S3 requests "
+        "of the operator's refresh are counted)",
+    )
     args = p.parse_args(argv)
     if args.jobs < len(SETTINGS) * len(GROUPS):
         raise SystemExit(f"--jobs at least {len(SETTINGS) * len(GROUPS)}")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows = run(args.jobs, args.duration, args.recheckpoint, lambda s: print(s, flush=True))
+    rows = run(
+        args.jobs,
+        args.duration,
+        args.recheckpoint,
+        lambda s: print(s, flush=True),
+        storage_kind=args.storage,
+    )
     lines = [
         f"`benchmarks/bench_fleet_kueue.py --jobs {args.jobs} --duration {args.duration:g} "
-        f"--recheckpoint {args.recheckpoint:g}` ({started}, {psutil.cpu_count()} CPUs, "
+        f"--recheckpoint {args.recheckpoint:g}"
+        f"{' --storage s3' if args.storage == 's3' else ''}` ({started}, {psutil.cpu_count()} CPUs, "
         "local control plane, Kueue and operator on the same machine):",
         "",
         "| measure | value |",
