@@ -61,6 +61,7 @@ from ckpt_operator.planners.preemption import (
     lost_steps,
     plan_boost,
     progress_of,
+    read_due,
     save_seconds_update,
 )
 from ckpt_operator.planners.validation import parse_policy_spec
@@ -101,6 +102,8 @@ class PreemptionState:
     """Workload uid → the conflict last reported (reported again only when it changes)."""
     blind: set[str] = field(default_factory=set)
     """Workload uids whose run the operator could not read, already reported."""
+    last_read: dict[str, float] = field(default_factory=dict)
+    """Workload uid → when its run's storage was last read for the boost."""
 
     def upsert(self, workload: Mapping[str, Any]) -> None:
         meta = meta_of(workload)
@@ -112,6 +115,7 @@ class PreemptionState:
         uid = str(meta.uid or "")
         self.conflicts.pop(uid, None)
         self.blind.discard(uid)
+        self.last_read.pop(uid, None)
 
     def all(self) -> Iterator[Obj]:
         yield from list(self.workloads.values())
@@ -234,8 +238,11 @@ async def reconcile_workload(
     )
     if boosting and not boost_due(view.annotations, now=now, spec=pre.priority_boost):
         return None  # our last write is too recent to change: no storage read (any event)
+    if boosting and not read_due(state.last_read.get(view.uid), now=now, spec=pre.priority_boost):
+        return None  # read moments ago (a boost the hysteresis holds): no storage read
     risk: AtRisk | None = None
     if boosting:
+        state.last_read[view.uid] = now
         run = await _read_run(deps, facts, spec, view.namespace)
         progress = run.progress
         if progress is None:

@@ -81,6 +81,7 @@ __all__ = [
     "lost_steps",
     "plan_boost",
     "progress_of",
+    "read_due",
     "save_seconds_update",
     "saved_seconds",
     "termination_grace",
@@ -280,6 +281,15 @@ def boost_due(annotations: Mapping[str, str], *, now: float, spec: PriorityBoost
     if written is None or current != written or when is None:
         return True
     return now - when >= spec.min_update_seconds
+
+
+def read_due(last_read: float | None, *, now: float, spec: PriorityBoostSpec) -> bool:
+    """Whether a look at an admitted Workload should read its run's storage again: at most
+    once per ``minUpdateSeconds`` (a boost the hysteresis holds is never written, so
+    :func:`boost_due` alone would have the refresh re-read the run every few seconds: at a
+    hundred jobs on S3, tens of requests a second for nothing). A fresh checkpoint then
+    lowers the boost at most ``minUpdateSeconds`` late, the write rate limit's own delay."""
+    return last_read is None or now - last_read >= spec.min_update_seconds
 
 
 def plan_boost(

@@ -175,6 +175,29 @@ def test_a_look_within_the_rate_limit_reads_no_storage(kueue: Any, rec: Any) -> 
     assert len(kueue.source.listed) == listed and len(patches(kueue)) == 1
 
 
+def test_a_boost_the_hysteresis_holds_reads_storage_once_per_min_update(
+    kueue: Any, rec: Any
+) -> None:
+    """Nothing is written while the boost moves less than the hysteresis, so the write's
+    rate limit never skips the read: the reads have their own (every refresh re-read the
+    run: at 100 jobs on S3, ~66 requests a second)."""
+    checkpoints(kueue, rec)
+    state = PreemptionState()
+    run(reconcile_workload(kueue.deps, state, workload(kueue, admitted(kueue))))
+    writes, reads = len(patches(kueue)), len(kueue.source.listed)
+    kueue.clock.now += 31  # the write's rate limit has passed; the boost barely moved
+    plan = run(reconcile_workload(kueue.deps, state, current(kueue)))
+    assert plan is not None and plan.action is BoostAction.NONE  # held by the hysteresis
+    assert len(kueue.source.listed) == reads + 1 and len(patches(kueue)) == writes
+    for _ in range(2):  # the refresh, every 10 s: no read within minUpdateSeconds
+        kueue.clock.now += 10
+        assert run(reconcile_workload(kueue.deps, state, current(kueue))) is None
+    assert len(kueue.source.listed) == reads + 1
+    kueue.clock.now += 11
+    assert run(reconcile_workload(kueue.deps, state, current(kueue))) is not None
+    assert len(kueue.source.listed) == reads + 2
+
+
 def test_a_fresh_checkpoint_lowers_the_boost_once_the_rate_limit_allows(
     kueue: Any, rec: Any
 ) -> None:
@@ -208,6 +231,7 @@ def test_a_foreign_boost_is_left_alone_and_reported_once(kueue: Any, rec: Any) -
     for _ in range(3):
         plan = run(reconcile_workload(kueue.deps, state, wl))
         assert plan is not None and plan.action is BoostAction.CONFLICT
+        kueue.clock.now += 60  # past minUpdateSeconds: each look reads again
     assert not patches(kueue)
     assert current(kueue)["metadata"]["annotations"][ANN_BOOST] == "1000"
     conflicts = events(kueue, "PriorityBoostConflict")
@@ -234,6 +258,7 @@ def test_unreadable_storage_gives_no_boost_and_says_so_once(kueue: Any, rec: Any
     for _ in range(2):
         plan = run(reconcile_workload(kueue.deps, state, wl))
         assert plan is not None and plan.action is BoostAction.NONE
+        kueue.clock.now += 60  # past minUpdateSeconds: each look reads again
     assert not patches(kueue)
     told = events(kueue, "PriorityBoostUnavailable")
     assert len(told) == 2 and "cannot read" in told[0].message  # once, on job and Workload
