@@ -54,11 +54,11 @@ def test_control_plane_is_up(cluster: LocalCluster, namespace: str) -> None:
     assert ns["status"]["phase"] == "Active"
 
     # The cluster is shared: other tests add nodes of their own (a tainted loopback node,
-    # pools), so this checks the node the fixture made and that every node is kwok's, not
-    # that the cluster has exactly one.
+    # pools) and remove them again (node-loss scenarios), so this checks the node the
+    # fixture made and that every node is kwok's: not that the cluster has exactly one, nor
+    # that every node a test ever made is still there (a shuffled order ran those first).
     names = [n["metadata"]["name"] for n in cluster.get_json("nodes")["items"]]
     assert "kwok-node-0" in names, names
-    assert set(cluster.plane.node_names) <= set(names), (cluster.plane.node_names, names)
     for other in names:
         annotations = cluster.get_json("node", other)["metadata"].get("annotations") or {}
         assert annotations.get("kwok.x-k8s.io/node") == "fake", (other, annotations)
