@@ -40,7 +40,7 @@ from ckpt_operator.kinds.kind import JobKind
 from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
 from ckpt_operator.kinds.trainjob import TRAINJOB
 from ckpt_operator.model import constants as c
-from ckpt_operator.model.bodies import Body, meta_of
+from ckpt_operator.model.bodies import meta_of
 from ckpt_operator.model.jobs import JobFacts, job_facts
 from ckpt_operator.planners.disruption_signals import preemption_disruption
 from ckpt_operator.planners.preemption import (
@@ -220,8 +220,7 @@ async def reconcile_workload(
     if ANN_HELD in view.annotations:  # re-admission held until the evicted pods are gone
         await _release_if_due(deps, view, objs, kind, facts, ended=ended, now=now)
     elif view.eviction is not None and pre.save_on_eviction and not ended:
-        active = Body(workload).spec.get("active") is not False
-        await _save_on_eviction(deps, view, objs, kind, facts, spec, hold=active, now=now)
+        await _save_on_eviction(deps, view, objs, kind, facts, spec, hold=view.active, now=now)
         # the boost's removal goes with the next look (the mark changed the version)
         if ANN_PREEMPTED not in view.annotations:
             return None

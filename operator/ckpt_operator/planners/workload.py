@@ -76,6 +76,8 @@ class WorkloadView:
     finished: bool
     eviction: Eviction | None
     annotations: Mapping[str, str]
+    active: bool = True
+    """``spec.active`` (False: deactivated, by its owner or by the operator's hold)."""
 
 
 _OWNER_KINDS: Final = {
@@ -146,4 +148,5 @@ def workload_view(workload: Mapping[str, Any]) -> WorkloadView:
         finished=_true(conds.get("Finished")),
         eviction=eviction_of(workload),
         annotations={str(k): str(v) for k, v in meta.annotations.items() if v is not None},
+        active=Body(workload).spec.get("active") is not False,
     )
