@@ -248,15 +248,26 @@ def restore_child(args: argparse.Namespace) -> int:
     return 0
 
 
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (root only): the next read comes from the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"--cold needs root to drop the page cache: {e}") from None
+
+
 def restores(
-    args: argparse.Namespace, root: Path, kinds: list[str], repeat: int
+    args: argparse.Namespace, root: Path, kinds: list[str], repeat: int, *, cold: bool = False
 ) -> dict[str, tuple[float, float, float]]:
     """Kind → (median seconds, median peak RSS above baseline, median CPU seconds), each
     run in a fresh child, rounds interleaved so that the machine's load spreads over every
-    kind alike."""
+    kind alike; ``cold``: the page cache dropped before each."""
     got: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for _ in range(repeat):
         for kind in kinds:
+            if cold:
+                drop_page_cache()
             cmd = [sys.executable, __file__, "--restore-child", kind, "--dir", str(root)]
             cmd += ["--size-mb", str(args.size_mb), "--hidden", str(args.hidden)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -328,6 +339,11 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", type=Path, help="where to write (default: a temp dir, removed after)")
     p.add_argument("--write-doc", type=Path, help="write the results into this markdown file")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="also measure every restore with the page cache dropped before it (root)",
+    )
     p.add_argument("--restore-child", help=argparse.SUPPRESS)  # one restore, in a child
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -355,7 +371,9 @@ def main() -> int:
         d = ours(root, "default", model, opt, args.repeat)
         t_dcp_save = median([dcp_save(model, opt, root / "dcp", wait=True) for _ in range(3)])
         t_dcp_stall = median([dcp_save(model, opt, root / "dcp", wait=False) for _ in range(3)])
-        rs = restores(args, root, ["default", "zstd", "none", "torch", "dcp"], args.repeat)
+        kinds = ["default", "zstd", "none", "torch", "dcp"]
+        rs = restores(args, root, kinds, args.repeat)
+        rs_cold = restores(args, root, kinds, args.repeat, cold=True) if args.cold else None
         peaks = restores(args, root, ["save-default", "save-zstd", "save-none"], 1)
         ft_first, ft_next, ft_save = fine_tune_bytes(root, args.size_mb, args.hidden)
     finally:
@@ -443,6 +461,8 @@ def main() -> int:
         ),
     ]
     restore_rows = restore_table(rs, nbytes)
+    if rs_cold is not None:
+        restore_rows += ["", *restore_table(rs_cold, nbytes, cache="page cache dropped")]
     width = max(len(r[0]) for r in rows)
     print()
     for name, value, note in rows:
@@ -464,12 +484,14 @@ _RESTORES = {
 }
 
 
-def restore_table(rs: dict[str, tuple[float, float, float]], nbytes: int) -> list[str]:
+def restore_table(
+    rs: dict[str, tuple[float, float, float]], nbytes: int, *, cache: str = "page cache warm"
+) -> list[str]:
     """Markdown table: restore time and CPU time (all threads), their ratios to torch.load,
     peak RSS above the baseline."""
     t_load, _, cpu_load = rs["torch"]
     lines = [
-        "| restore (fresh process, page cache warm) | time | × torch.load | CPU time "
+        f"| restore (fresh process, {cache}) | time | × torch.load | CPU time "
         "(all threads) | × torch.load | peak RSS above baseline |",
         "|---|---:|---:|---:|---:|---:|",
     ]
