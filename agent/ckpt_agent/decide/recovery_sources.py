@@ -192,10 +192,9 @@ def _cover(
     shared = [c for c in at if c.has_state]
     missing: list[str] = []
     for r in range(world_size):
-        lacks = ["its shard" if sharded else "the state"] * (
-            not (shards.get(r) if sharded else shared)
-        )
-        lacks += ["its RNG and data position"] * (r not in items)
+        served = r in shards if sharded else bool(shared)
+        lacks = [] if served else ["its shard" if sharded else "the state"]
+        lacks += [] if r in items else ["its RNG and data position"]
         if lacks:
             missing.append(f"rank {r} lacks {' and '.join(lacks)}")
     if missing:
@@ -225,7 +224,11 @@ def _summary(ranks: Sequence[RankSources]) -> str:
         if c.kind != "storage":
             what += " (local)" if r.path == "local_memory" else " (remote)"
         groups.setdefault(what, []).append(str(r.rank))
-    return _capped([f"rank {','.join(rs)} from {what}" for what, rs in groups.items()], 4)
+    listed = [
+        f"rank {','.join(rs[:8])}{f' +{len(rs) - 8}' if len(rs) > 8 else ''} from {what}"
+        for what, rs in groups.items()
+    ]
+    return _capped(listed, 4)
 
 
 def choose_source(
@@ -342,7 +345,8 @@ def walk_sources(
     ``verify`` is asked at most once per candidate; an exception counts as a failure,
     except a :class:`~ckpt_agent.errors.RetryableError`, which propagates (as in
     :func:`ckpt_agent.decide.recovery.walk`). When any rank runs out, ``use_ladder``: every
-    rank must then resume from storage (the callers agree on it, never a mix).
+    rank must then resume from storage (the callers agree on it, never a mix), or choose
+    again with the rejected candidates marked ``corrupted`` (an older step may be covered).
     """
     if choice.use_ladder:
         return SourceWalk((), (), True, choice.reason)

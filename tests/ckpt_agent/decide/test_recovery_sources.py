@@ -222,6 +222,14 @@ def test_the_same_answer_whatever_the_order_of_the_candidates() -> None:
         assert choose_source(shuffled, 2, sharded=False, rank_nodes={0: "a", 1: "c"}) == want
 
 
+def test_the_reason_stays_short_for_many_ranks() -> None:
+    cands = [mem(0, 10, "a", nbytes=GB)] + [mem(r, 10, "a", has_state=False) for r in range(20)]
+    got = choose_source(cands, 20, sharded=False, rank_nodes=dict.fromkeys(range(20), "a"))
+    assert got.reason.startswith(
+        "step 10 (epoch 0) on every rank: rank 0,1,2,3,4,5,6,7 +12 from local memory a (local);"
+    )
+
+
 def test_event_fields_are_bounded_and_say_where_from() -> None:
     cands = [mem(r, 10, f"n{r}") for r in range(40)]
     got = choose_source(cands, 40, sharded=True).event_fields()
