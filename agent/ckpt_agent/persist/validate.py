@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_agent.background import lower_process_priority
-from ckpt_agent.errors import IntegrityError, StorageError, one_line
+from ckpt_agent.errors import IntegrityError, NotFoundError, StorageError, one_line
 from ckpt_agent.format.codec import Shuffler
 from ckpt_agent.format.layout import blob_key, sha256_hex
 from ckpt_agent.format.readers import check_tensor_bytes, read_commit, read_rank_manifest
@@ -137,7 +137,8 @@ def load_check(
         for name, entry in (*manifest.tensors.items(), *manifest.files.items()):
             try:
                 if mode == "stored":
-                    _check_stored(storage, run_id, manifest, entry.chunks, seen)
+                    what = f"{manifest.checkpoint_id}: {name!r}"
+                    _check_stored(storage, run_id, manifest, entry.chunks, seen, what)
                 else:
                     check_tensor_bytes(
                         storage, run_id, manifest, entry, name, seen=seen, shuffler=shuffler
@@ -155,16 +156,31 @@ def load_check(
 
 
 def _check_stored(
-    storage: Storage, run_id: str, manifest: Any, chunks: Sequence[str], seen: set[str]
+    storage: Storage,
+    run_id: str,
+    manifest: Any,
+    chunks: Sequence[str],
+    seen: set[str],
+    what: str,
 ) -> None:
-    """Every chunk as stored has the manifest's size and hashes to its name."""
+    """Every chunk as stored has the manifest's size and hashes to its name (the messages
+    are the full check's: :mod:`ckpt_agent.format.chunkread`)."""
     for digest in chunks:
         if digest in seen:
             continue
+        problem = ""
+        try:
+            with storage.read_view(blob_key(run_id, digest)) as b:
+                size = manifest.blobs[digest].size
+                if len(b) != size:
+                    problem = f"has {len(b)} bytes, manifest says {size} (truncated or overwritten)"
+                elif (got := sha256_hex(b)) != digest:
+                    problem = f"hashes to {got[:16]}… (corrupted bytes)"
+        except NotFoundError:
+            problem = "is missing from storage"
+        if problem:
+            raise IntegrityError(f"{what}: blob {digest[:16]}… {problem}")
         seen.add(digest)
-        with storage.read_view(blob_key(run_id, digest)) as b:
-            if len(b) != manifest.blobs[digest].size or sha256_hex(b) != digest:
-                raise IntegrityError(f"blob {digest[:12]}: stored bytes do not match its hash")
 
 
 def _bad_blobs(storage: Storage, run_id: str, manifest: Any, chunks: Sequence[str]) -> list[str]:

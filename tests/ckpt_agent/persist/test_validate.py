@@ -41,8 +41,11 @@ def _write(store: LocalStorage, step: int = 1, codec: str = "zstd") -> str:
     return checkpoint_id(Tier.PULSE, step)
 
 
-def _validator(store: LocalStorage, subprocess: bool = True) -> Validator:
-    return Validator(store, RUN, ValidationSpec(load_in_subprocess=subprocess), timeout_s=60)
+def _validator(store: LocalStorage, subprocess: bool = True, mode: str | None = None) -> Validator:
+    spec = ValidationSpec(load_in_subprocess=subprocess)
+    if mode is not None:
+        spec = spec.model_copy(update={"mode": mode})
+    return Validator(store, RUN, spec, timeout_s=60)
 
 
 def test_valid_checkpoint_loads_in_a_separate_process(ck_store: LocalStorage) -> None:
@@ -51,7 +54,7 @@ def test_valid_checkpoint_loads_in_a_separate_process(ck_store: LocalStorage) ->
     try:
         out = v.validate(cid, EXPECTED)
         assert out.valid, out.reason
-        assert out.checks == ["hashes", "load (subprocess)", "shapes"]
+        assert out.checks == ["stored hashes", "load (subprocess)", "shapes"]  # the default mode
         child = v._child
         assert child is not None and child.pid is not None and child.pid != os.getpid()
         # the process is reused for the next checkpoint
@@ -82,8 +85,9 @@ def test_valid_checkpoint_loads_in_a_separate_process(ck_store: LocalStorage) ->
         ),
     ],
 )
+@pytest.mark.parametrize("mode", ["stored", "full"])
 def test_damaged_checkpoints_are_corrupted_with_a_reason(
-    ck_store: LocalStorage, damage: str, message: str
+    ck_store: LocalStorage, damage: str, message: str, mode: str
 ) -> None:
     cid = _write(ck_store)
     _, m = read_checkpoint(ck_store, RUN, cid)
@@ -104,7 +108,7 @@ def test_damaged_checkpoints_are_corrupted_with_a_reason(
         ck_store.delete(commit_key(RUN, cid))
     else:
         expected["model/w"] = ("float32", (64, 32))
-    v = _validator(ck_store, subprocess=damage in ("flip", "shape"))
+    v = _validator(ck_store, subprocess=damage in ("flip", "shape"), mode=mode)
     try:
         out = v.validate(cid, expected)
     finally:
