@@ -350,15 +350,15 @@ def walk_sources(
     """
     if choice.use_ladder:
         return SourceWalk((), (), True, choice.reason)
-    every = dict.fromkeys(c for r in choice.ranks for c in (*r.state, *r.items))
+    wanted = None if ranks is None else frozenset(ranks)
+    mine = [r for r in choice.ranks if wanted is None or r.rank in wanted]
+    every = dict.fromkeys(c for r in mine for c in (*r.state, *r.items))
     ids = {f"<source {i}>": c for i, c in enumerate(every)}
     key = {c: k for k, c in ids.items()}
     check = Verdicts(lambda k: verify(ids[k]))
     loads: list[SourceLoad] = []
     rejected: dict[SourceCandidate, str] = {}
-    for r in choice.ranks:
-        if ranks is not None and r.rank not in ranks:
-            continue
+    for r in mine:
         found: list[SourceCandidate] = []
         for part, options in (("state", r.state), ("RNG and data position", r.items)):
             for c in options:
