@@ -39,6 +39,9 @@ __all__ = [
     "PermanentStorageError",
     "PersistError",
     "RejectionKind",
+    "ReplicaAuthError",
+    "ReplicaError",
+    "ReplicaIntegrityError",
     "ResumeError",
     "RetryableError",
     "RetryableStorageError",
@@ -244,6 +247,28 @@ class CommitAbortedError(DistributedError):
 
 class ShmError(CkptError, RuntimeError):
     """The shared-memory area is unusable (wrong owner, torn snapshot, bad descriptor)."""
+
+
+class ReplicaError(CkptError, RuntimeError):
+    """A peer replica of a flash snapshot could not be pushed or read: the peer is
+    unreachable or too slow, refused the request, or broke the wire protocol (a later
+    push, or another source, may succeed)."""
+
+    retryable: ClassVar[bool] = True
+
+
+class ReplicaAuthError(ReplicaError, PermanentError):
+    """A replica peer is not of this job: it does not hold the job's secret, or it serves
+    another namespace or job id (:mod:`ckpt_agent.flash.replica.auth`)."""
+
+    retryable: ClassVar[bool] = False
+
+
+class ReplicaIntegrityError(ReplicaError, IntegrityError):
+    """A replica's bytes do not match their SHA-256 (corrupted in flight or at rest): the
+    replica is unusable; recovery takes the next source."""
+
+    retryable: ClassVar[bool] = False
 
 
 def one_line(e: BaseException) -> str:

@@ -1,0 +1,183 @@
+"""The sidecar's replication: serve peers' replicas, push this node's snapshots to its peers.
+
+:class:`Replicator` is what the persister sidecar runs when :class:`ReplicaOptions` are
+set (off by default): a :class:`~.server.ReplicaServer` for the peers that push here (when
+``listen_port`` is set) and one background thread that pushes every snapshot the sidecar
+handled to each peer (:func:`~.client.push`). :meth:`Replicator.offer` only records the
+snapshot and returns: the persist loop never waits for the network. When snapshots come
+faster than they can be pushed, only the newest of each rank is pushed (a replica is only
+worth its newest snapshot). A failed push is logged and counted, never fatal; the next
+snapshot is pushed as usual. While a snapshot is pushed its slot is held with a shared
+lock, like the persister's read: the trainer writes its next snapshot into the other slot.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt_agent.errors import ReplicaError
+from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES
+from ckpt_agent.flash.protocol import Descriptor
+from ckpt_agent.flash.reader import ShmReader
+from ckpt_agent.flash.replica.auth import JobScope
+from ckpt_agent.flash.replica.client import DEFAULT_TIMEOUT_S, Peer, PushResult, push
+from ckpt_agent.flash.replica.server import ReplicaServer
+from ckpt_agent.flash.replica.store import ReplicaStore
+from ckpt_agent.records import Json
+from ckpt_agent.text import clean
+
+__all__ = ["ReplicaOptions", "Replicator"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """Peer replication of one job's snapshots (``docs/replicas.md``)."""
+
+    node: str
+    """This node's name: the folder its replicas have on the peers."""
+    namespace: str
+    job_id: str
+    secret_file: str
+    """The per-job secret the operator issues (a mounted Secret)."""
+    peers: tuple[str, ...] = ()
+    """``host:port`` of the k peer sidecars this node pushes to."""
+    listen_host: str = "0.0.0.0"
+    listen_port: int | None = None
+    """Serve peers' pushes and fetches on this port (None: push only)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    max_snapshot_bytes: int | None = None
+    """The largest replica this node accepts from a peer (None: any)."""
+    chunk_bytes: int = field(default=HASH_CHUNK_BYTES)
+
+
+class Replicator:
+    """Serves replicas and pushes this node's snapshots (see the module doc)."""
+
+    def __init__(self, options: ReplicaOptions, shm_dir: str | Path, run_id: str) -> None:
+        self.options = options
+        self.scope = JobScope.from_file(options.namespace, options.job_id, options.secret_file)
+        self.peers = [Peer.parse(p) for p in options.peers]
+        self.store = ReplicaStore(shm_dir, run_id, max_snapshot_bytes=options.max_snapshot_bytes)
+        self.server: ReplicaServer | None = None
+        if options.listen_port is not None:
+            self.server = ReplicaServer(
+                self.store,
+                self.scope,
+                host=options.listen_host,
+                port=options.listen_port,
+                timeout_s=options.timeout_s,
+            ).start()
+        self.pushed = 0
+        self.failed = 0
+        self.superseded = 0
+        self.last_error = ""
+        self.last: PushResult | None = None
+        self._pending: dict[int, tuple[ShmReader, Descriptor]] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="ckpt-replica-push", daemon=True)
+        self._thread.start()
+
+    def offer(self, reader: ShmReader, desc: Descriptor) -> None:
+        """Push ``desc`` (a complete snapshot of ``reader``'s area) soon; returns at once."""
+        if not self.peers:
+            return
+        with self._cond:
+            if desc.rank in self._pending:
+                self.superseded += 1
+            self._pending[desc.rank] = (reader, desc)
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        """Nothing pending and no push in flight."""
+        with self._cond:
+            return not self._pending and not self._busy
+
+    def summary(self) -> dict[str, Json]:
+        with self._cond:
+            out: dict[str, Json] = {
+                "peers": [str(p) for p in self.peers],
+                "pushed": self.pushed,
+                "failed": self.failed,
+                "superseded": self.superseded,
+                "last_error": self.last_error or None,
+            }
+        if self.server is not None:
+            stats = self.server.stats
+            out["served"] = {"stored": stats.stored, "refused": stats.refused}
+        return out
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop pushing (a push in flight ends within its timeout) and stop serving."""
+        with self._cond:
+            self._closed = True
+            self._pending.clear()
+            self._cond.notify()
+        self._thread.join(self.options.timeout_s if timeout_s is None else timeout_s)
+        if self.server is not None:
+            self.server.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                rank = min(self._pending)
+                reader, desc = self._pending.pop(rank)
+                self._busy = True
+            try:
+                self._push(reader, desc)
+            except Exception as e:  # the pusher thread never dies; the next snapshot is pushed
+                log.warning("replicating rank %d failed: %s", desc.rank, clean(e))
+                with self._cond:
+                    self.failed += 1
+                    self.last_error = f"{type(e).__name__}: {e}"
+            finally:
+                with self._cond:
+                    self._busy = False
+
+    def _push(self, reader: ShmReader, desc: Descriptor) -> None:
+        with reader.open(desc) as snap:
+            if snap is None:  # overwritten meanwhile: a newer snapshot is coming
+                with self._cond:
+                    self.superseded += 1
+                return
+            hashes = reader.hashes(desc.slot, desc.seq)
+            if self.options.chunk_bytes != HASH_CHUNK_BYTES:
+                hashes = None  # recorded at the standard size only: computed here
+            for peer in self.peers:
+                try:
+                    result = push(
+                        peer,
+                        self.scope,
+                        desc,
+                        snap.view,
+                        hashes,
+                        source=self.options.node,
+                        chunk_bytes=self.options.chunk_bytes,
+                        timeout_s=self.options.timeout_s,
+                    )
+                except (ReplicaError, OSError) as e:
+                    log.warning(
+                        "replicating %s of rank %d to %s failed: %s",
+                        desc.checkpoint_id,
+                        desc.rank,
+                        peer,
+                        clean(e),
+                    )
+                    with self._cond:
+                        self.failed += 1
+                        self.last_error = f"{peer}: {e}"
+                    continue
+                with self._cond:
+                    self.pushed += 1
+                    self.last = result

@@ -1,0 +1,80 @@
+"""What the replica tests share: small snapshots (a slot's bytes and descriptor, 1 KiB
+chunks), the job's secret."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ckpt_agent.flash.checksums import chunk_hashes
+from ckpt_agent.flash.protocol import HEADER, HEADER_BYTES, MAGIC, Descriptor, ShmTensor, place
+from ckpt_agent.policy.models import Tier
+
+CHUNK = 1024
+RUN = "run-1"
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+@dataclass
+class Snap:
+    desc: Descriptor
+    slot: bytearray
+    hashes: dict[str, list[str]]
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.slot)
+
+    def tensor(self, name: str) -> bytes:
+        t = self.desc.tensors.get(name) or self.desc.files[name]
+        return bytes(self.slot[t.offset : t.offset + t.nbytes])
+
+
+def make_snap(
+    tensors: Mapping[str, bytes],
+    *,
+    seq: int = 1,
+    step: int = 10,
+    rank: int = 0,
+    run_id: str = RUN,
+    files: Mapping[str, bytes] | None = None,
+) -> Snap:
+    """A complete snapshot of uint8 tensors (and files) laid out like a slot."""
+    layout: dict[str, ShmTensor] = {}
+    file_layout: dict[str, ShmTensor] = {}
+    off = HEADER_BYTES
+    for target, items in ((layout, tensors), (file_layout, files or {})):
+        for name, data in items.items():
+            off = place(off, len(data))
+            target[name] = ShmTensor("uint8", (len(data),), off, len(data))
+            off += len(data)
+    slot = bytearray(off)
+    HEADER.pack_into(slot, 0, MAGIC, seq, seq, off)
+    for target, items in ((layout, tensors), (file_layout, files or {})):
+        for name, data in items.items():
+            slot[target[name].offset : target[name].offset + len(data)] = data
+    desc = Descriptor(
+        run_id=run_id,
+        rank=rank,
+        world_size=max(2, rank + 1),
+        seq=seq,
+        slot=seq % 2,
+        step=step,
+        tier=Tier.PULSE,
+        data_size=off,
+        tree={"model": {"w": {"__tensor__": "w"}}},
+        tensors=layout,
+        files=file_layout,
+    )
+    view = memoryview(slot)
+    hashes = {
+        name: chunk_hashes(view[t.offset : t.offset + t.nbytes], CHUNK)
+        for name, t in (*layout.items(), *file_layout.items())
+    }
+    view.release()
+    return Snap(desc, slot, hashes)
+
+
+def pattern(n: int, seed: int) -> bytes:
+    """``n`` bytes, different for every seed and in every 1 KiB chunk."""
+    return bytes((i * 7 + seed * 131 + i // CHUNK) % 251 for i in range(n))
