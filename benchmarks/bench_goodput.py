@@ -502,6 +502,20 @@ def _med(rs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _paired(rs: list[dict[str, Any]], base: list[dict[str, Any]]) -> str:
+    """The slowdown against ``none`` of the same round (rounds are interleaved, so a pair
+    shares the machine's load of its minutes): median and range over the rounds. The range
+    is the noise a reader must hold any one number against."""
+    pairs = [
+        (r["wall_s"] / b["wall_s"] - 1) * 100
+        for r, b in zip(rs, base, strict=False)
+        if "error" not in r and "error" not in b
+    ]
+    if not pairs:
+        return "–"
+    return f"{statistics.median(pairs):+.1f} % ({min(pairs):+.0f}…{max(pairs):+.0f})"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", action="append", choices=WORKLOADS)
@@ -539,10 +553,10 @@ def main() -> int:
         f"every {args.every}, median of {args.repeat} runs (MLP state {args.mlp_mb:.0f} MiB)"
     )
     print(
-        "| workload | setup | method | steps/s | slowdown vs none | step() no save: median ms "
-        "| p99 ms | stall per save ms | saves | background CPU s |"
+        "| workload | setup | method | steps/s | slowdown vs none | paired: median (range) "
+        "| step() no save: median ms | p99 ms | stall per save ms | saves | background CPU s |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in workloads:
         for s in setups:
             base = _med(results.get((w, "none", s), []), "wall_s")
@@ -556,9 +570,10 @@ def main() -> int:
                     continue
                 wall = _med(rs, "wall_s")
                 slow = (wall / base - 1) * 100 if base == base else float("nan")
+                paired = _paired(rs, results.get((w, "none", s), []))
                 print(
                     f"| {w} | {s} | {m} | {_med(rs, 'steps_per_s'):.2f} | {slow:+.1f} % "
-                    f"| {_med(rs, 'idle_median_ms'):.3f} | {_med(rs, 'idle_p99_ms'):.3f} "
+                    f"| {paired} | {_med(rs, 'idle_median_ms'):.3f} | {_med(rs, 'idle_p99_ms'):.3f} "
                     f"| {_med(rs, 'save_median_ms'):.1f} | {_med(rs, 'saves'):.0f} "
                     f"| {_med(rs, 'background_cpu_s'):.2f} |"
                 )
