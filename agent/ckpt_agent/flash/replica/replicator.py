@@ -114,13 +114,14 @@ class Replicator:
             out["served"] = {"stored": stats.stored, "refused": stats.refused}
         return out
 
-    def close(self, timeout_s: float | None = None) -> None:
-        """Stop pushing (a push in flight ends within its timeout) and stop serving."""
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop pushing and serving; a push in flight is waited for ``timeout_s`` at most
+        (a drain does not wait for the network; the thread ends within its timeout)."""
         with self._cond:
             self._closed = True
             self._pending.clear()
             self._cond.notify()
-        self._thread.join(self.options.timeout_s if timeout_s is None else timeout_s)
+        self._thread.join(timeout_s)
         if self.server is not None:
             self.server.close()
 

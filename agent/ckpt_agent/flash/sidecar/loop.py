@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from ckpt_agent.flash.protocol import Descriptor, PersistedMark, atomic_write
+from ckpt_agent.flash.replica.replicator import Replicator
 from ckpt_agent.flash.sidecar.commit import Coordinator, Superseded
 from ckpt_agent.flash.sidecar.discovery import Areas, AreaState
 from ckpt_agent.flash.sidecar.drain import Drain
@@ -97,6 +98,10 @@ class Sidecar:
         self.persisted = 0
         self.failed = 0
         self.part_writer.seed(self.parts.storage)
+        replicas = self.options.replicas  # last: its server thread starts now
+        self.replicator = (
+            None if replicas is None else Replicator(replicas, self.shm_dir, self.run_id)
+        )
 
     # ------------------------------------------------------------------ parts
 
@@ -215,6 +220,8 @@ class Sidecar:
                     time=time.time(),
                 )
             )
+        if self.replicator is not None:  # persisted or not: a background push, never waited for
+            self.replicator.offer(reader, desc)
         if handled is not None and committed is not None:
             self.coordinator.after_commit(handled, committed)
         return True
@@ -264,6 +271,7 @@ class Sidecar:
             "failed": self.failed,
             "areas": self.areas.summary(),
             "draining": self.drain.draining,
+            "replicas": None if self.replicator is None else self.replicator.summary(),
         }
 
     def publish_metrics(self) -> None:
@@ -358,6 +366,8 @@ class Sidecar:
         return 0
 
     def close(self) -> None:
+        if self.replicator is not None:
+            self.replicator.close()
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt_agent.flash.replica.replicator import ReplicaOptions
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.policy.storage_models import file_url
 
@@ -42,6 +43,9 @@ class SidecarOptions:
     """None: the config's port; 0: no HTTP server."""
     ranks: tuple[int, ...] | None = None
     """Serve only these ranks (default: every area that appears)."""
+    replicas: ReplicaOptions | None = None
+    """Push every handled snapshot to peer nodes and serve theirs (docs/replicas.md);
+    None (the default): no replication."""
 
 
 def grace_from_env(environ: Mapping[str, str] | None = None) -> float:

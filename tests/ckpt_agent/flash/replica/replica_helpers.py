@@ -5,9 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from ckpt_agent.flash.area import ShmArea
 from ckpt_agent.flash.checksums import chunk_hashes
-from ckpt_agent.flash.protocol import HEADER, HEADER_BYTES, MAGIC, Descriptor, ShmTensor, place
+from ckpt_agent.flash.protocol import (
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    Descriptor,
+    ShmTensor,
+    atomic_write,
+    place,
+)
 from ckpt_agent.policy.models import Tier
 
 CHUNK = 1024
@@ -38,6 +48,7 @@ def make_snap(
     rank: int = 0,
     run_id: str = RUN,
     files: Mapping[str, bytes] | None = None,
+    world_size: int | None = None,
 ) -> Snap:
     """A complete snapshot of uint8 tensors (and files) laid out like a slot."""
     layout: dict[str, ShmTensor] = {}
@@ -56,7 +67,7 @@ def make_snap(
     desc = Descriptor(
         run_id=run_id,
         rank=rank,
-        world_size=max(2, rank + 1),
+        world_size=world_size or max(2, rank + 1),
         seq=seq,
         slot=seq % 2,
         step=step,
@@ -78,3 +89,12 @@ def make_snap(
 def pattern(n: int, seed: int) -> bytes:
     """``n`` bytes, different for every seed and in every 1 KiB chunk."""
     return bytes((i * 7 + seed * 131 + i // CHUNK) % 251 for i in range(n))
+
+
+def write_slot(shm_dir: Path, snap: Snap) -> ShmArea:
+    """Publish ``snap`` in its rank's area as the trainer does (data, then descriptor)."""
+    area = ShmArea(shm_dir, snap.desc.run_id, snap.desc.rank)
+    area.dir.mkdir(parents=True, exist_ok=True)
+    area.data_path(snap.desc.slot).write_bytes(snap.slot)
+    atomic_write(area.desc_path(snap.desc.slot), snap.desc.to_bytes())
+    return area

@@ -1,0 +1,149 @@
+"""The sidecar's replication hook (flash.sidecar.loop with SidecarOptions.replicas): every
+handled snapshot is pushed to the peer on a background thread; a dead peer is counted,
+never fatal, and the snapshot is persisted all the same."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ckpt_agent.flash.area import ShmArea
+from ckpt_agent.flash.protocol import (
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    Descriptor,
+    ShmTensor,
+    atomic_write,
+)
+from ckpt_agent.flash.replica.auth import JobScope
+from ckpt_agent.flash.replica.fetch import open_local
+from ckpt_agent.flash.replica.replicator import ReplicaOptions
+from ckpt_agent.flash.replica.server import ReplicaServer
+from ckpt_agent.flash.replica.store import ReplicaStore
+from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
+from ckpt_agent.policy import AgentConfig
+from ckpt_agent.policy.models import Tier
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "run-1"
+SECRET = b"0123456789abcdef0123456789abcdef"
+CHUNK = 1024
+
+
+def _snapshot(shm: Path, payload: bytes) -> Descriptor:
+    """A trainer's complete snapshot of one uint8 tensor in slot 0 of rank 0."""
+    size = HEADER_BYTES + len(payload)
+    desc = Descriptor(
+        run_id=RUN,
+        rank=0,
+        world_size=1,
+        seq=1,
+        slot=0,
+        step=5,
+        tier=Tier.PULSE,
+        data_size=size,
+        tree={"model": {"w": {"__tensor__": "w"}}},
+        tensors={"w": ShmTensor("uint8", (len(payload),), HEADER_BYTES, len(payload))},
+        meta={"token": "t1"},
+        created_at=time.time(),
+    )
+    slot = bytearray(size)
+    HEADER.pack_into(slot, 0, MAGIC, 1, 1, size)
+    slot[HEADER_BYTES:] = payload
+    area = ShmArea(shm, RUN, 0)
+    area.dir.mkdir(parents=True)
+    area.data_path(0).write_bytes(slot)
+    atomic_write(area.desc_path(0), desc.to_bytes())
+    return desc
+
+
+def _wait(cond: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def sidecar_for(tmp_path: Path) -> Iterator[Callable[[str], Sidecar]]:
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    made: list[Sidecar] = []
+
+    def build(peer: str) -> Sidecar:
+        config = AgentConfig.model_validate(
+            {
+                "runId": RUN,
+                "storageUrl": (tmp_path / "store").as_uri(),
+                "shmDir": str(tmp_path / "shm-a"),
+                "workDir": str(tmp_path / "work"),
+                "validation": {"loadInSubprocess": False},
+            }
+        )
+        replicas = ReplicaOptions(
+            node="node-a",
+            namespace="team-a",
+            job_id="job-1",
+            secret_file=str(secret),
+            peers=(peer,),
+            timeout_s=5.0,
+            chunk_bytes=CHUNK,
+        )
+        sidecar = Sidecar(config, SidecarOptions(metrics_port=0, replicas=replicas))
+        made.append(sidecar)
+        return sidecar
+
+    yield build
+    for s in made:
+        s.close()
+
+
+def test_a_handled_snapshot_is_replicated_to_the_peer(
+    tmp_path: Path, sidecar_for: Callable[[str], Sidecar]
+) -> None:
+    store = ReplicaStore(tmp_path / "shm-b", RUN)
+    server = ReplicaServer(store, JobScope("team-a", "job-1", SECRET), host="127.0.0.1").start()
+    try:
+        host, port = server.address
+        sidecar = sidecar_for(f"{host}:{port}")
+        payload = bytes(range(256)) * 12
+        desc = _snapshot(tmp_path / "shm-a", payload)
+        assert sidecar.run_once() == 1
+        replicator = sidecar.replicator
+        assert replicator is not None
+        _wait(lambda: replicator.pushed == 1 and replicator.idle())
+        with open_local(store, "node-a", 0) as replica:
+            assert replica.desc == desc and bytes(replica.tensor("w")) == payload
+            del replica
+        _, details = sidecar.health()
+        replicas = details["replicas"]
+        assert isinstance(replicas, dict) and replicas["pushed"] == 1
+    finally:
+        server.close()
+
+
+def test_a_dead_peer_is_counted_and_the_snapshot_persisted_all_the_same(
+    tmp_path: Path, sidecar_for: Callable[[str], Sidecar]
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    sidecar = sidecar_for(f"127.0.0.1:{dead}")
+    _snapshot(tmp_path / "shm-a", b"\x07" * 3000)
+    assert sidecar.run_once() == 1
+    replicator = sidecar.replicator
+    assert replicator is not None
+    _wait(lambda: replicator.failed == 1 and replicator.idle())
+    assert sidecar.persisted == 1 and sidecar.failed == 0
+    mark = ShmArea(tmp_path / "shm-a", RUN, 0).persisted()
+    assert mark is not None and mark.ok and mark.committed
+
+
+def test_replication_is_off_by_default() -> None:
+    assert SidecarOptions().replicas is None
