@@ -212,3 +212,44 @@ def test_stored_mode_hashes_what_storage_returns_without_decoding(
     finally:
         v.close()
     assert bad.status == CheckpointStatus.CORRUPTED and bad.bad_blobs == [digest]
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_stored_mode_checks_uncompressed_blobs_by_their_blake3(
+    ck_store: LocalStorage, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    """An uncompressed blob's stored bytes are its raw bytes: ``stored`` checks them against
+    the writer's BLAKE3 (what the restore checks too), not a second SHA-256; a compressed
+    blob has only its name, the SHA-256. Either way a flipped stored byte is caught."""
+    import ckpt_agent.persist.validate as validate
+    from ckpt_agent.format.layout import BLAKE3
+
+    if BLAKE3 is None:
+        pytest.skip("the blake3 package is not installed")
+    sha_calls: list[int] = []
+    real_sha = validate.sha256_hex
+
+    def counted_sha(b: Any) -> str:
+        sha_calls.append(len(b))
+        return real_sha(b)
+
+    monkeypatch.setattr(validate, "sha256_hex", counted_sha)
+    payload = bytes(range(256)) * 1024  # compressible: zstd keeps it compressed
+    w = CheckpointWriter(ck_store, RUN, codec=CodecPolicy(codec), inline_max_bytes=0)
+    meta = CheckpointMeta(run_id=RUN, step=1, tier=Tier.PULSE, sections=("model",))
+    n = len(payload) // 4
+    state = {"model": {"w": {"__tensor__": "model/w"}}}
+    src = [TensorSource("model/w", "float32", (n,), memoryview(payload))]
+    w.commit(meta, [w.write_rank(meta, 0, state, src)])
+    cid = checkpoint_id(Tier.PULSE, 1)
+    _, m = read_checkpoint(ck_store, RUN, cid)
+    (digest,) = m.tensors["model/w"].chunks
+    assert (m.blobs[digest].codec.codec == "none") == (codec == "none")
+    assert load_check(ck_store, RUN, cid, mode="stored").ok
+    assert bool(sha_calls) == (codec != "none")
+    path = ck_store.root / blob_key(RUN, digest)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    bad = load_check(ck_store, RUN, cid, mode="stored")
+    assert not bad.ok and "corrupted bytes" in bad.error and bad.bad_blobs == [digest]
