@@ -39,6 +39,9 @@ __all__ = ["ReplicaServer", "ServerStats"]
 
 log = logging.getLogger(__name__)
 
+#: Seconds a peer has for the handshake (it holds a connection slot meanwhile).
+HANDSHAKE_TIMEOUT_S = 10.0
+
 
 @dataclass
 class ServerStats:
@@ -127,7 +130,10 @@ class ReplicaServer:
     # ------------------------------------------------------------------ one connection
 
     def _handle(self, sock: socket.socket) -> None:
-        conn = Conn(sock, timeout_s=self.timeout_s, limits=HANDSHAKE_LIMITS)
+        # an unauthenticated peer holds a connection slot briefly (HANDSHAKE_TIMEOUT_S)
+        conn = Conn(
+            sock, timeout_s=min(self.timeout_s, HANDSHAKE_TIMEOUT_S), limits=HANDSHAKE_LIMITS
+        )
         if not self._slots.acquire(blocking=False):
             conn.send_error("too many replica connections; try again later")
             self._record("refused", f"{conn.peer}: too many connections")
@@ -145,6 +151,7 @@ class ReplicaServer:
                 return
             try:
                 conn.limits = self.limits
+                conn.timeout_s = self.timeout_s
                 self._dispatch(conn, conn.recv())
             except (ReplicaError, OSError, ValueError) as e:
                 self._record("failed", str(e))

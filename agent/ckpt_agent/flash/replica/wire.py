@@ -166,6 +166,11 @@ class Conn:
         if not size:
             return Frame(header)
         if into is not None:
+            if size > len(into):
+                raise FrameTooLargeError(
+                    f"replica peer {self.peer}: a payload of {size} bytes exceeds the "
+                    f"{len(into)}-byte chunk size it announced; refused"
+                )
             view = memoryview(into)[:size]
             self._read_into(view)
             return Frame(header, view)

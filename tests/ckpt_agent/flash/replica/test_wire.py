@@ -149,3 +149,10 @@ def test_an_unexpected_message_is_named(pair: tuple[Conn, Conn]) -> None:
     left.send({"t": "stored"})
     with pytest.raises(ReplicaError, match="expected need/chunk, got 'stored'"):
         right.expect("need", "chunk")
+
+
+def test_a_payload_larger_than_the_receive_buffer_is_refused(pair: tuple[Conn, Conn]) -> None:
+    left, right = pair
+    left.send({"t": "chunk", "i": 0}, b"x" * 200)
+    with pytest.raises(FrameTooLargeError, match="200 bytes exceeds the 100-byte chunk size"):
+        right.recv(into=bytearray(100))
