@@ -135,8 +135,9 @@ class ReplicaServer:
             sock, timeout_s=min(self.timeout_s, HANDSHAKE_TIMEOUT_S), limits=HANDSHAKE_LIMITS
         )
         if not self._slots.acquire(blocking=False):
-            conn.send_error("too many replica connections; try again later")
             self._record("refused", f"{conn.peer}: too many connections")
+            conn.send_error("too many replica connections; try again later")
+            _linger(sock, limit_s=1.0)
             return
         with self._lock:
             self.stats.connections += 1
@@ -145,9 +146,10 @@ class ReplicaServer:
             try:
                 accept(conn, self.scope)
             except ReplicaError as e:  # an auth refusal was already told to the client
+                self._record("refused", str(e))
                 if not isinstance(e, ReplicaAuthError):
                     conn.send_error(e)
-                self._record("refused", str(e))
+                    _linger(sock, limit_s=1.0)
                 return
             try:
                 conn.limits = self.limits
