@@ -66,13 +66,20 @@ class Replicator:
         self.store = ReplicaStore(shm_dir, run_id, max_snapshot_bytes=options.max_snapshot_bytes)
         self.server: ReplicaServer | None = None
         if options.listen_port is not None:
-            self.server = ReplicaServer(
-                self.store,
-                self.scope,
-                host=options.listen_host,
-                port=options.listen_port,
-                timeout_s=options.timeout_s,
-            ).start()
+            try:
+                server = ReplicaServer(
+                    self.store,
+                    self.scope,
+                    host=options.listen_host,
+                    port=options.listen_port,
+                    timeout_s=options.timeout_s,
+                )
+            except OSError as e:
+                raise ReplicaError(
+                    f"cannot serve replicas on {options.listen_host}:{options.listen_port}: "
+                    f"{e} (another process on the port? choose another replica port)"
+                ) from None
+            self.server = server.start()
         self.pushed = 0
         self.failed = 0
         self.superseded = 0

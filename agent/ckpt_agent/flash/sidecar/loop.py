@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ckpt_agent.errors import ReplicaError
 from ckpt_agent.flash.protocol import Descriptor, PersistedMark, atomic_write
 from ckpt_agent.flash.replica.replicator import Replicator
 from ckpt_agent.flash.sidecar.commit import Coordinator, Superseded
@@ -98,10 +99,7 @@ class Sidecar:
         self.persisted = 0
         self.failed = 0
         self.part_writer.seed(self.parts.storage)
-        replicas = self.options.replicas  # last: its server thread starts now
-        self.replicator = (
-            None if replicas is None else Replicator(replicas, self.shm_dir, self.run_id)
-        )
+        self.replicator = self._replicator()  # last: its threads start now
 
     # ------------------------------------------------------------------ parts
 
@@ -128,6 +126,18 @@ class Sidecar:
     def _event(self, event: str, **fields: Any) -> None:
         self.events.write({"event": event, "time": time.time(), **fields})
         self.events.flush()
+
+    def _replicator(self) -> Replicator | None:
+        """Peer replication (off by default). A setup that fails (no secret, port taken) is
+        reported and the sidecar persists without it: checkpoints never wait for peers."""
+        if self.options.replicas is None:
+            return None
+        try:
+            return Replicator(self.options.replicas, self.shm_dir, self.run_id)
+        except (OSError, ValueError, ReplicaError) as e:
+            log.error("peer replication is off: %s", clean(e))
+            self._event("replication_off", error=str(e))
+            return None
 
     # ------------------------------------------------------------------ one pass
 

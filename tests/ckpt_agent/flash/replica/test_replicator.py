@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from replica_helpers import CHUNK, RUN, SECRET, make_snap, pattern, write_slot
 
+from ckpt_agent.errors import ReplicaError
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.replica.fetch import open_local
 from ckpt_agent.flash.replica.replicator import ReplicaOptions, Replicator
@@ -104,3 +105,12 @@ def test_without_peers_nothing_is_pushed(make: Callable[..., Replicator], tmp_pa
     snap = make_snap({"w": pattern(CHUNK, 1)})
     a.offer(ShmReader(tmp_path / "shm-node-a", RUN, 0), snap.desc)
     assert a.idle() and a.server is None and a.summary()["pushed"] == 0
+
+
+def test_a_taken_replica_port_is_named(make: Callable[..., Replicator]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ReplicaError, match=f"cannot serve replicas on 127.0.0.1:{port}"):
+            make("node-b", listen_port=port)

@@ -71,12 +71,12 @@ def _wait(cond: Callable[[], bool]) -> None:
 
 
 @pytest.fixture
-def sidecar_for(tmp_path: Path) -> Iterator[Callable[[str], Sidecar]]:
+def sidecar_for(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
     made: list[Sidecar] = []
 
-    def build(peer: str) -> Sidecar:
+    def build(peer: str, secret_file: Path = secret) -> Sidecar:
         config = AgentConfig.model_validate(
             {
                 "runId": RUN,
@@ -90,7 +90,7 @@ def sidecar_for(tmp_path: Path) -> Iterator[Callable[[str], Sidecar]]:
             node="node-a",
             namespace="team-a",
             job_id="job-1",
-            secret_file=str(secret),
+            secret_file=str(secret_file),
             peers=(peer,),
             timeout_s=5.0,
             chunk_bytes=CHUNK,
@@ -105,7 +105,7 @@ def sidecar_for(tmp_path: Path) -> Iterator[Callable[[str], Sidecar]]:
 
 
 def test_a_handled_snapshot_is_replicated_to_the_peer(
-    tmp_path: Path, sidecar_for: Callable[[str], Sidecar]
+    tmp_path: Path, sidecar_for: Callable[..., Sidecar]
 ) -> None:
     store = ReplicaStore(tmp_path / "shm-b", RUN)
     server = ReplicaServer(store, JobScope("team-a", "job-1", SECRET), host="127.0.0.1").start()
@@ -129,7 +129,7 @@ def test_a_handled_snapshot_is_replicated_to_the_peer(
 
 
 def test_a_dead_peer_is_counted_and_the_snapshot_persisted_all_the_same(
-    tmp_path: Path, sidecar_for: Callable[[str], Sidecar]
+    tmp_path: Path, sidecar_for: Callable[..., Sidecar]
 ) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -147,3 +147,14 @@ def test_a_dead_peer_is_counted_and_the_snapshot_persisted_all_the_same(
 
 def test_replication_is_off_by_default() -> None:
     assert SidecarOptions().replicas is None
+
+
+def test_a_replication_that_cannot_start_leaves_persisting_on(
+    tmp_path: Path, sidecar_for: Callable[..., Sidecar]
+) -> None:
+    sidecar = sidecar_for("127.0.0.1:9", secret_file=tmp_path / "no-such-secret")
+    assert sidecar.replicator is None
+    _snapshot(tmp_path / "shm-a", b"\x01" * 100)
+    assert sidecar.run_once() == 1 and sidecar.persisted == 1
+    events = (tmp_path / "work" / "sidecar.jsonl").read_text()
+    assert '"replication_off"' in events and "cannot read the replica secret" in events
