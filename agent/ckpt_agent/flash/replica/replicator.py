@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_agent.errors import ReplicaError
-from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES
+from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES, RecordedHashes
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.client import DEFAULT_TIMEOUT_S, Peer, PushResult, push
+from ckpt_agent.flash.replica.plan import plan_chunks
 from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
 from ckpt_agent.records import Json
@@ -159,9 +160,7 @@ class Replicator:
                 with self._cond:
                     self.superseded += 1
                 return
-            hashes = reader.hashes(desc.slot, desc.seq)
-            if self.options.chunk_bytes != HASH_CHUNK_BYTES:
-                hashes = None  # recorded at the standard size only: computed here
+            hashes = _usable(reader.hashes(desc.slot, desc.seq), desc, self.options.chunk_bytes)
             for peer in self.peers:
                 try:
                     result = push(
@@ -189,3 +188,17 @@ class Replicator:
                 with self._cond:
                     self.pushed += 1
                     self.last = result
+
+
+def _usable(
+    hashes: RecordedHashes | None, desc: Descriptor, chunk_bytes: int
+) -> RecordedHashes | None:
+    """The persister's recorded hashes when they cover ``desc`` at ``chunk_bytes`` (they are
+    recorded at the standard chunk size only); None: the push computes them."""
+    if hashes is None or chunk_bytes != HASH_CHUNK_BYTES:
+        return None
+    try:
+        plan_chunks(desc, hashes.sha256, chunk_bytes)
+    except ReplicaError:
+        return None
+    return hashes
