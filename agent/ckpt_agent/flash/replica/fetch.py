@@ -15,6 +15,7 @@ is returned; recovery takes the next source. Torch-free.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ from ckpt_agent.flash.replica.store import ReplicaStore
 from ckpt_agent.flash.replica.wire import Limits
 
 __all__ = ["Replica", "fetch", "list_replicas", "open_local"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,7 +160,10 @@ def open_local(store: ReplicaStore, source: str, rank: int) -> Iterator[Replica]
     finally:
         view.release()
         if mm is not None:
-            mm.close()
+            try:
+                mm.close()
+            except BufferError:  # a view of it is still referenced: unmapped when freed
+                log.warning("the replica of %s rank %d is still referenced", source, rank)
 
 
 def _check(

@@ -271,3 +271,15 @@ def test_the_handshake_alone_authenticates(serve: Serve, scope: JobScope) -> Non
     with socket.create_connection((peer.host, peer.port), timeout=5) as sock:
         conn = Conn(sock, timeout_s=5)
         connect_as_client(conn, scope)  # no error: both sides proved the job's secret
+
+
+def test_a_view_kept_past_open_local_does_not_break_it(
+    serve: Serve, scope: JobScope, store: ReplicaStore
+) -> None:
+    snap = make_snap({"w": pattern(2 * CHUNK, 1)})
+    _, peer = serve()
+    push(peer, scope, snap.desc, snap.view, snap.hashes, source="node-a", chunk_bytes=CHUNK)
+    with open_local(store, "node-a", 0) as local:
+        kept = local.tensor("w")
+    assert bytes(kept) == snap.tensor("w")  # still mapped until freed
+    del kept
