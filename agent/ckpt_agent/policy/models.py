@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ckpt_agent.policy.replica_contract import DEFAULT_REPLICA_PORT, MAX_REPLICA_PEERS
 from ckpt_agent.policy.scheduler_models import SchedulerSpec
 from ckpt_agent.policy.schema_base import (
     CamelModel,
@@ -57,6 +58,7 @@ __all__ = [
     "PriorityBoostSpec",
     "PulseTierSpec",
     "RecoverySpec",
+    "ReplicasSpec",
     "RetentionSpec",
     "Tier",
     "TiersSpec",
@@ -257,8 +259,40 @@ class RecoverySpec(CamelModel):
 # --------------------------------------------------------------------------- agent
 
 
+class ReplicasSpec(CamelModel):
+    """Peer replicas of flash snapshots (docs/replicas.md): each node's sidecar pushes its
+    snapshots to the sidecars of the next ``peers`` ranks, which keep them in memory."""
+
+    enabled: bool = False
+    """Replicate every flash snapshot to peer nodes (needs ``spec.agent.sidecar: true``)."""
+    peers: Annotated[int, Field(ge=1, le=MAX_REPLICA_PEERS)] = 1
+    """How many peers hold each rank's replica: the next ranks in a ring."""
+    port: Annotated[int, Field(ge=1024, le=65535)] = DEFAULT_REPLICA_PORT
+    """TCP port the sidecars serve replicas on (allow it between the job's pods only)."""
+
+
 class AgentSpec(CamelModel):
     """How the agent is injected into pods."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!self.replicas.enabled || self.sidecar",
+                    "replicas.enabled needs sidecar: true (the sidecar pushes the replicas)",
+                    ".replicas.enabled",
+                ),
+                cel(
+                    "!self.replicas.enabled || (self.replicas.port != self.metricsPort"
+                    " && self.replicas.port != self.metricsPort + 1"
+                    " && self.replicas.port != self.metricsPort - 1)",
+                    "replicas.port must differ from metricsPort and its two neighbours (the "
+                    "sidecar's metrics port is metricsPort + 1, or - 1 at 65535)",
+                    ".replicas.port",
+                ),
+            ]
+        }
+    )
 
     sidecar: bool = False
     """Run the persisting agent as a sidecar container (flash checkpoints via shared memory)."""
@@ -276,6 +310,22 @@ class AgentSpec(CamelModel):
     storage the operator cannot read: its metrics port refuses the operator's probe, or its
     container ended without a report) after this long is flagged: the training code does
     not use the agent (0: never)."""
+    replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
+    """Peer replicas of the sidecar's flash snapshots (off by default)."""
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> AgentSpec:
+        r = self.replicas
+        if r.enabled and not self.sidecar:
+            raise ValueError(
+                "agent.replicas.enabled needs agent.sidecar: true (the sidecar pushes the replicas)"
+            )
+        if r.enabled and abs(r.port - self.metrics_port) <= 1:
+            raise ValueError(
+                "agent.replicas.port must differ from agent.metricsPort and its two neighbours "
+                "(the sidecar's metrics port is metricsPort + 1, or - 1 at 65535)"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- preemption
