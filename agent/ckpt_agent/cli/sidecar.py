@@ -18,6 +18,7 @@ import typer
 from ckpt_agent.cli.common import fail, guarded, is_seconds, non_negative, plain
 from ckpt_agent.flash.sidecar import SidecarOptions, load_config, run_sidecar
 from ckpt_agent.flash.sidecar.options import DEFAULT_COMMIT_TIMEOUT_S, ENV_GRACE, grace_from_env
+from ckpt_agent.flash.sidecar.replica_env import replicas_or_off
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.text import CleanFormatter
 
@@ -126,8 +127,10 @@ def sidecar(
     Reads the same environment as the trainer (CKPT_CONFIG, CKPT_SHM_DIR,
     CKPT_STORAGE_URL, CKPT_RUN_ID, CKPT_METRICS_PORT …), the policy's S3 settings
     included. Serves /metrics, /healthz and /readyz; SIGTERM persists what is
-    pending and exits within the grace period (CKPT_GRACE_S). Exit code 2 for a
-    missing or invalid config.
+    pending and exits within the grace period (CKPT_GRACE_S). With CKPT_REPLICA_PORT,
+    CKPT_REPLICA_PEERS, CKPT_REPLICA_SECRET_FILE, CKPT_REPLICA_JOB and CKPT_NODE_NAME
+    (set by the operator's webhook) it also replicates each snapshot to its peers; a bad
+    value is logged and replication stays off. Exit code 2 for a missing or invalid config.
     """
     # Every record through text.CleanFormatter: log lines quote stored names and reasons.
     handler = logging.StreamHandler(sys.stderr)
@@ -150,5 +153,6 @@ def sidecar(
         wait_for_trainer_s=wait_for_trainer_s,
         metrics_port=metrics_port,
         ranks=tuple(rank) if rank else None,
+        replicas=replicas_or_off(),
     )
     raise typer.Exit(run_sidecar(cfg, options))

@@ -1,0 +1,103 @@
+"""``ckpt sidecar``'s replication from the webhook's environment (flash.sidecar.replica_env):
+off when unset, every value checked, a bad one named and replication off."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ckpt_agent.flash.replica.replicator import ReplicaOptions
+from ckpt_agent.flash.sidecar.replica_env import (
+    ReplicaEnvError,
+    replica_options_from_env,
+    replicas_or_off,
+)
+
+GOOD = {
+    "CKPT_REPLICA_PORT": "7471",
+    "CKPT_REPLICA_PEERS": "job-worker-0.ns.svc:7471, job-worker-1.ns.svc:7471",
+    "CKPT_REPLICA_SECRET_FILE": "/etc/ckpt-replica/secret",
+    "CKPT_REPLICA_JOB": "team-a/job",
+    "CKPT_NODE_NAME": "gpu-node-3.zone-a",
+}
+
+
+def _without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in GOOD.items() if k not in names}
+
+
+def test_unset_is_off() -> None:
+    assert replica_options_from_env({}) is None
+    # the pod's other variables do not switch it on
+    assert replica_options_from_env({"CKPT_NODE_NAME": "n1", "CKPT_REPLICA_JOB": "a/b"}) is None
+    assert replica_options_from_env({"CKPT_REPLICA_PORT": "  "}) is None
+
+
+def test_the_webhooks_values_become_the_options() -> None:
+    assert replica_options_from_env(GOOD) == ReplicaOptions(
+        node="gpu-node-3.zone-a",
+        namespace="team-a",
+        job_id="job",
+        secret_file="/etc/ckpt-replica/secret",
+        peers=("job-worker-0.ns.svc:7471", "job-worker-1.ns.svc:7471"),
+        listen_port=7471,
+    )
+
+
+def test_no_peers_serves_only() -> None:
+    options = replica_options_from_env({**GOOD, "CKPT_REPLICA_PEERS": ""})
+    assert options is not None and options.peers == () and options.listen_port == 7471
+    options = replica_options_from_env(_without("CKPT_REPLICA_PEERS"))
+    assert options is not None and options.peers == ()
+
+
+def test_ipv6_peers() -> None:
+    options = replica_options_from_env({**GOOD, "CKPT_REPLICA_PEERS": "[fd00::1]:7471"})
+    assert options is not None and options.peers == ("[fd00::1]:7471",)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (_without("CKPT_REPLICA_PORT"), "CKPT_REPLICA_PORT is not set"),
+        ({**GOOD, "CKPT_REPLICA_PORT": "http"}, "CKPT_REPLICA_PORT='http' is not a TCP port"),
+        ({**GOOD, "CKPT_REPLICA_PORT": "0"}, "is not a TCP port"),
+        ({**GOOD, "CKPT_REPLICA_PORT": "65536"}, "is not a TCP port"),
+        ({**GOOD, "CKPT_REPLICA_PORT": "-1"}, "is not a TCP port"),
+        ({**GOOD, "CKPT_REPLICA_PEERS": "job-worker-0"}, "'job-worker-0' is not host:port"),
+        ({**GOOD, "CKPT_REPLICA_PEERS": "a:1,b:http"}, "'b:http' is not host:port"),
+        ({**GOOD, "CKPT_REPLICA_PEERS": "a:1,a:1"}, "names a peer twice"),
+        (_without("CKPT_REPLICA_SECRET_FILE"), "CKPT_REPLICA_SECRET_FILE is not set"),
+        (_without("CKPT_REPLICA_JOB"), "CKPT_REPLICA_JOB is not set"),
+        ({**GOOD, "CKPT_REPLICA_JOB": "job"}, "CKPT_REPLICA_JOB='job' is not namespace/job"),
+        ({**GOOD, "CKPT_REPLICA_JOB": "a/b/c"}, "is not namespace/job"),
+        ({**GOOD, "CKPT_REPLICA_JOB": "/job"}, "is not namespace/job"),
+        (_without("CKPT_NODE_NAME"), "CKPT_NODE_NAME is not set"),
+        ({**GOOD, "CKPT_NODE_NAME": "../etc"}, "CKPT_NODE_NAME='../etc' is not a node name"),
+    ],
+)
+def test_a_bad_or_missing_value_is_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ReplicaEnvError, match=message.replace("(", r"\(")):
+        replica_options_from_env(env)
+
+
+def test_a_control_character_is_shown_escaped() -> None:
+    with pytest.raises(ReplicaEnvError) as info:
+        replica_options_from_env({**GOOD, "CKPT_REPLICA_PORT": "74\x1b[2J71"})
+    assert "\x1b" not in str(info.value) and "\\x1b" in str(info.value)
+
+
+def test_or_off_logs_the_error_and_turns_replication_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="ckpt_agent.flash.sidecar.replica_env"):
+        assert replicas_or_off({**GOOD, "CKPT_REPLICA_JOB": "job"}) is None
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "peer replication is off" in errors[0].getMessage()
+    assert "CKPT_REPLICA_JOB" in errors[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ckpt_agent.flash.sidecar.replica_env"):
+        assert replicas_or_off({}) is None
+        assert replicas_or_off(GOOD) == replica_options_from_env(GOOD)
+    assert not caplog.records  # off, or on with peers: nothing to say
