@@ -196,6 +196,7 @@ async def inject_pod(
         resume_from=facts.resume_from,
         run_env=agent_run_env(facts),
         default_container=kind.default_container,
+        job=job,
         agent_image=inj.agent_image,
         sidecar_command=inj.sidecar_command,
         sidecar_resources={

@@ -35,7 +35,7 @@ What the training container (``spec.agent.containerName``, default
   checkpoint SIGTERM starts (an eviction, a drain) can commit before SIGKILL;
 * when ``spec.agent.sidecar``: a native sidecar (an init container with
   ``restartPolicy: Always``) running the persisting agent with the same env
-  and mounts.
+  and mounts (with ``spec.agent.replicas``: :mod:`.replica_injection`).
 
 Rules: a value the user already set (an env var, a port) is kept and noted;
 a pod the builder cannot handle safely (no training container, a volume or
@@ -74,6 +74,7 @@ from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, pointer
 from ckpt_operator.planners.preemption import termination_grace
+from ckpt_operator.planners.replica_injection import add_replication
 
 __all__ = [
     "InjectionContext",
@@ -169,6 +170,8 @@ class InjectionContext:
     default_container: str | None = None
     """The job kind's training container, used when the pod has none named
     ``spec.agent.containerName`` (a TrainJob's ``node``; :mod:`ckpt_operator.kinds.kind`)."""
+    job: Mapping[str, Any] | None = None
+    """The job's body: its ranks for peer replication (:mod:`.replica_injection`)."""
 
 
 @dataclass(frozen=True)
@@ -489,6 +492,7 @@ def build_pod_patch(
                 "capabilities": {"drop": ["ALL"]},
             },
         }
+        notes += add_replication(ops, sidecar, pod, policy_spec, ctx.job)
         _append_list(ops, "/spec/initContainers", spec_obj.get("initContainers"), [sidecar])
 
     return InjectionResult(ops=ops, notes=tuple(notes))

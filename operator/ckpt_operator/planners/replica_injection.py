@@ -1,0 +1,129 @@
+"""The webhook's part of peer replication (docs/replicas.md): what the sidecar gets. Pure.
+
+Called by :func:`ckpt_operator.planners.injection.build_pod_patch` once it built the native
+sidecar, and only when the policy has ``spec.agent.replicas.enabled`` (otherwise nothing
+changes). For a pod whose rank and peers are known (:mod:`ckpt_operator.planners.replica_peers`)
+the sidecar gets:
+
+* env: ``CKPT_REPLICA_PORT``, ``CKPT_REPLICA_PEERS`` (``host:port,…``),
+  ``CKPT_REPLICA_SECRET_FILE``, ``CKPT_REPLICA_JOB`` (``namespace/job``); ``CKPT_NODE_NAME``
+  (the downward API's ``spec.nodeName``) it already has
+  (:mod:`ckpt_agent.policy.replica_contract`, read by ``ckpt sidecar``);
+* a ``ckpt-replica`` container port;
+* the job's Secret :func:`replica_secret_name` (key ``secret``) as a read-only file, mounted
+  in the sidecar only; ``optional: false``: a pod whose job has no such Secret does not start
+  (kubelet's ``FailedMount`` Event names it) rather than run without authentication.
+
+When replication cannot be set up for the pod (a world of one, a rank the operator cannot
+tell, the volume name or the port already taken in the pod) the pod is injected without it
+and a note says why (the ``Injected`` Event and an admission warning).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any, Final
+
+from ckpt_agent.policy import CheckpointPolicySpec
+from ckpt_agent.policy.replica_contract import (
+    ENV_REPLICA_JOB,
+    ENV_REPLICA_PEERS,
+    ENV_REPLICA_PORT,
+    ENV_REPLICA_SECRET_FILE,
+    REPLICA_SECRET_KEY,
+)
+from ckpt_operator.kinds.registry import kind_of
+from ckpt_operator.model.bodies import Body, meta_of
+from ckpt_operator.model.jsonpatch import JSONPatchOp, add
+from ckpt_operator.planners.replica_peers import replica_peers
+
+__all__ = [
+    "REPLICA_PORT_NAME",
+    "REPLICA_SECRET_DIR",
+    "REPLICA_SECRET_PATH",
+    "VOL_REPLICA",
+    "add_replication",
+    "replica_secret_name",
+]
+
+VOL_REPLICA: Final = "ckpt-replica"
+REPLICA_PORT_NAME: Final = "ckpt-replica"
+REPLICA_SECRET_DIR: Final = "/etc/ckpt-replica"
+REPLICA_SECRET_PATH: Final = f"{REPLICA_SECRET_DIR}/{REPLICA_SECRET_KEY}"
+_MAX_NAME = 253
+
+
+def replica_secret_name(job_name: str) -> str:
+    """The per-job Secret holding the replica secret: ``ckpt-replica-<job>`` (a digest
+    keeps a long name within 253 characters)."""
+    name = f"ckpt-replica-{job_name}"
+    if len(name) > _MAX_NAME:
+        digest = hashlib.sha256(job_name.encode()).hexdigest()[:8]
+        name = f"ckpt-replica-{job_name[: _MAX_NAME - 22]}-{digest}"
+    return name
+
+
+def _taken(pod_spec: Mapping[str, Any], port: int) -> str | None:
+    if any(v.get("name") == VOL_REPLICA for v in pod_spec.get("volumes") or ()):
+        return f"the pod already has a volume named {VOL_REPLICA!r}"
+    for ctr in [*(pod_spec.get("containers") or ()), *(pod_spec.get("initContainers") or ())]:
+        for p in ctr.get("ports") or ():
+            if p.get("containerPort") == port or p.get("name") == REPLICA_PORT_NAME:
+                return (
+                    f"container {ctr.get('name')!r} already declares port {port} or "
+                    f"{REPLICA_PORT_NAME!r} (choose another spec.agent.replicas.port)"
+                )
+    return None
+
+
+def add_replication(
+    ops: list[JSONPatchOp],
+    sidecar: dict[str, Any],
+    pod: Mapping[str, Any],
+    spec: CheckpointPolicySpec,
+    job: Mapping[str, Any] | None,
+) -> list[str]:
+    """Switch the injected ``sidecar`` (changed in place, before its op is made) to
+    replicate, adding the Secret's volume to ``ops`` (after the pod's volumes were
+    added); returns the notes (why a pod asked for replication does not get it)."""
+    replicas = spec.agent.replicas
+    if not replicas.enabled:
+        return []
+    if job is None:
+        return ["peer replication off for this pod: its job is not known"]
+    taken = _taken(Body(pod).spec, replicas.port)
+    if taken:
+        return [f"peer replication off for this pod: {taken}"]
+    job_name = str(meta_of(job).name)
+    ns = str(meta_of(job).namespace or meta_of(pod).namespace or "")
+    plan = replica_peers(
+        kind_of(job), job, pod, peers=replicas.peers, port=replicas.port, namespace=ns
+    )
+    if not plan.on:
+        return [f"peer replication off for this pod: {plan.off}"]
+    sidecar["env"] = [
+        *sidecar["env"],
+        {"name": ENV_REPLICA_PORT, "value": str(replicas.port)},
+        {"name": ENV_REPLICA_PEERS, "value": ",".join(plan.peers)},
+        {"name": ENV_REPLICA_SECRET_FILE, "value": REPLICA_SECRET_PATH},
+        {"name": ENV_REPLICA_JOB, "value": f"{ns}/{job_name}"},
+    ]
+    sidecar["ports"] = [
+        *sidecar["ports"],
+        {"name": REPLICA_PORT_NAME, "containerPort": replicas.port, "protocol": "TCP"},
+    ]
+    sidecar["volumeMounts"] = [
+        *sidecar["volumeMounts"],
+        {"name": VOL_REPLICA, "mountPath": REPLICA_SECRET_DIR, "readOnly": True},
+    ]
+    volume = {
+        "name": VOL_REPLICA,
+        "secret": {
+            "secretName": replica_secret_name(job_name),
+            "items": [{"key": REPLICA_SECRET_KEY, "path": REPLICA_SECRET_KEY}],
+            "optional": False,
+        },
+    }
+    ops.append(add("/spec/volumes/-", volume))
+    return []
