@@ -11,8 +11,11 @@ the sidecar gets:
   (:mod:`ckpt_agent.policy.replica_contract`, read by ``ckpt sidecar``);
 * a ``ckpt-replica`` container port;
 * the job's Secret :func:`replica_secret_name` (key ``secret``) as a read-only file, mounted
-  in the sidecar only; ``optional: false``: a pod whose job has no such Secret does not start
-  (kubelet's ``FailedMount`` Event names it) rather than run without authentication.
+  in the sidecar only. ``optional: true``, on purpose: the operator does not issue the Secret
+  yet (docs/replicas.md), and a required one would leave every pod of a job without it, a
+  restart ``J-r<k>`` included, stuck in ``ContainerCreating``; without the file the sidecar
+  logs ``peer replication is off: cannot read the replica secret …`` and persists as usual
+  (never unauthenticated: no secret, no replication).
 
 When replication cannot be set up for the pod (a world of one, a rank the operator cannot
 tell, the volume name or the port already taken in the pod) the pod is injected without it
@@ -122,7 +125,7 @@ def add_replication(
         "secret": {
             "secretName": replica_secret_name(job_name),
             "items": [{"key": REPLICA_SECRET_KEY, "path": REPLICA_SECRET_KEY}],
-            "optional": False,
+            "optional": True,
         },
     }
     ops.append(add("/spec/volumes/-", volume))

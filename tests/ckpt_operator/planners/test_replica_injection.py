@@ -86,7 +86,7 @@ def test_the_sidecar_gets_env_port_and_the_jobs_secret(fixture: Any) -> None:
     assert volume["secret"] == {
         "secretName": "ckpt-replica-mnist-ddp",
         "items": [{"key": "secret", "path": "secret"}],
-        "optional": False,
+        "optional": True,  # a job without it runs, and restarts, without replication
     }
     # the training container sees neither the secret nor the replica settings
     trainer = next(c for c in out["spec"]["containers"] if c["name"] == "pytorch")
