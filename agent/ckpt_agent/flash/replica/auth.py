@@ -8,6 +8,7 @@ operator issues, *for this namespace and job id*::
                               proof = HMAC(secret, nonce_c ‖ ns ‖ job ‖ "server")}
     client → server   proof  {proof = HMAC(secret, nonce_s ‖ ns ‖ job ‖ "client")}
     server → client   ok
+    … every later frame tagged under HMAC(secret, "session" ‖ nonce_c ‖ nonce_s ‖ ns ‖ job)
 
 HMAC-SHA256, 32-byte random nonces, compared in constant time (:func:`hmac.compare_digest`).
 The role is part of what is signed, so one side's answer can never be replayed as the
@@ -83,6 +84,21 @@ class JobScope:
         )
         return hmac.new(self.secret, msg, hashlib.sha256).hexdigest()
 
+    def session_key(self, client_nonce: bytes, server_nonce: bytes) -> bytes:
+        """The key that tags the rest of one connection (:meth:`~.wire.Conn.bind`): fresh per
+        connection (both nonces), bound to the scope, never sent."""
+        msg = b"\0".join(
+            (
+                _DOMAIN,
+                b"session",
+                client_nonce,
+                server_nonce,
+                self.namespace.encode(),
+                self.job_id.encode(),
+            )
+        )
+        return hmac.new(self.secret, msg, hashlib.sha256).digest()
+
     def check(self, nonce: bytes, role: str, proof: object) -> bool:
         return isinstance(proof, str) and hmac.compare_digest(
             self.proof(nonce, role).encode(), proof.encode("ascii", "replace")
@@ -104,8 +120,10 @@ def connect_as_client(conn: Conn, scope: JobScope) -> None:
             f"the peer {conn.peer} did not prove it holds the replica secret of {scope.label} "
             "(HMAC mismatch: another job's peer, or a stale secret)",
         )
-    conn.send({"t": "proof", "proof": scope.proof(_nonce(conn, hello.header), "client")})
+    server_nonce = _nonce(conn, hello.header)
+    conn.send({"t": "proof", "proof": scope.proof(server_nonce, "client")})
     conn.expect("ok")
+    conn.bind(scope.session_key(nonce, server_nonce), "client")
 
 
 def accept(conn: Conn, scope: JobScope) -> None:
@@ -126,7 +144,8 @@ def accept(conn: Conn, scope: JobScope) -> None:
             "a pod of another job or namespace cannot read or write these replicas",
         )
     nonce = secrets.token_bytes(_NONCE_BYTES)
-    answer = scope.proof(_nonce(conn, hello.header), "server")
+    client_nonce = _nonce(conn, hello.header)
+    answer = scope.proof(client_nonce, "server")
     conn.send({**_hello(scope, nonce), "proof": answer})
     proof = conn.expect("proof")
     if not scope.check(nonce, "client", proof.header.get("proof")):
@@ -136,6 +155,7 @@ def accept(conn: Conn, scope: JobScope) -> None:
             f"{scope.label} (HMAC mismatch: another job's pod, or a stale secret)",
         )
     conn.send({"t": "ok"})
+    conn.bind(scope.session_key(client_nonce, nonce), "server")
 
 
 def _hello(scope: JobScope, nonce: bytes) -> dict[str, object]:

@@ -9,13 +9,24 @@ Every frame on a replica connection is::
 Both lengths are checked against the connection's :class:`Limits` *before* anything
 is read or allocated: a peer that declares a 2 GiB header is refused after reading
 16 bytes. Until the connection is authenticated (:mod:`.auth`) the limits are
-:data:`HANDSHAKE_LIMITS` (a few KiB, no payload). Every read and write has a timeout,
-and a connection may carry an overall deadline: a dead or slow peer never hangs the
-caller. Torch-free, standard library only.
+:data:`HANDSHAKE_LIMITS` (a few KiB, no payload).
+
+Once authenticated, the connection is **bound to its session** (:meth:`Conn.bind`): every
+frame then carries, between header and payload, a 32-byte tag: HMAC-SHA256 under a key
+derived from the job's secret and both handshake nonces, over the direction, the frame's
+sequence number on the connection, the prefix and the header. A frame injected, altered,
+replayed, reordered or reflected by someone on the network path is refused
+(:class:`~ckpt_agent.errors.ReplicaAuthError`). The payload (a chunk) is not in the tag:
+every chunk is checked against the SHA-256 its authenticated header or offer names.
+
+Every read and write has a timeout, and a connection may carry an overall deadline: a
+dead or slow peer never hangs the caller. Torch-free, standard library only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import socket
 import struct
@@ -28,6 +39,7 @@ from ckpt_agent.errors import IntegrityError, ReplicaAuthError, ReplicaError, Re
 __all__ = [
     "HANDSHAKE_LIMITS",
     "PREFIX",
+    "TAG_BYTES",
     "Conn",
     "Frame",
     "FrameTooLargeError",
@@ -58,6 +70,9 @@ class Limits:
     max_payload: int = 64 * 1024 * 1024
     """One chunk (the persister's chunk size is 16 MiB)."""
 
+
+#: The tag every frame of a bound connection carries (HMAC-SHA256).
+TAG_BYTES: Final = 32
 
 #: Before authentication: hello and proof messages only, no payload.
 HANDSHAKE_LIMITS: Final = Limits(max_header=4096, max_payload=0)
@@ -92,6 +107,30 @@ class Conn:
         """``time.monotonic()`` after which every operation fails (None: no deadline)."""
         self.peer = peer or _peer_name(sock)
         self.sent_bytes = 0
+        self._key: bytes | None = None
+        self._out = self._in = b""
+        self._sent = self._received = 0
+
+    # ------------------------------------------------------------------ the session
+
+    def bind(self, key: bytes, role: str) -> None:
+        """From the next frame on, tag every frame sent and require the tag on every frame
+        received (``key``: the session key both sides derived; ``role``: this side's,
+        ``client`` or ``server``, so that a frame is never accepted in the other direction)."""
+        if role not in ("client", "server"):
+            raise ValueError(f"role must be client or server, not {role!r}")
+        self._key = key
+        self._out, self._in = (b"c>s", b"s>c") if role == "client" else (b"s>c", b"c>s")
+        self._sent = self._received = 0
+
+    @property
+    def bound(self) -> bool:
+        return self._key is not None
+
+    def _tag(self, direction: bytes, seq: int, framed: bytes) -> bytes:
+        assert self._key is not None
+        msg = direction + seq.to_bytes(8, "big") + framed
+        return hmac.new(self._key, msg, hashlib.sha256).digest()
 
     # ------------------------------------------------------------------ timeouts
 
@@ -121,9 +160,13 @@ class Conn:
         """Send one frame (header, then the payload as it is: no copy of a memoryview)."""
         head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
         size = len(payload)
+        framed = PREFIX.pack(MAGIC, len(head), size) + head
+        if self._key is not None:
+            framed += self._tag(self._out, self._sent, framed)
+            self._sent += 1
         try:
             self._arm()
-            self.sock.sendall(PREFIX.pack(MAGIC, len(head), size) + head)
+            self.sock.sendall(framed)
             if size:
                 self._arm()
                 self.sock.sendall(payload)
@@ -133,7 +176,7 @@ class Conn:
             raise PeerClosedError(
                 f"replica peer {self.peer}: connection lost while sending ({e})"
             ) from None
-        self.sent_bytes += PREFIX.size + len(head) + size
+        self.sent_bytes += len(framed) + size
 
     # ------------------------------------------------------------------ receiving
 
@@ -157,8 +200,19 @@ class Conn:
                 f"replica peer {self.peer}: a payload of {size} bytes exceeds the "
                 f"{self.limits.max_payload}-byte limit; refused"
             )
+        head = self._read_exact(head_len)
+        if self._key is not None:
+            tag = self._read_exact(TAG_BYTES)
+            want = self._tag(self._in, self._received, bytes(prefix) + head)
+            if not hmac.compare_digest(tag, want):
+                raise ReplicaAuthError(
+                    f"replica peer {self.peer}: frame {self._received} failed the session's "
+                    "authentication (altered, injected or replayed on the network path); "
+                    "connection dropped"
+                )
+            self._received += 1
         try:
-            header = json.loads(self._read_exact(head_len))
+            header = json.loads(head)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ReplicaError(f"replica peer {self.peer}: a header is not JSON ({e})") from None
         if not isinstance(header, dict):

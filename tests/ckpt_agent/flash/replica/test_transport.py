@@ -145,7 +145,9 @@ def test_a_connection_cut_mid_chunk_keeps_the_previous_replica(
         assert need == [0, 1, 2, 3]
         conn.send({"t": "chunk", "i": 0}, second.view[second.desc.tensors["w"].offset :][:CHUNK])
         head = b'{"t":"chunk","i":1}'
-        conn.sock.sendall(PREFIX.pack(b"CKR1", len(head), CHUNK) + head + b"x" * 100)
+        framed = PREFIX.pack(b"CKR1", len(head), CHUNK) + head
+        tag = conn._tag(conn._out, conn._sent, framed)  # a genuine frame of this session
+        conn.sock.sendall(framed + tag + b"x" * 100)
     finally:
         conn.close()  # cut in the middle of chunk 1
     wait_for(lambda: server.stats.failed == 1)
