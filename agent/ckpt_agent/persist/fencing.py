@@ -24,7 +24,7 @@ from ckpt_agent.errors import (
     RetryableStorageError,
 )
 from ckpt_agent.format.fence import Fence
-from ckpt_agent.format.layout import COMMIT_MAX_BYTES, commit_key, sha256_hex, validation_key
+from ckpt_agent.format.layout import COMMIT_MAX_BYTES, commit_key, sha256_hex
 from ckpt_agent.format.manifest import CheckpointMeta, CommitManifest
 from ckpt_agent.storage.base import Storage
 
@@ -52,13 +52,19 @@ def prepare_save(storage: Storage, run_id: str, ckpt_id: str, fence: Fence | Non
     """Before a save's first write: the fence check, then unpublish an earlier checkpoint
     of the same id (readers never pair an old COMMIT with a new rank manifest).
 
+    An earlier verdict at that id is left alone: readers honour a verdict only for the
+    COMMIT whose hash it records (``format.listing``), so an old one is inert, and the
+    validator's next verdict replaces it. Deleting it here was a check-then-delete race: a
+    writer frozen between its fence check and that delete (a partitioned node), woken after
+    a newer writer had committed and validated the same id, deleted the holder's verdict
+    (found by the stress check's random-crash campaign: a valid checkpoint turned pending).
+
     A COMMIT recording a newer generation than ours fences us even before its claim
     is seen (it is never deleted)."""
     if fence is not None:
         fence.check()
         found = _commit_generation(storage, run_id, ckpt_id)
         if found is None:
-            storage.delete(validation_key(run_id, ckpt_id))
             return
         if found > fence.generation:
             fence.check()  # the claim is there: names the holder
@@ -69,7 +75,6 @@ def prepare_save(storage: Storage, run_id: str, ckpt_id: str, fence: Fence | Non
                 holder=f"generation {found}",
             )
     storage.delete(commit_key(run_id, ckpt_id))
-    storage.delete(validation_key(run_id, ckpt_id))
 
 
 def stamp(meta: CheckpointMeta, fence: Fence | None) -> CheckpointMeta:

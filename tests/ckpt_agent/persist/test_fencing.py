@@ -140,3 +140,52 @@ def test_republish_replaces_only_its_own_manifest_while_holding(store: LocalStor
     assert store.read(key) == b"theirs"
     republish_manifest(store, key, b"plain", None, ("", 0))  # no fence: replaced in place
     assert store.read(key) == b"plain"
+
+
+def test_a_writer_woken_between_its_check_and_its_write_leaves_the_holders_verdict(
+    store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race the stress check's random-crash campaign hit: the old writer checks its
+    fence and finds no COMMIT at the id it is about to save, then freezes (a partitioned
+    node); a newer writer claims the run, commits that id and validates it; the old one
+    wakes. Nothing it does from there on may touch the holder's checkpoint or verdict."""
+    import ckpt_agent.persist.fencing as fencing
+    from ckpt_agent.format.listing import list_checkpoints
+    from ckpt_agent.format.verdict import ValidationVerdict
+    from ckpt_agent.persist.verdicts import write_verdict
+    from ckpt_agent.records import CheckpointStatus
+
+    old = _writer(store, claim(store, RUN))
+    holder: dict[str, str] = {}
+    real = fencing._commit_generation
+
+    def frozen_after_the_read(storage: LocalStorage, run_id: str, ckpt_id: str) -> int | None:
+        found = real(storage, run_id, ckpt_id)  # nothing there yet
+        if holder:  # the newer writer's own saves: no freeze
+            return found
+        holder["id"] = ""
+        new = _writer(store, claim(store, RUN))  # meanwhile: the newer writer takes over
+        cid = _save(new, 1)
+        committed = CommitManifest.from_bytes(store.read(commit_key(RUN, cid)))
+        digest = sha256_hex(store.read(commit_key(RUN, cid)))
+        verdict = ValidationVerdict(
+            checkpoint_id=cid,
+            commit_sha256=digest,
+            status=CheckpointStatus.VALID,
+            reason="",
+            validated_at=time.time(),
+            checks=("stored hashes",),
+            duration_s=0.0,
+        )
+        assert committed.meta.generation == 2 and write_verdict(store, RUN, verdict, digest)
+        holder["id"] = cid
+        new.close()
+        return found
+
+    monkeypatch.setattr(fencing, "_commit_generation", frozen_after_the_read)
+    with pytest.raises(FencedError):
+        _save(old, 1, b"o" * 4096)
+    statuses = {r.id: r.status for r in list_checkpoints(store, RUN)}
+    assert statuses[holder["id"]] == CheckpointStatus.VALID
+    assert verify_hashes(store, RUN, holder["id"]).ok
+    old.close()
