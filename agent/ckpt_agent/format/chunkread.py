@@ -197,17 +197,20 @@ def _read_raw(
     check_stored: bool,
 ) -> tuple[str, str]:
     """An uncompressed blob, read straight into ``part`` (stored bytes = raw bytes; its
-    name is their SHA-256): (problem, hash of ``part``). ``check``: :func:`raw_check`."""
+    name is their SHA-256): (problem, hash of ``part``). ``check``: :func:`raw_check`.
+
+    One hash, whoever reads: the stored bytes are the raw bytes, so the raw check (the
+    writer's BLAKE3 where recorded, else the SHA-256) proves them as the name would; the
+    SHA-256 is computed only after a mismatch, to say whether the stored bytes are
+    corrupted. ``check_stored`` asks for nothing more here (it does for encoded blobs)."""
+    del check_stored
     new, expected = check
     if len(part) != blob.size:
         return f"has room for {len(part)} bytes, manifest says {blob.size}", ""
     h = new()
-    name = hashlib.sha256() if check_stored and new is not hashlib.sha256 else None
 
     def on_block(piece: memoryview) -> None:
         h.update(piece)  # releases the GIL: other workers read meanwhile
-        if name is not None:
-            name.update(piece)
 
     try:
         size = storage.read_into(blob_key(run_id, blob.digest), part, on_block, BLOCK_BYTES)
@@ -216,16 +219,10 @@ def _read_raw(
     if size != blob.size:
         return f"has {size} bytes, manifest says {blob.size} (truncated or overwritten)", ""
     got = h.hexdigest()
-    if not check_stored and got == expected:
+    if got == expected:
         return "", got
-    # The stored bytes' SHA-256 (the blob's name): hashed alongside, the check itself, or
-    # hashed now (a mismatch of the recorded BLAKE3: say whether the bytes are corrupted).
-    if name is not None:
-        stored = name.hexdigest()
-    elif new is hashlib.sha256:
-        stored = got
-    else:
-        stored = sha256_hex(part)
+    # A mismatch: the stored bytes' SHA-256 (the blob's name) says whether they are corrupted.
+    stored = got if new is hashlib.sha256 else sha256_hex(part)
     if stored != blob.digest:
         return f"hashes to {stored[:16]}… (corrupted bytes)", got
     return "", got

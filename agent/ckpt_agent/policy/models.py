@@ -187,13 +187,14 @@ class ValidationSpec(CamelModel):
     """Load the checkpoint in a separate process (not a thread)."""
     check_shapes: bool = True
     """Compare every tensor's shape and dtype with the live model."""
-    mode: Literal["full", "stored"] = "stored"
-    """``stored`` (default): re-read every blob and compare its size and SHA-256 (what
-    storage returns is what the writer hashed and wrote), decode only the state tree; the
-    decode and the second hash are left to the restore, which does them anyway before it
-    loads anything. ``full``: also decode every blob and compare the decoded bytes' hash,
-    at 1.6x (raw blobs) to 5x (zstd) the CPU (docs/security.md: what each mode proves;
-    docs/performance.md: the measurement behind the default)."""
+    mode: Literal["full", "stored"] = "full"
+    """``full`` (default): re-read every blob and check it, decode it and compare the
+    decoded bytes' hash with the writer's (an uncompressed blob, whose stored bytes are
+    its raw bytes, is hashed once: BLAKE3 where recorded). ``stored``: re-read every blob
+    and compare its size and hash (what storage returns is what the writer wrote), decode
+    only the state tree: for zstd blobs 5x less CPU, but a blob that is well named and
+    does not decode (a forged zstd bomb) is called valid and refused only by the restore
+    (docs/security.md: what each mode proves; docs/performance.md: the measurement)."""
 
 
 # --------------------------------------------------------------------------- retention

@@ -54,7 +54,7 @@ def test_valid_checkpoint_loads_in_a_separate_process(ck_store: LocalStorage) ->
     try:
         out = v.validate(cid, EXPECTED)
         assert out.valid, out.reason
-        assert out.checks == ["stored hashes", "load (subprocess)", "shapes"]  # the default mode
+        assert out.checks == ["hashes", "load (subprocess)", "shapes"]  # the default mode
         child = v._child
         assert child is not None and child.pid is not None and child.pid != os.getpid()
         # the process is reused for the next checkpoint

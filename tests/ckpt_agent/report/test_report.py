@@ -71,7 +71,8 @@ def test_summary_of_a_real_run(rp_run: RealRun) -> None:
     assert second["action"] == "resume" and second["rung"] >= 2
     assert second["rung"] == len(second["rejected"]) + 1
     assert rp_run.rejected in second["rejected"][0]
-    assert second["seconds"] > 0 and s["recovery"]["max_s"] == second["seconds"]
+    assert second["seconds"] > 0  # the fresh start is a start too: under load it can be the slower
+    assert s["recovery"]["max_s"] == max(first["seconds"], second["seconds"])
     assert s["recovery"]["success_rate"] == 1.0
     assert 0 < s["io_share"] < 1 and s["stall_s"] > 0 and s["persist_s"] > 0
     # health: one corrupted verdict of the judged ones, times (1 - IO share)
