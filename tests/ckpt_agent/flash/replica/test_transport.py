@@ -18,7 +18,7 @@ from ckpt_agent.flash.replica.layout import DATA
 from ckpt_agent.flash.replica.plan import Offer
 from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
-from ckpt_agent.flash.replica.wire import HANDSHAKE_LIMITS, PREFIX, Conn
+from ckpt_agent.flash.replica.wire import HANDSHAKE_LIMITS, PREFIX, Conn, Limits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -269,10 +269,17 @@ def test_an_offer_of_another_run_is_refused(
 
 
 def test_the_handshake_alone_authenticates(serve: Serve, scope: JobScope) -> None:
-    _, peer = serve()
+    """A bare connection that proves the job's secret is served: both ends are bound to the
+    session afterwards and the server answers a request on it, refusing nothing."""
+    server, peer = serve()
     with socket.create_connection((peer.host, peer.port), timeout=5) as sock:
         conn = Conn(sock, timeout_s=5)
-        connect_as_client(conn, scope)  # no error: both sides proved the job's secret
+        connect_as_client(conn, scope)
+        assert conn.bound
+        conn.limits = Limits()  # past the handshake: the session's limits
+        conn.send({"t": "list"})
+        assert conn.expect("replicas").header["replicas"] == []
+    assert server.stats.refused == 0 and server.stats.failed == 0
 
 
 def test_a_view_kept_past_open_local_does_not_break_it(
