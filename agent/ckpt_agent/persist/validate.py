@@ -27,6 +27,7 @@ This module is torch-free so that the child process starts fast.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -41,8 +42,9 @@ from typing import Any
 
 from ckpt_agent.background import lower_process_priority
 from ckpt_agent.errors import IntegrityError, NotFoundError, StorageError, one_line
+from ckpt_agent.format.chunkread import raw_check
 from ckpt_agent.format.codec import CODEC_NONE, Shuffler
-from ckpt_agent.format.layout import BLAKE3, blob_key, sha256_hex
+from ckpt_agent.format.layout import blob_key, sha256_hex
 from ckpt_agent.format.readers import check_tensor_bytes, read_commit, read_rank_manifest
 from ckpt_agent.format.shuffle import NUMPY_SHUFFLER
 from ckpt_agent.format.statecheck import check_state
@@ -164,29 +166,27 @@ def _check_stored(
     what: str,
 ) -> None:
     """Every chunk as stored has the manifest's size and the hash the writer recorded for
-    those bytes: for an uncompressed blob (stored bytes = raw bytes) its BLAKE3 where the
-    manifest has one and the package is here (3-4x faster than SHA-256, as strong; the
-    restore checks the same), else its name, the SHA-256. The messages are the full
-    check's (:mod:`ckpt_agent.format.chunkread`)."""
+    those bytes: an uncompressed blob (stored bytes = raw bytes) by the raw check the
+    restore makes (:func:`~ckpt_agent.format.chunkread.raw_check`: BLAKE3 where recorded),
+    any other by its name, the SHA-256. The messages are the full check's."""
     for digest in chunks:
         if digest in seen:
             continue
+        blob = manifest.blobs[digest]
+        raw = blob.codec.codec == CODEC_NONE
+        new, expected = raw_check(blob) if raw else (hashlib.sha256, digest)
         problem = ""
         try:
             with storage.read_view(blob_key(run_id, digest)) as b:
-                blob = manifest.blobs[digest]
-                fast = blob.raw_blake3 if blob.codec.codec == CODEC_NONE else None
                 if len(b) != blob.size:
                     problem = (
                         f"has {len(b)} bytes, manifest says {blob.size} (truncated or overwritten)"
                     )
-                elif fast is not None and BLAKE3 is not None:
-                    h = BLAKE3()
+                else:
+                    h = new()
                     h.update(b)
-                    if (got := h.hexdigest()) != fast:
-                        problem = f"hashes to {got[:16]}… (BLAKE3: corrupted bytes)"
-                elif (got := sha256_hex(b)) != digest:
-                    problem = f"hashes to {got[:16]}… (corrupted bytes)"
+                    if (got := h.hexdigest()) != expected:
+                        problem = f"hashes to {got[:16]}… (corrupted bytes)"
         except NotFoundError:
             problem = "is missing from storage"
         if problem:

@@ -226,14 +226,15 @@ def test_stored_mode_checks_uncompressed_blobs_by_their_blake3(
 
     if BLAKE3 is None:
         pytest.skip("the blake3 package is not installed")
-    sha_calls: list[int] = []
-    real_sha = validate.sha256_hex
+    checks: list[object] = []  # the hasher each uncompressed blob was checked with
+    real_check = validate.raw_check
 
-    def counted_sha(b: Any) -> str:
-        sha_calls.append(len(b))
-        return real_sha(b)
+    def recorded_check(blob: Any) -> Any:
+        new, expected = real_check(blob)
+        checks.append(new)
+        return new, expected
 
-    monkeypatch.setattr(validate, "sha256_hex", counted_sha)
+    monkeypatch.setattr(validate, "raw_check", recorded_check)
     payload = bytes(range(256)) * 1024  # compressible: zstd keeps it compressed
     w = CheckpointWriter(ck_store, RUN, codec=CodecPolicy(codec), inline_max_bytes=0)
     meta = CheckpointMeta(run_id=RUN, step=1, tier=Tier.PULSE, sections=("model",))
@@ -246,7 +247,7 @@ def test_stored_mode_checks_uncompressed_blobs_by_their_blake3(
     (digest,) = m.tensors["model/w"].chunks
     assert (m.blobs[digest].codec.codec == "none") == (codec == "none")
     assert load_check(ck_store, RUN, cid, mode="stored").ok
-    assert bool(sha_calls) == (codec != "none")
+    assert checks == ([BLAKE3] if codec == "none" else [])  # zstd: by its name, the SHA-256
     path = ck_store.root / blob_key(RUN, digest)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
