@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt_agent.errors import ReplicaError, ReplicaIntegrityError
-from ckpt_agent.flash.protocol import HEADER, MAGIC
+from ckpt_agent.flash.protocol import HEADER, MAGIC, atomic_write
 from ckpt_agent.flash.replica.layout import DATA, DESC, HASHES, remove, snapshot_folders
 from ckpt_agent.flash.replica.plan import Chunk, Offer, hashes_doc
 
@@ -100,9 +100,7 @@ class Incoming:
         os.close(self._fd)
         self._fd = -1
         (self.folder / HASHES).write_bytes(hashes_doc(self.offer))
-        tmp = self.folder / f".{DESC}.tmp"
-        tmp.write_bytes(self.offer.desc.to_bytes())
-        os.replace(tmp, self.folder / DESC)
+        atomic_write(self.folder / DESC, self.offer.desc.to_bytes())
         rank_dir = self.folder.parent
         for p in snapshot_folders(rank_dir, complete=False):
             if p != self.folder:

@@ -10,7 +10,6 @@ offers a peer (descriptor, hashes, chunk size), checked on arrival. Torch-free.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -19,7 +18,7 @@ from typing import Final
 
 from ckpt_agent.errors import CheckpointFormatError, ReplicaError
 from ckpt_agent.flash.protocol import Descriptor
-from ckpt_agent.format.layout import validate_run_id
+from ckpt_agent.format.layout import sha256_hex, validate_run_id
 
 __all__ = ["FORMAT_HASHES", "Chunk", "Offer", "hashes_doc", "parse_hashes_doc", "plan_chunks"]
 
@@ -40,7 +39,7 @@ class Chunk:
     sha256: str
 
     def ok(self, data: bytes | bytearray | memoryview) -> bool:
-        return len(data) == self.length and hashlib.sha256(data).hexdigest() == self.sha256
+        return len(data) == self.length and sha256_hex(data) == self.sha256
 
 
 def plan_chunks(
