@@ -12,6 +12,7 @@ import pytest
 from replica_helpers import CHUNK, RUN, SECRET, make_snap, pattern, write_slot
 
 from ckpt_agent.errors import ReplicaError
+from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.replica.fetch import open_local
 from ckpt_agent.flash.replica.replicator import ReplicaOptions, Replicator
@@ -40,8 +41,7 @@ def make(tmp_path: Path, secret_file: Path) -> Iterator[Callable[..., Replicator
             secret_file=str(secret_file),
             listen_host="127.0.0.1",
             timeout_s=5.0,
-            chunk_bytes=CHUNK,
-            **kw,  # type: ignore[arg-type]
+            **{"chunk_bytes": CHUNK, **kw},  # type: ignore[arg-type]
         )
         r = Replicator(options, tmp_path / f"shm-{node}", RUN)
         made.append(r)
@@ -118,37 +118,23 @@ def test_a_taken_replica_port_is_named(make: Callable[..., Replicator]) -> None:
 
 
 def test_the_persisters_recorded_hashes_are_used_when_they_fit(
-    tmp_path: Path, secret_file: Path, wait_for: Wait
+    make: Callable[..., Replicator], tmp_path: Path, wait_for: Wait
 ) -> None:
-    made = []
-    try:
-        for node, kw in (("node-b", {"listen_port": 0}), ("node-a", {})):
-            options = ReplicaOptions(
-                node=node,
-                namespace="team-a",
-                job_id="job-1",
-                secret_file=str(secret_file),
-                listen_host="127.0.0.1",
-                timeout_s=5.0,
-                peers=() if not made else (f"127.0.0.1:{made[0].server.address[1]}",),
-                **kw,  # type: ignore[arg-type]
-            )  # the standard chunk size: the persister's hashes apply
-            made.append(Replicator(options, tmp_path / f"shm-{node}", RUN))
-        b, a = made
-        reader = ShmReader(tmp_path / "shm-node-a", RUN, 0)
-        snap = make_snap({"w": pattern(3000, 1)}, seq=1)
-        write_slot(tmp_path / "shm-node-a", snap)
-        wrong = {"w": [hashlib.sha256(b"other bytes").hexdigest()]}
-        reader.write_hashes(snap.desc, wrong)  # well-formed, not these bytes: used, refused
-        a.offer(reader, snap.desc)
-        wait_for(lambda: a.failed == 1 and a.idle())
-        assert "does not match its SHA-256" in a.last_error
-        reader.write_hashes(snap.desc, {"w": [""]})  # unusable: computed instead
-        a.offer(reader, snap.desc)
-        wait_for(lambda: a.pushed == 1 and a.idle())
-        with open_local(b.store, "node-a", 0) as replica:
-            assert bytes(replica.tensor("w")) == snap.tensor("w")
-            del replica
-    finally:
-        for r in made:
-            r.close()
+    standard = HASH_CHUNK_BYTES  # the persister's chunking: its recorded hashes apply
+    b = make("node-b", listen_port=0, chunk_bytes=standard)
+    assert b.server is not None
+    a = make("node-a", peers=(f"127.0.0.1:{b.server.address[1]}",), chunk_bytes=standard)
+    reader = ShmReader(tmp_path / "shm-node-a", RUN, 0)
+    snap = make_snap({"w": pattern(3000, 1)}, seq=1)
+    write_slot(tmp_path / "shm-node-a", snap)
+    wrong = {"w": [hashlib.sha256(b"other bytes").hexdigest()]}
+    reader.write_hashes(snap.desc, wrong)  # well-formed, not these bytes: used, refused
+    a.offer(reader, snap.desc)
+    wait_for(lambda: a.failed == 1 and a.idle())
+    assert "does not match its SHA-256" in a.last_error
+    reader.write_hashes(snap.desc, {"w": [""]})  # unusable: computed instead
+    a.offer(reader, snap.desc)
+    wait_for(lambda: a.pushed == 1 and a.idle())
+    with open_local(b.store, "node-a", 0) as replica:
+        assert bytes(replica.tensor("w")) == snap.tensor("w")
+        del replica

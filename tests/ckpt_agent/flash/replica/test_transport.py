@@ -221,25 +221,8 @@ def test_never_more_than_two_snapshot_folders_per_peer_rank(
 
 def test_a_dead_peer_makes_push_fail_within_its_timeout(scope: JobScope) -> None:
     snap = make_snap({"w": pattern(2 * CHUNK, 1)})
-    with socket.socket() as listener:  # accepts connections (backlog) but never answers
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        host, port = listener.getsockname()
-        with pytest.raises(ReplicaError, match=r"no progress receiving within 0\.3 s"):
-            push(
-                Peer(host, port),
-                scope,
-                snap.desc,
-                snap.view,
-                snap.hashes,
-                source="node-a",
-                chunk_bytes=CHUNK,
-                timeout_s=0.3,
-            )
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    with pytest.raises(ReplicaError, match="cannot reach replica peer"):
+
+    def push_to(port: int) -> None:
         push(
             Peer("127.0.0.1", port),
             scope,
@@ -250,6 +233,17 @@ def test_a_dead_peer_makes_push_fail_within_its_timeout(scope: JobScope) -> None
             chunk_bytes=CHUNK,
             timeout_s=0.3,
         )
+
+    with socket.socket() as listener:  # accepts connections (backlog) but never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with pytest.raises(ReplicaError, match=r"no progress receiving within 0\.3 s"):
+            push_to(listener.getsockname()[1])
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(ReplicaError, match="cannot reach replica peer"):
+        push_to(port)
 
 
 def test_fetch_of_a_missing_replica_says_so(serve: Serve, scope: JobScope) -> None:
