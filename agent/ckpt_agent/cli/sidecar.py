@@ -125,12 +125,17 @@ def sidecar(
     """Persist a run's shared-memory snapshots (the pod's sidecar; flash checkpoints).
 
     Reads the same environment as the trainer (CKPT_CONFIG, CKPT_SHM_DIR,
-    CKPT_STORAGE_URL, CKPT_RUN_ID, CKPT_METRICS_PORT …), the policy's S3 settings
-    included. Serves /metrics, /healthz and /readyz; SIGTERM persists what is
-    pending and exits within the grace period (CKPT_GRACE_S). With CKPT_REPLICA_PORT,
-    CKPT_REPLICA_PEERS, CKPT_REPLICA_SECRET_FILE, CKPT_REPLICA_JOB and CKPT_NODE_NAME
-    (set by the operator's webhook) it also replicates each snapshot to its peers; a bad
-    value is logged and replication stays off. Exit code 2 for a missing or invalid config.
+    CKPT_STORAGE_URL, CKPT_RUN_ID, CKPT_METRICS_PORT …), the policy's S3
+    settings included. Serves /metrics, /healthz and /readyz; SIGTERM
+    persists what is pending and exits within the grace period (CKPT_GRACE_S).
+
+    Peer replicas (docs/replicas.md): with CKPT_REPLICA_PORT,
+    CKPT_REPLICA_PEERS, CKPT_REPLICA_SECRET_FILE, CKPT_REPLICA_JOB and
+    CKPT_NODE_NAME (set by the operator's webhook for spec.agent.replicas) it
+    also pushes each snapshot to its peers and keeps theirs; a bad value is
+    logged and replication stays off, persisting goes on.
+
+    Exit code 2 for a missing or invalid config.
     """
     # Every record through text.CleanFormatter: log lines quote stored names and reasons.
     handler = logging.StreamHandler(sys.stderr)
