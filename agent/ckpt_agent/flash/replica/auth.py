@@ -1,7 +1,7 @@
 """Authenticating a replica connection to one job: a challenge–response over the job's secret.
 
-Before anything else on a connection, both sides prove they hold the per-job secret the
-operator issues, *for this namespace and job id*::
+Before anything else on a connection, both sides prove they hold the job's secret (the
+Secret ``ckpt-replica-<job>``), *for this namespace and job id*::
 
     client → server   hello  {namespace, job, nonce_c}
     server → client   hello  {namespace, job, nonce_s,
@@ -61,7 +61,7 @@ class JobScope:
         if len(self.secret) < MIN_SECRET_BYTES:
             raise ValueError(
                 f"the replica secret has {len(self.secret)} bytes; use at least "
-                f"{MIN_SECRET_BYTES} random bytes (the operator issues 32)"
+                f"{MIN_SECRET_BYTES} random bytes (docs/replicas.md: 32)"
             )
 
     @classmethod

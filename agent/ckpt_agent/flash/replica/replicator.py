@@ -45,7 +45,7 @@ class ReplicaOptions:
     namespace: str
     job_id: str
     secret_file: str
-    """The per-job secret the operator issues (a mounted Secret)."""
+    """The per-job secret (the mounted Secret ``ckpt-replica-<job>``)."""
     peers: tuple[str, ...] = ()
     """``host:port`` of the k peer sidecars this node pushes to."""
     listen_host: str = "0.0.0.0"
