@@ -148,9 +148,10 @@ def read_chunk(
 ) -> None:
     """Read ``blob`` into ``part`` (its raw size) and verify ``part``'s bytes.
 
-    With ``check_stored`` the stored bytes are first checked against the
-    blob's name (the validator's check); without, only on failure, to name
-    the fault. Raises :class:`IntegrityError`. A retryable storage error is retried
+    With ``check_stored`` an encoded blob's stored bytes are first checked against
+    its name (the validator's check); without, only on failure, to name the fault. An
+    uncompressed blob's stored bytes are its raw bytes: one check proves both.
+    Raises :class:`IntegrityError`. A retryable storage error is retried
     (:data:`~ckpt_agent.tuning.CHUNK_READ_ATTEMPTS`) before it is raised.
     """
     for attempt in range(1, tuning.CHUNK_READ_ATTEMPTS + 1):
@@ -177,7 +178,7 @@ def _read_chunk(
     new, expected = raw_check(blob)
     check = (new, expected)
     if blob.codec.codec == CODEC_NONE:
-        problem, got = _read_raw(storage, run_id, blob, part, check, check_stored)
+        problem, got = _read_raw(storage, run_id, blob, part, check)
     else:
         problem, got = _read_encoded(
             storage, run_id, blob, part, shuffler, scratch, check, check_stored
@@ -194,7 +195,6 @@ def _read_raw(
     blob: BlobEntry,
     part: memoryview,
     check: tuple[HashFactory, str],
-    check_stored: bool,
 ) -> tuple[str, str]:
     """An uncompressed blob, read straight into ``part`` (stored bytes = raw bytes; its
     name is their SHA-256): (problem, hash of ``part``). ``check``: :func:`raw_check`.
@@ -202,8 +202,7 @@ def _read_raw(
     One hash, whoever reads: the stored bytes are the raw bytes, so the raw check (the
     writer's BLAKE3 where recorded, else the SHA-256) proves them as the name would; the
     SHA-256 is computed only after a mismatch, to say whether the stored bytes are
-    corrupted. ``check_stored`` asks for nothing more here (it does for encoded blobs)."""
-    del check_stored
+    corrupted: ``check_stored`` asks for nothing more here (it does for encoded blobs)."""
     new, expected = check
     if len(part) != blob.size:
         return f"has room for {len(part)} bytes, manifest says {blob.size}", ""
