@@ -45,7 +45,6 @@ pod gets no ops (idempotent re-admission).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -73,6 +72,7 @@ from ckpt_agent.storage.options import s3_env
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add, pointer
+from ckpt_operator.model.names import derived_name
 from ckpt_operator.planners.preemption import termination_grace
 from ckpt_operator.planners.replica_injection import add_replication
 
@@ -86,16 +86,10 @@ __all__ = [
     "is_unprotected",
 ]
 
-_MAX_NAME = 253
-
 
 def config_map_name(policy_name: str) -> str:
     """Name of the ConfigMap holding the agent config of ``policy_name`` (deterministic)."""
-    name = f"ckpt-{policy_name}"
-    if len(name) > _MAX_NAME:
-        digest = hashlib.sha256(policy_name.encode()).hexdigest()[:8]
-        name = f"ckpt-{policy_name[: _MAX_NAME - 14]}-{digest}"
-    return name
+    return derived_name("ckpt-", policy_name)
 
 
 def build_config_map(

@@ -24,7 +24,6 @@ and a note says why (the ``Injected`` Event and an admission warning).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -39,6 +38,7 @@ from ckpt_agent.policy.replica_contract import (
 from ckpt_operator.kinds.registry import kind_of
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add
+from ckpt_operator.model.names import derived_name
 from ckpt_operator.planners.replica_peers import replica_peers
 
 __all__ = [
@@ -54,17 +54,12 @@ VOL_REPLICA: Final = "ckpt-replica"
 REPLICA_PORT_NAME: Final = "ckpt-replica"
 REPLICA_SECRET_DIR: Final = "/etc/ckpt-replica"
 REPLICA_SECRET_PATH: Final = f"{REPLICA_SECRET_DIR}/{REPLICA_SECRET_KEY}"
-_MAX_NAME = 253
 
 
 def replica_secret_name(job_name: str) -> str:
     """The per-job Secret holding the replica secret: ``ckpt-replica-<job>`` (a digest
     keeps a long name within 253 characters)."""
-    name = f"ckpt-replica-{job_name}"
-    if len(name) > _MAX_NAME:
-        digest = hashlib.sha256(job_name.encode()).hexdigest()[:8]
-        name = f"ckpt-replica-{job_name[: _MAX_NAME - 22]}-{digest}"
-    return name
+    return derived_name("ckpt-replica-", job_name)
 
 
 def _taken(pod_spec: Mapping[str, Any], port: int) -> str | None:
