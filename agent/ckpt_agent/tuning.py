@@ -30,6 +30,11 @@ VALIDATION_BACKLOG: Final = 4
 #: Largest sample written to measure storage latency for the system signal layer.
 LATENCY_SAMPLE_MAX_BYTES: Final = 1024 * 1024
 
+#: Seconds a write-latency sample stays evidence for the system layer: writes come in
+#: bursts (saves), and a sample held past its burst would make one slow write read as
+#: latency sustained for as long as no other write came.
+LATENCY_SAMPLE_MAX_AGE_S: Final = 2.0
+
 #: Write throughput (bytes/s) a local/shared filesystem is assumed to take before the
 #: writer measured it (codec ``auto``: "fast", compression rarely pays).
 ASSUMED_WRITE_BPS_LOCAL: Final = 1024.0 * 1024 * 1024

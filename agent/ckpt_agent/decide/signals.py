@@ -25,8 +25,9 @@ weights of the fired layers into the score. Every number is a field of
   an impending-termination taint, DisruptionTarget) fire the layer and request
   an emergency checkpoint, once per alarm episode (:attr:`SystemLayer.owed`:
   a warning that holds for hours saves once, not every cooldown). Missing
-  metrics are healthy. While it fires, a *warning* holds
-  (:mod:`ckpt_agent.decide.hazard`).
+  metrics are healthy (the engine reports a write latency only while its sample
+  is recent, so a pause between saves ends a latency episode). While it fires, a
+  *warning* holds (:mod:`ckpt_agent.decide.hazard`).
 
 Non-finite values are never folded (the caller checks with :func:`finite`).
 Each layer's ``state_dict`` is a flat slice of the scheduler's state dict.

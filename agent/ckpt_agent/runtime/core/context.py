@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -177,19 +177,29 @@ class PersistFactory(Protocol):
 
 
 class _LatencySample:
-    """The newest small write's latency, from whichever thread wrote (storage's hook)."""
+    """The newest small write's latency, from whichever thread wrote (storage's hook), while
+    it is recent: a sample older than :data:`~ckpt_agent.tuning.LATENCY_SAMPLE_MAX_AGE_S`
+    is no evidence. Writes come in bursts (a save), so without the age one slow write at
+    the end of a save, then seconds without writes, would read as latency *sustained* that
+    long and raise the system layer's alarm (a busy node's slow fsync is not a sick disk)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._ms: float | None = None
+        self._at = 0.0
+        self._clock = clock
 
     def put(self, ms: float) -> None:
+        at = self._clock()
         with self._lock:
-            self._ms = ms
+            self._ms, self._at = ms, at
 
     def get(self) -> float | None:
         with self._lock:
-            return self._ms
+            ms, at = self._ms, self._at
+        if ms is None or self._clock() - at > tuning.LATENCY_SAMPLE_MAX_AGE_S:
+            return None
+        return ms
 
 
 class _AnomalyLog:

@@ -12,8 +12,8 @@ from ckpt_agent.decide.decision import Decision, SaveResult
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import Lineage
-from ckpt_agent.runtime.core.context import Handover
-from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_BYTES
+from ckpt_agent.runtime.core.context import Handover, _LatencySample
+from ckpt_agent.tuning import LATENCY_SAMPLE_MAX_AGE_S, LATENCY_SAMPLE_MAX_BYTES
 
 ConfigFactory = Callable[..., AgentConfig]
 
@@ -103,6 +103,44 @@ def test_the_system_signals_object_is_reused_while_its_inputs_are_the_same(
     gpu = engine.system_signals(2, None, "node NotReady")
     assert (gpu.gpu_errors, gpu.node_warning) == (2, "node NotReady")
     assert engine.system_signals(None, None).node_warning is None
+    engine.close()
+
+
+def test_one_slow_write_then_silence_is_not_sustained_latency(
+    ck_config: ConfigFactory,
+) -> None:
+    """#29: writes come in bursts (saves). One slow write at the end of a save, then
+    seconds without writes, used to read as latency sustained all that time and raised the
+    system layer's alarm (an emergency save) on a busy but healthy node. A sample older
+    than LATENCY_SAMPLE_MAX_AGE_S is no evidence; slow writes that keep coming still are."""
+    engine, fakes = fk.make_engine(ck_config())
+    now = [1000.0]
+    engine._latency = _LatencySample(lambda: now[0])
+    fakes.storage.last_write_bytes = 0
+    hook = fakes.storage.on_write_latency
+    assert hook is not None
+    sched = engine.scheduler
+    threshold_s = sched.spec.system.write_latency_ms / 1000.0
+
+    def steps(first: int, seconds: float, *, slow_writes: bool) -> list[Decision]:
+        out = []
+        for i in range(int(seconds / 0.5)):
+            now[0] += 0.5
+            if slow_writes:
+                hook(threshold_s * 2)
+            system = engine.system_signals(None, None)
+            out.append(sched.observe(first + i, 1.0, system=system, now=now[0]))
+        return out
+
+    hook(threshold_s * 2)  # the last write of a save: slow
+    assert engine.system_signals(None, None).write_latency_ms == threshold_s * 2000
+    now[0] += LATENCY_SAMPLE_MAX_AGE_S + 0.01
+    assert engine.system_signals(None, None).write_latency_ms is None
+    quiet = steps(1, 10.0, slow_writes=False)
+    assert not any(d.emergency or d.components["system"] for d in quiet)
+    # slow writes that keep coming for longer than sustained_seconds: the alarm
+    slow = steps(100, sched.spec.system.sustained_seconds + 2.0, slow_writes=True)
+    assert any(d.emergency and "write latency" in d.reason for d in slow)
     engine.close()
 
 
