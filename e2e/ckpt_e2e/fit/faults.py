@@ -15,11 +15,13 @@ Keys (all optional):
     manifest, just before the COMMIT, or just before the validation verdict. One shot
     across processes: the first to fire creates ``marker``; none fires once it exists.
 ``delay``
-    ``{"seconds": S, "after_commits": N, "marker": PATH, "until_file": PATH}``: sleep ``S``
-    seconds before writing a blob (once this process published ``N`` COMMITs; one shot via
-    ``marker``), so that a snapshot is still unpersisted when the harness kills the
-    persister; with ``until_file``, only until that file exists (at most ``S``): the test
-    decides when the save goes on.
+    ``{"seconds": S, "after_commits": N, "marker": PATH, "until_file": PATH,
+    "armed_by": PATH}``: sleep ``S`` seconds before writing a blob (once this process
+    published ``N`` COMMITs; one shot via ``marker``), so that a snapshot is still
+    unpersisted when the harness kills the persister; with ``until_file``, only until that
+    file exists (at most ``S``): the test decides when the save goes on; with ``armed_by``,
+    only once that file exists: the test decides which save stalls, however fast the
+    trainer runs.
 ``errors``
     a list of ``{"errno": "EIO" | "ENOSPC" | "EROFS", "op": "read" | "write" | "create",
     "names": [substrings] | null, "while_file": PATH | null, "times": N | null}``: the
@@ -142,6 +144,7 @@ def _install_delay(delay: dict[str, Any]) -> None:
     after = int(delay.get("after_commits", 0))
     marker = delay.get("marker")
     until = delay.get("until_file")
+    armed_by = delay.get("armed_by")
     commits = {"n": 0}
     original_commit = fs.LocalStorage.commit
     original_exclusive = fs.LocalStorage.create_exclusive
@@ -159,7 +162,12 @@ def _install_delay(delay: dict[str, Any]) -> None:
         return won
 
     def write(self: fs_writer.FileWriter, data: memoryview) -> None:
-        if "/blobs/" in self.key and commits["n"] >= after and _claim(marker):
+        if (
+            "/blobs/" in self.key
+            and commits["n"] >= after
+            and (not armed_by or os.path.exists(armed_by))
+            and _claim(marker)
+        ):
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline and not (until and os.path.exists(until)):
                 time.sleep(min(0.05, seconds))

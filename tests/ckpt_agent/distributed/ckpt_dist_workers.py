@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -197,13 +198,18 @@ class MlpRun:
         steps: int,
         ckpt: Checkpointer | None,
         die: Callable[[int, Any], bool],
+        hold_at: int | None = None,
     ) -> None:
         """Steps ``start`` .. ``steps - 1``; SIGKILL itself after a step that took a snapshot
         and where ``die(step, decision)`` (the step is written to ``died_after.txt`` first).
-        A save deferred by back-pressure (a loaded machine) took none: not that step."""
+        A save deferred by back-pressure (a loaded machine) took none: not that step.
+        ``hold_at``: before that step, wait while ``<out>/hold`` exists (a test holds the
+        run there to kill it mid-run however fast or slow the machine is)."""
         rank, out = self.rank, self.out
         with open(out / f"losses.rank{rank}.txt", "a") as log:
             for step in range(start, steps):
+                while step == hold_at and (out / "hold").exists():
+                    time.sleep(0.01)
                 g = torch.Generator().manual_seed(step * 100 + rank)
                 x = torch.randn(8, 16, generator=g)
                 y = torch.randn(8, 4, generator=g)
@@ -263,7 +269,7 @@ def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]
         dies = opts.get("die_rank") in (rank, "all")
         return die_at is not None and dies and step >= die_at and _saved(d)
 
-    run.train(start, steps, ckpt, die)
+    run.train(start, steps, ckpt, die, opts.get("hold_at"))
 
 
 # --------------------------------------------------------------------------- agreement

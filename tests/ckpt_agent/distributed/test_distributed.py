@@ -24,6 +24,8 @@ from ckpt_agent.storage.fs import LocalStorage
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 STEPS = 30
+HOLD_AT = 17
+"""test_ddp_resume_after_sigkill_is_bitwise_exact holds both ranks before this step."""
 
 
 def _persister_logs(out: Path) -> str:
@@ -156,18 +158,25 @@ def test_ddp_resume_after_sigkill_is_bitwise_exact(
         return any(r.tier != Tier.HEARTBEAT for r in list_checkpoints(store, w.RUN))
 
     def kill_later(job: h.Job) -> None:
-        # Past step 17 *and* after a checkpoint committed: under load the background commit
-        # of the first pulse can still be in flight at step 17, and a kill then leaves
-        # nothing to resume from (a fresh start, which is right, but not what this tests).
+        # Both ranks hold before step HOLD_AT until rank 1 is killed, so the kill lands
+        # mid-run however fast or slow the machine is; and only after a checkpoint
+        # committed: under load the background commit of the first pulses can still be in
+        # flight when the ranks reach the hold (a kill then leaves nothing to resume from).
         deadline = time.monotonic() + 90
         while job.running() and time.monotonic() < deadline:
-            if len(_losses(out, 1)) >= 17 and committed():
+            if len(_losses(out, 1)) >= HOLD_AT and committed():
                 break
             time.sleep(0.01)
         job.kill(1)
+        (out / "hold").unlink()  # rank 0 goes on and fails at its next collective
 
-    codes = h.launch(w.train_ddp, 2, out, STEPS, {}, timeout=120, during=kill_later)
+    out.mkdir(parents=True)
+    (out / "hold").touch()
+    codes = h.launch(
+        w.train_ddp, 2, out, STEPS, {"hold_at": HOLD_AT}, timeout=120, during=kill_later
+    )
     assert codes[1] == -signal.SIGKILL
+    assert len(_losses(out, 1)) == HOLD_AT  # killed while held
     assert len(_losses(out, 0)) < STEPS
     h.codes_ok(h.launch(w.train_ddp, 2, out, STEPS, {}, timeout=120), out)
     resumed = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in range(2)]
