@@ -24,7 +24,7 @@ from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import CheckpointRecord, CheckpointStatus, checkpoint_id
 from ckpt_operator.adapters.events import RecordedEvents
-from ckpt_operator.adapters.kube import ConflictError, NotFoundError
+from ckpt_operator.adapters.kube import ApiError, ConflictError, NotFoundError
 from ckpt_operator.adapters.metrics import Metrics
 from ckpt_operator.adapters.sources import VerificationFailedError
 from ckpt_operator.behaviours.deps import Deps
@@ -114,6 +114,10 @@ class FakeApi:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.config_maps: dict[tuple[str, str], dict[str, Any]] = {}
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
+        self.created_secrets: dict[tuple[str, str], dict[str, Any]] = {}
+        """Secrets the operator created (bodies), by (namespace, name)."""
+        self.forbid_secrets = False
+        """Refuse every create_secret with 403 (an operator without the right)."""
         self.calls: list[tuple[str, Any]] = []
         self.fail_create: Exception | None = None
         self.fail_get_job: Exception | None = None
@@ -260,6 +264,17 @@ class FakeApi:
 
     async def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         return self.secrets.get((namespace, name))
+
+    async def create_secret(self, body: dict[str, Any]) -> bool:
+        m = body["metadata"]
+        self.calls.append(("create_secret", m["name"]))
+        if self.forbid_secrets:
+            raise ApiError(403, f'secrets is forbidden: cannot create "{m["name"]}"')
+        key = (m["namespace"], m["name"])
+        if key in self.secrets or key in self.created_secrets:
+            return False
+        self.created_secrets[key] = copy.deepcopy(body)
+        return True
 
     def called(self, name: str) -> list[Any]:
         return [arg for n, arg in self.calls if n == name]

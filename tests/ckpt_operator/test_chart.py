@@ -226,6 +226,35 @@ def test_rbac_options() -> None:
     assert "--namespace=team-a" in args and "--read-storage-secrets=false" in args
 
 
+def test_issuing_replica_secrets_grants_create_bounded_by_an_admission_policy(
+    default: Rendered,
+) -> None:
+    """rbac.issueReplicaSecrets (off by default): `create` on Secrets, which RBAC cannot
+    narrow, bounded by a ValidatingAdmissionPolicy on the operator's own account (the real
+    API server enforces it: e2e/tests/test_replica_secrets.py)."""
+    args = only(default, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--issue-replica-secrets=false" in args
+    assert "ValidatingAdmissionPolicy" not in kinds(default)
+    objs = render("rbac.issueReplicaSecrets=true")
+    assert ("", "secrets", ("create",)) in rules(objs)
+    args = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--issue-replica-secrets=true" in args
+    policy = only(objs, "ValidatingAdmissionPolicy")
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["resources"], rule["operations"]) == (["secrets"], ["CREATE"])
+    (cond,) = policy["spec"]["matchConditions"]
+    assert f"'system:serviceaccount:{NS}:ckpt-ckpt-operator'" in cond["expression"]
+    checks = " ".join(v["expression"] for v in policy["spec"]["validations"])
+    for needle in ("'Opaque'", "startsWith('ckpt-replica-')", "'issued'", "service-account.name"):
+        assert needle in checks
+    binding = only(objs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert "ValidatingAdmissionPolicy" not in kinds(
+        render("rbac.issueReplicaSecrets=true", "rbac.create=false")
+    )
+
+
 def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> None:
     mutating = only(default, "MutatingWebhookConfiguration")
     hook, lhook, thook = mutating["webhooks"]

@@ -131,6 +131,10 @@ class KubeApi(Protocol):
         """Decoded ``data`` of a Secret (None when missing)."""
         ...
 
+    async def create_secret(self, body: Obj) -> bool:
+        """Create a Secret; False when one of that name exists (it is left as it is)."""
+        ...
+
 
 def _error(exc: Exception) -> ApiError:
     status = int(getattr(exc, "status", 0) or 0)
@@ -449,6 +453,15 @@ class KubernetesApi:
         )
         answer.drain_conn()
         answer.release_conn()
+
+    async def create_secret(self, body: Obj) -> bool:
+        try:
+            await self._raw(
+                self._core.create_namespaced_secret, body["metadata"]["namespace"], body
+            )
+        except ConflictError:
+            return False
+        return True
 
     async def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_operator.behaviours.deps import Deps, cached_job, cached_policy
+from ckpt_operator.behaviours.replica_secrets import issue_replica_secret
 from ckpt_operator.kinds.registry import owner_of
 from ckpt_operator.kinds.trainjob import (
     TRAINJOB,
@@ -25,6 +26,7 @@ from ckpt_operator.planners.injection import (
     build_pod_patch,
     is_unprotected,
 )
+from ckpt_operator.planners.replica_injection import replicated_secret
 from ckpt_operator.planners.runfacts import agent_run_env
 from ckpt_operator.planners.validation import annotation_errors, parse_policy_spec
 
@@ -213,14 +215,20 @@ async def inject_pod(
         return skipped(result.skipped, "InjectionSkipped")
     if quiet:
         return InjectionOutcome(result.ops, [], "injected")
+    notes = list(result.notes)
+    secret = replicated_secret(result.ops)
+    if secret is not None and deps.config.issue_replica_secrets and not dryrun:
+        note = await issue_replica_secret(deps, kind, job, secret)
+        if note is not None:
+            notes.append(note)
     deps.metrics.injections.labels("injected").inc()
     where = f"resuming from {facts.resume_from}" if facts.resume_from else "fresh start"
     message = (
         f"pod {pod_name}: injected checkpoint agent "
         f"(policy {facts.policy}, run {facts.run_id}, {where})"
     )
-    if result.notes:
-        message += "; " + "; ".join(result.notes)
+    if notes:
+        message += "; " + "; ".join(notes)
     if not dryrun:
         deps.events.emit(job, "Normal", "Injected", message)
-    return InjectionOutcome(result.ops, [f"ckpt-operator: {n}" for n in result.notes], "injected")
+    return InjectionOutcome(result.ops, [f"ckpt-operator: {n}" for n in notes], "injected")

@@ -166,6 +166,10 @@ class OperatorConfig:
     verbose: bool = False
     read_storage_secrets: bool = True
     """Read a policy's S3 credentials Secret to list/verify/delete checkpoints."""
+    issue_replica_secrets: bool = False
+    """Create each replicating job's Secret ``ckpt-replica-<job>`` (a random key, owned by
+    the job) when the webhook admits its first pod (docs/replicas.md). Off: create it by
+    hand; the chart's ``rbac.issueReplicaSecrets`` grants the right, bounded."""
     storage_timeout_s: float = 30.0
     """Longest wait for one storage call (opening, listing, claiming, deleting, GC)."""
     verify_timeout_s: float = 3600.0
@@ -280,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bool,
         help="read S3 credential Secrets named by policies (default true)",
     )
+    a(
+        "--issue-replica-secrets",
+        type=_bool,
+        help="create the Secret ckpt-replica-<job> of each job with spec.agent.replicas "
+        "(default false: created by hand, docs/replicas.md)",
+    )
     a("--webhook", type=_bool, help="serve the admission webhooks (default true)")
     a("--webhook-listen", help="listen address (default 0.0.0.0)")
     a("--webhook-port", type=int, help="HTTPS port (default 9443)")
@@ -385,6 +395,7 @@ def parse_config(
     peering = ns.peering or _bool(_env(env, "peering") or "false")
     verbose = bool(ns.verbose) or _bool(_env(env, "verbose") or "false")
     secrets = switch("read_storage_secrets", "read-storage-secrets", True)
+    issue_secrets = switch("issue_replica_secrets", "issue-replica-secrets", False)
     cert_dir = pick("webhook_cert_dir", "webhook-cert-dir")
     sans = words("webhook_extra_san", "webhook-extra-sans")
     webhook = WebhookConfig(
@@ -456,6 +467,7 @@ def parse_config(
         log_format=log_format,
         verbose=verbose,
         read_storage_secrets=secrets,
+        issue_replica_secrets=issue_secrets,
         storage_timeout_s=storage_timeout,
         verify_timeout_s=verify_timeout,
         workers=workers,

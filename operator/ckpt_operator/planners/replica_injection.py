@@ -11,11 +11,12 @@ the sidecar gets:
   (:mod:`ckpt_agent.policy.replica_contract`, read by ``ckpt sidecar``);
 * a ``ckpt-replica`` container port;
 * the job's Secret :func:`replica_secret_name` (key ``secret``) as a read-only file, mounted
-  in the sidecar only. ``optional: true``, on purpose: the operator does not issue the Secret
-  yet (docs/replicas.md), and a required one would leave every pod of a job without it, a
-  restart ``J-r<k>`` included, stuck in ``ContainerCreating``; without the file the sidecar
-  logs ``peer replication is off: cannot read the replica secret …`` and persists as usual
-  (never unauthenticated: no secret, no replication).
+  in the sidecar only. The operator issues it when it may (``--issue-replica-secrets``:
+  :mod:`ckpt_operator.behaviours.replica_secrets`, before the pod is stored), else it is
+  made by hand (docs/replicas.md). ``optional: true``, on purpose: a required one would
+  leave every pod of a job without it stuck in ``ContainerCreating``; without the file the
+  sidecar logs ``peer replication is off: cannot read the replica secret …`` and persists
+  as usual (never unauthenticated: no secret, no replication).
 
 When replication cannot be set up for the pod (a world of one, a rank the operator cannot
 tell, the volume name or the port already taken in the pod) the pod is injected without it
@@ -24,7 +25,7 @@ and a note says why (the ``Injected`` Event and an admission warning).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from ckpt_agent.policy import CheckpointPolicySpec
@@ -48,6 +49,7 @@ __all__ = [
     "VOL_REPLICA",
     "add_replication",
     "replica_secret_name",
+    "replicated_secret",
 ]
 
 VOL_REPLICA: Final = "ckpt-replica"
@@ -60,6 +62,20 @@ def replica_secret_name(job_name: str) -> str:
     """The per-job Secret holding the replica secret: ``ckpt-replica-<job>`` (a digest
     keeps a long name within 253 characters)."""
     return derived_name("ckpt-replica-", job_name)
+
+
+def replicated_secret(ops: Sequence[JSONPatchOp]) -> str | None:
+    """The replica Secret a pod patch mounts (None: the pod does not replicate)."""
+    for op in ops:
+        value = op.get("value")
+        if (
+            op["op"] == "add"
+            and op["path"] == "/spec/volumes/-"
+            and isinstance(value, Mapping)
+            and value.get("name") == VOL_REPLICA
+        ):
+            return str(value["secret"]["secretName"])
+    return None
 
 
 def _taken(pod_spec: Mapping[str, Any], port: int) -> str | None:
