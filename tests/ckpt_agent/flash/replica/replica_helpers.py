@@ -19,6 +19,7 @@ from ckpt_agent.flash.protocol import (
     place,
 )
 from ckpt_agent.policy.models import Tier
+from ckpt_agent.records import Json
 
 CHUNK = 1024
 RUN = "run-1"
@@ -49,6 +50,8 @@ def make_snap(
     run_id: str = RUN,
     files: Mapping[str, bytes] | None = None,
     world_size: int | None = None,
+    slot_index: int | None = None,
+    meta: Mapping[str, Json] | None = None,
 ) -> Snap:
     """A complete snapshot of uint8 tensors (and files) laid out like a slot."""
     layout: dict[str, ShmTensor] = {}
@@ -69,13 +72,14 @@ def make_snap(
         rank=rank,
         world_size=world_size or max(2, rank + 1),
         seq=seq,
-        slot=seq % 2,
+        slot=seq % 2 if slot_index is None else slot_index,
         step=step,
         tier=Tier.PULSE,
         data_size=off,
         tree={"model": {"w": {"__tensor__": "w"}}},
         tensors=layout,
         files=file_layout,
+        meta=dict(meta or {}),
     )
     view = memoryview(slot)
     hashes = {

@@ -10,15 +10,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from replica_helpers import CHUNK, RUN, SECRET, make_snap, write_slot
 
 from ckpt_agent.flash.area import ShmArea
 from ckpt_agent.flash.protocol import (
-    HEADER,
-    HEADER_BYTES,
-    MAGIC,
     Descriptor,
-    ShmTensor,
-    atomic_write,
 )
 from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.fetch import open_local
@@ -27,40 +23,17 @@ from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
 from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.policy import AgentConfig
-from ckpt_agent.policy.models import Tier
 
 pytestmark = pytest.mark.timeout(120)
-
-RUN = "run-1"
-SECRET = b"0123456789abcdef0123456789abcdef"
-CHUNK = 1024
 
 
 def _snapshot(shm: Path, payload: bytes) -> Descriptor:
     """A trainer's complete snapshot of one uint8 tensor in slot 0 of rank 0."""
-    size = HEADER_BYTES + len(payload)
-    desc = Descriptor(
-        run_id=RUN,
-        rank=0,
-        world_size=1,
-        seq=1,
-        slot=0,
-        step=5,
-        tier=Tier.PULSE,
-        data_size=size,
-        tree={"model": {"w": {"__tensor__": "w"}}},
-        tensors={"w": ShmTensor("uint8", (len(payload),), HEADER_BYTES, len(payload))},
-        meta={"token": "t1"},
-        created_at=time.time(),
+    snap = make_snap(
+        {"w": payload}, seq=1, step=5, world_size=1, slot_index=0, meta={"token": "t1"}
     )
-    slot = bytearray(size)
-    HEADER.pack_into(slot, 0, MAGIC, 1, 1, size)
-    slot[HEADER_BYTES:] = payload
-    area = ShmArea(shm, RUN, 0)
-    area.dir.mkdir(parents=True)
-    area.data_path(0).write_bytes(slot)
-    atomic_write(area.desc_path(0), desc.to_bytes())
-    return desc
+    write_slot(shm, snap)
+    return snap.desc
 
 
 def _wait(cond: Callable[[], bool]) -> None:
