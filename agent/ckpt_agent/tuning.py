@@ -81,6 +81,14 @@ SHM_PERSISTER_START_TIMEOUT_S: Final = 30.0
 #: Before resuming: how long the trainer waits for a persister to handle the complete
 #: snapshots a dead trainer left in shared memory.
 SHM_FLUSH_TIMEOUT_S: Final = 120.0
+#: A rank restarted on another node asks its sidecar for its snapshot from a peer's replica
+#: (``FlashTarget.rehydrate``): how long it waits for a sidecar to take its area (none: no
+#: sidecar runs), and for the answer (the replica is fetched over the network meanwhile).
+REHYDRATE_CLAIM_S: Final = 2.0
+REHYDRATE_TIMEOUT_S: Final = 300.0
+#: The sidecar asks each peer which replicas it holds with this timeout (a peer not up yet
+#: must not hold a fresh start back for long).
+REHYDRATE_LIST_TIMEOUT_S: Final = 2.0
 #: ``close()`` without a timeout: how long the shared-memory persister waits for its local
 #: persister process to finish.
 SHM_CLOSE_TIMEOUT_S: Final = 300.0

@@ -5,7 +5,8 @@ by :class:`~ckpt_agent.persist.builder.PersistBuilder` (storage with the
 policy's S3 options, writer, validator, catalog, finalize pipeline); the jobs
 live next to this module: :mod:`.discovery` (areas, liveness), :mod:`.persisting`
 (rank parts), :mod:`.commit` (the coordinator's commit), :mod:`.health`
-(probes), :mod:`.drain` (SIGTERM, save-now); the HTTP endpoints are a
+(probes), :mod:`.drain` (SIGTERM, save-now), :mod:`.rehydration` (a restarted trainer's
+snapshot from a peer's replica); the HTTP endpoints are a
 :class:`~ckpt_agent.metrics.MetricsServer`.
 """
 
@@ -33,6 +34,7 @@ from ckpt_agent.flash.sidecar.health import HealthMonitor
 from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.flash.sidecar.options import SidecarOptions
 from ckpt_agent.flash.sidecar.persisting import Handled, PartWriter
+from ckpt_agent.flash.sidecar.rehydration import Rehydration
 from ckpt_agent.metrics import DecisionLog, MetricsServer, snapshot
 from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.persist.catalog import Catalog
@@ -100,6 +102,7 @@ class Sidecar:
         self.failed = 0
         self.part_writer.seed(self.parts.storage)
         self.replicator = self._replicator()  # last: its threads start now
+        self.rehydration = Rehydration(self.replicator, self._event)
 
     # ------------------------------------------------------------------ parts
 
@@ -146,8 +149,10 @@ class Sidecar:
         return self.areas.pending()
 
     def run_once(self) -> int:
-        """Discover areas and persist every pending snapshot once; returns how many."""
+        """Discover areas, answer a restarted trainer's request for a replica, and persist
+        every pending snapshot once; returns how many were persisted."""
         self.areas.discover()
+        self.rehydration.poll(self.areas)
         done = 0
         # other ranks' parts first: rank 0's commit waits for them
         for rank, desc in sorted(self.pending(), key=lambda x: x[0] == 0):

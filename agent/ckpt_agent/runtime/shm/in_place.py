@@ -205,10 +205,20 @@ def resume_from_memory(
     engine: Engine, restorer: Restorer, group: RankGroup | None, target: FlashTarget
 ) -> ResumePoint | None:
     """Before a resume with shared memory: let a persister handle the snapshots a dead
-    trainer left (:meth:`FlashTarget.flush_previous`), then restore every rank from memory
-    when the module doc's rules allow; None on every rank: resume from storage as usual
-    (collective with several ranks)."""
+    trainer left (:meth:`FlashTarget.flush_previous`); a rank whose area is empty (its pod
+    recreated on another node) asks its sidecar for a peer's replica
+    (:meth:`FlashTarget.rehydrate`); then restore every rank from memory when the module
+    doc's rules allow; None on every rank: resume from storage as usual (collective with
+    several ranks)."""
     target.flush_previous()  # a dead trainer's last snapshot goes first
+    if not engine.config.resume_from:  # a named checkpoint is never read from memory
+        answer = target.rehydrate()  # the rank's node was lost: a peer's replica
+        if answer is not None:
+            engine.event(
+                "rehydrate", found=answer.found, step=answer.step, source=answer.source,
+                why=answer.why,
+            )  # fmt: skip
+            log.info("rank %d's replica: %s", engine.ranks.rank, clean(answer.why))
     rank = engine.ranks.rank
     areas = {rank: target.reader}
     if rank != 0:

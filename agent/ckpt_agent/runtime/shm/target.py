@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from ckpt_agent import tuning
 from ckpt_agent.flash.protocol import DEFAULT_SLOTS, Descriptor, PersistedMark, read_health
 from ckpt_agent.flash.reader import ShmReader
+from ckpt_agent.flash.replica.rehydrate import RehydrateAnswer, read_answer, write_request
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import Json
@@ -113,6 +115,34 @@ class FlashTarget:
             "no persister handled snapshot seq %d of rank %d in time", latest.seq, self.rank
         )
         return r.persisted()
+
+    def rehydrate(self) -> RehydrateAnswer | None:
+        """Before resuming on a node that does not hold this rank's snapshot (the rank's node
+        was lost and its pod recreated elsewhere): ask the pod's sidecar for the newest
+        replica its peers hold (:mod:`ckpt_agent.flash.replica.rehydrate`); the in-place
+        restart then offers it like any snapshot.
+
+        Only with a sidecar (not a local persister) and an area without a snapshot. Waits
+        :data:`~ckpt_agent.tuning.REHYDRATE_CLAIM_S` for the sidecar to take the area and
+        then :data:`~ckpt_agent.tuning.REHYDRATE_TIMEOUT_S` for its answer (None: no
+        sidecar, or no answer in time: resume as without it)."""
+        r = self.reader
+        if self.local_persister or r.latest() is not None:
+            return None
+        nonce = secrets.token_hex(8)
+        write_request(r, nonce)
+        t0 = time.monotonic()
+        claim_by, answer_by = t0 + tuning.REHYDRATE_CLAIM_S, t0 + tuning.REHYDRATE_TIMEOUT_S
+        while time.monotonic() < answer_by:
+            answer = read_answer(r, nonce)
+            if answer is not None:
+                return answer
+            if not r.persister_alive() and time.monotonic() > claim_by:
+                log.info("no sidecar took rank %d's area: resuming without a replica", self.rank)
+                return None
+            time.sleep(0.02)
+        log.warning("the sidecar did not answer rank %d's request for a replica in time", self.rank)
+        return None
 
     def start(self) -> None:
         """Take this rank's area (trainer lock) and make sure a persister serves it."""

@@ -1,0 +1,236 @@
+"""A rank restarted on another node gets its snapshot back from a peer's replica (#31).
+
+The node a rank ran on is gone, and with it the rank's shared-memory area; its newest
+snapshot lives on as a replica on the peers it was pushed to. Before the restarted
+trainer resumes, it asks this node's sidecar for it through two small files in its (new,
+empty) area:
+
+1. the trainer writes ``rehydrate.request.json`` (a nonce) — only when its area holds no
+   snapshot and a sidecar serves it (:meth:`~ckpt_agent.runtime.shm.target.FlashTarget.
+   rehydrate`);
+2. the sidecar (:func:`~ckpt_agent.flash.sidecar.rehydration.answer_requests`) looks for
+   the newest replica of that rank: in this node's replica store, then on each peer
+   (:func:`~.fetch.list_replicas`); reads it back with every chunk verified
+   (:func:`~.fetch.open_local`, :func:`~.fetch.fetch`), :func:`install`\\ s it into a free
+   slot of the area as a complete snapshot, and writes ``rehydrate.answer.json`` (the
+   nonce, what was found or why nothing was).
+
+From there the snapshot is one like any other the in-place restart offers
+(:mod:`ckpt_agent.runtime.shm.in_place`): every rank must hold the same save, at least as
+new as storage's newest, and its bytes are checked against the recorded hashes before
+they are applied; otherwise every rank resumes from storage. The installed snapshot is
+marked handled (it was taken by the rank's old node and is not persisted again from
+here). Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Final
+
+from ckpt_agent.flash.area import ShmArea
+from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES, chunk_hashes, fast_checksums
+from ckpt_agent.flash.protocol import (
+    HEADER,
+    MAGIC,
+    Descriptor,
+    PersistedMark,
+    atomic_write,
+    read_file,
+    try_flock,
+)
+from ckpt_agent.flash.reader import ShmReader
+from ckpt_agent.flash.replica.fetch import Replica
+from ckpt_agent.records import Json
+
+__all__ = [
+    "ANSWER",
+    "REQUEST",
+    "Held",
+    "RehydrateAnswer",
+    "install",
+    "newest_held",
+    "read_answer",
+    "read_request",
+    "write_answer",
+    "write_request",
+]
+
+REQUEST: Final = "rehydrate.request.json"
+ANSWER: Final = "rehydrate.answer.json"
+_FORMAT: Final = "ckpt-operator.rehydrate"
+
+
+# --------------------------------------------------------------------------- the two files
+
+
+def write_request(area: ShmArea, nonce: str) -> None:
+    """The trainer asks for its rank's newest replica (a new nonce per ask)."""
+    area.dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(area.dir / REQUEST, json.dumps({"format": _FORMAT, "nonce": nonce}).encode())
+
+
+def read_request(area: ShmArea) -> str | None:
+    """The nonce of the trainer's request (None: none, or not one)."""
+    d = _read(area, REQUEST)
+    nonce = d.get("nonce") if d is not None else None
+    return nonce if isinstance(nonce, str) and nonce else None
+
+
+@dataclass(frozen=True)
+class RehydrateAnswer:
+    """The sidecar's answer to one request."""
+
+    nonce: str
+    found: bool
+    why: str = ""
+    """What was installed, or why nothing was (in words)."""
+    step: int | None = None
+    seq: int | None = None
+    """The installed snapshot's sequence number in the area."""
+    source: str | None = None
+    """The node whose snapshot it was."""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "format": _FORMAT,
+                "nonce": self.nonce,
+                "found": self.found,
+                "why": self.why,
+                "step": self.step,
+                "seq": self.seq,
+                "source": self.source,
+            },
+            sort_keys=True,
+        ).encode()
+
+
+def write_answer(area: ShmArea, answer: RehydrateAnswer) -> None:
+    atomic_write(area.dir / ANSWER, answer.to_bytes())
+
+
+def read_answer(area: ShmArea, nonce: str) -> RehydrateAnswer | None:
+    """The sidecar's answer to the request ``nonce`` (None: not answered yet)."""
+    d = _read(area, ANSWER)
+    if d is None or d.get("nonce") != nonce:
+        return None
+    step, seq, source = d.get("step"), d.get("seq"), d.get("source")
+    return RehydrateAnswer(
+        nonce=nonce,
+        found=d.get("found") is True,
+        why=str(d.get("why") or ""),
+        step=step if isinstance(step, int) else None,
+        seq=seq if isinstance(seq, int) else None,
+        source=source if isinstance(source, str) else None,
+    )
+
+
+def _read(area: ShmArea, name: str) -> dict[str, Json] | None:
+    raw = read_file(area.dir / name)
+    if raw is None:
+        return None
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) and d.get("format") == _FORMAT else None
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+@dataclass(frozen=True)
+class Held:
+    """A replica of the wanted rank somewhere: this node's store (``peer`` None) or a peer's."""
+
+    peer: str | None
+    source: str
+    step: int
+    seq: int
+
+
+def newest_held(listed: Sequence[tuple[str | None, Mapping[str, object]]], rank: int) -> list[Held]:
+    """The replicas of ``rank`` among ``listed`` ((peer, entry) pairs, entries as
+    :func:`~.fetch.list_replicas` gives them; peer None: this node's store), newest step
+    first, this node's own store first among equals (no network); malformed entries are
+    skipped. Pure."""
+    out: list[Held] = []
+    for peer, entry in listed:
+        r, step, seq, source = (entry.get(k) for k in ("rank", "step", "seq", "source"))
+        if r != rank or not isinstance(source, str):
+            continue
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, seq)):
+            continue
+        assert isinstance(step, int) and isinstance(seq, int)
+        out.append(Held(peer, source, step, seq))
+    return sorted(out, key=lambda h: (-h.step, h.peer is not None, -h.seq))
+
+
+# --------------------------------------------------------------------------- installing
+
+
+def install(reader: ShmReader, replica: Replica) -> Descriptor:
+    """Write the verified ``replica`` into a free slot of ``reader``'s area as a complete
+    snapshot (a new sequence number, the replica's step, tier, tree and meta), record its
+    chunk hashes (computed here from the bytes written: a replica may have been chunked at
+    another size) and mark it handled.
+
+    The area's trainer must not be running (it waits for the answer); the slot is written
+    under its lock, its descriptor last (a crash before leaves no complete snapshot).
+    Raises OSError when the area cannot be written.
+    """
+    desc = replica.desc
+    if replica.rank != reader.rank or desc.run_id != reader.run_id:
+        raise ValueError(f"a replica of {desc.run_id} rank {replica.rank} in {reader.dir}")
+    reader.dir.mkdir(parents=True, exist_ok=True)
+    complete = {d.slot: d.seq for d in reader.complete()}
+    mark = reader.persisted()
+    seq = max([*complete.values(), mark.seq if mark is not None else 0]) + 1
+    slot = min(range(reader.slots), key=lambda i: (i in complete, complete.get(i, -1)))
+    fd = os.open(reader.data_path(slot), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        if not try_flock(fd, fcntl.LOCK_EX):
+            raise OSError(f"slot {slot} of {reader.dir} is in use")
+        reader.desc_path(slot).unlink(missing_ok=True)
+        reader.hashes_path(slot).unlink(missing_ok=True)
+        os.ftruncate(fd, desc.data_size)
+        data = replica.data
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(fd, 0, desc.data_size)
+        header = bytearray(HEADER.size)
+        HEADER.pack_into(header, 0, MAGIC, seq, seq, desc.data_size)
+        _write_all(fd, data[HEADER.size :], HEADER.size)
+        _write_all(fd, memoryview(header), 0)
+        installed = replace(desc, seq=seq, slot=slot, created_at=time.time(), pid=os.getpid())
+        views = {n: data[t.offset : t.offset + t.nbytes] for n, t in desc.tensors.items()}
+        views.update({n: data[t.offset : t.offset + t.nbytes] for n, t in desc.files.items()})
+        sha = {n: chunk_hashes(v, HASH_CHUNK_BYTES) for n, v in views.items()}
+        fast = {n: fast_checksums(v, HASH_CHUNK_BYTES) for n, v in views.items()}
+        reader.write_hashes(installed, sha, fast)
+        reader.mark(
+            PersistedMark(
+                seq=seq,
+                step=desc.step,
+                checkpoint_id=desc.checkpoint_id,
+                ok=False,
+                error="rehydrated from a peer's replica: not persisted from this node",
+                time=time.time(),
+            )
+        )
+        atomic_write(reader.desc_path(slot), installed.to_bytes())  # the commit marker, last
+        return installed
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n

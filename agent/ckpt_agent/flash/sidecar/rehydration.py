@@ -1,0 +1,132 @@
+"""The sidecar's side of rehydration: answer a restarted trainer's request for its rank's
+snapshot with the newest replica held on this node or by a peer
+(:mod:`ckpt_agent.flash.replica.rehydrate` has the protocol).
+
+:class:`Rehydration` runs in the sidecar's loop, after discovery: a request is answered
+once (its nonce remembered), in the loop's own thread — while a replica is fetched the
+other areas wait, which at a restart is nothing. Every way of not finding one (replication
+off, no peer holds it, a peer unreachable or its replica corrupted) is an answer with the
+reason, never an error: the trainer then resumes as it would have without it. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckpt_agent import tuning
+from ckpt_agent.errors import ReplicaError
+from ckpt_agent.flash.protocol import Descriptor
+from ckpt_agent.flash.replica.client import Peer
+from ckpt_agent.flash.replica.fetch import fetch, list_replicas, open_local
+from ckpt_agent.flash.replica.rehydrate import (
+    Held,
+    RehydrateAnswer,
+    install,
+    newest_held,
+    read_answer,
+    read_request,
+    write_answer,
+)
+from ckpt_agent.flash.replica.replicator import Replicator
+from ckpt_agent.flash.sidecar.discovery import Areas, AreaState
+from ckpt_agent.text import clean
+
+__all__ = ["Rehydration"]
+
+log = logging.getLogger(__name__)
+
+
+class Rehydration:
+    """Answers the rehydrate requests of the areas this sidecar serves."""
+
+    def __init__(self, replicator: Replicator | None, emit: Callable[..., Any]) -> None:
+        self.replicator = replicator
+        self.emit = emit
+        self._answered: dict[int, str] = {}
+        """rank → the nonce answered last."""
+
+    def poll(self, areas: Areas) -> int:
+        """Answer every new request; returns how many were answered."""
+        done = 0
+        for rank, st in sorted(areas.states.items()):
+            if not st.claimed:
+                continue
+            nonce = read_request(st.reader)
+            if nonce is None or self._answered.get(rank) == nonce:
+                continue
+            self._answered[rank] = nonce
+            if read_answer(st.reader, nonce) is not None:  # answered before this sidecar restarted
+                continue
+            answer = self._answer(st, rank, nonce)
+            if answer.found and answer.seq is not None:
+                st.handled_seq = max(st.handled_seq, answer.seq)  # never persisted from here
+            write_answer(st.reader, answer)
+            self.emit(
+                "rehydrated" if answer.found else "rehydrate_none",
+                rank=rank,
+                step=answer.step,
+                source=answer.source,
+                why=answer.why,
+            )
+            log.info("rehydration of rank %d: %s", rank, clean(answer.why))
+            done += 1
+        return done
+
+    def _answer(self, st: AreaState, rank: int, nonce: str) -> RehydrateAnswer:
+        rep = self.replicator
+        if rep is None:
+            return RehydrateAnswer(nonce, False, "peer replication is off on this node")
+        if st.reader.latest() is not None:
+            return RehydrateAnswer(nonce, False, "the area holds a snapshot already")
+        notes: list[str] = []
+        listed: list[tuple[str | None, Mapping[str, object]]] = [
+            (None, {"source": r.source, "rank": r.rank, "step": r.desc.step, "seq": r.desc.seq})
+            for r in rep.store.replicas()
+            if r.rank == rank
+        ]
+        for peer in rep.peers:
+            try:
+                timeout_s = min(rep.options.timeout_s, tuning.REHYDRATE_LIST_TIMEOUT_S)
+                for entry in list_replicas(peer, rep.scope, timeout_s=timeout_s):
+                    listed.append((str(peer), entry))
+            except (ReplicaError, OSError) as e:
+                notes.append(f"peer {peer}: {clean(e)}")
+        for held in newest_held(listed, rank):
+            try:
+                desc = self._install(st, held)
+            except (ReplicaError, OSError, ValueError) as e:
+                where = "this node" if held.peer is None else f"peer {held.peer}"
+                notes.append(f"{where}'s replica of step {held.step}: {clean(e)}")
+                continue
+            where = "this node's store" if held.peer is None else f"peer {held.peer}"
+            return RehydrateAnswer(
+                nonce,
+                True,
+                f"step {desc.step} from {where} (taken on node {held.source})",
+                step=desc.step,
+                seq=desc.seq,
+                source=held.source,
+            )
+        if not notes:
+            notes.append(f"no replica of rank {rank} on this node or its peers")
+        return RehydrateAnswer(nonce, False, "; ".join(notes))
+
+    def _install(self, st: AreaState, held: Held) -> Descriptor:
+        rep = self.replicator
+        assert rep is not None
+        rank = st.reader.rank
+        if held.peer is None:
+            with open_local(rep.store, held.source, rank) as replica:
+                return install(st.reader, replica)
+        replica = fetch(
+            Peer.parse(held.peer),
+            rep.scope,
+            held.source,
+            rank,
+            run_id=st.reader.run_id,
+            max_bytes=rep.options.max_snapshot_bytes,
+            timeout_s=rep.options.timeout_s,
+        )
+        return install(st.reader, replica)

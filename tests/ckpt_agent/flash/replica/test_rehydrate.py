@@ -1,0 +1,99 @@
+"""Rehydration's protocol files, the choice of a replica and its installation into an area
+(flash.replica.rehydrate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from replica_helpers import RUN, make_snap, pattern
+
+from ckpt_agent.flash.area import ShmArea
+from ckpt_agent.flash.reader import ShmReader, verify_snapshot
+from ckpt_agent.flash.replica.fetch import Replica
+from ckpt_agent.flash.replica.rehydrate import (
+    ANSWER,
+    Held,
+    RehydrateAnswer,
+    install,
+    newest_held,
+    read_answer,
+    read_request,
+    write_answer,
+    write_request,
+)
+
+
+def test_a_request_and_its_answer_are_matched_by_nonce(tmp_path: Path) -> None:
+    area = ShmArea(tmp_path, RUN, 3)
+    assert read_request(area) is None
+    write_request(area, "n1")
+    assert read_request(area) == "n1"
+    assert read_answer(area, "n1") is None
+    write_answer(area, RehydrateAnswer("n1", True, "step 9", step=9, seq=2, source="node-a"))
+    assert read_answer(area, "n0") is None  # an answer to another request
+    got = read_answer(area, "n1")
+    assert got == RehydrateAnswer("n1", True, "step 9", step=9, seq=2, source="node-a")
+    (area.dir / ANSWER).write_text('{"format": "something else", "nonce": "n1"}')
+    assert read_answer(area, "n1") is None
+    (area.dir / ANSWER).write_text("{not json")
+    assert read_answer(area, "n1") is None
+
+
+def test_the_newest_replica_of_the_rank_comes_first_this_nodes_own_among_equals() -> None:
+    listed: list[tuple[str | None, dict[str, object]]] = [
+        ("p1:7471", {"source": "a", "rank": 0, "step": 10, "seq": 4}),
+        ("p2:7471", {"source": "a", "rank": 0, "step": 20, "seq": 5}),
+        (None, {"source": "b", "rank": 0, "step": 20, "seq": 3}),
+        ("p1:7471", {"source": "a", "rank": 1, "step": 99, "seq": 9}),  # another rank
+        ("p1:7471", {"source": "a", "rank": 0, "step": "30", "seq": 1}),  # malformed
+        ("p1:7471", {"source": "a", "rank": 0, "step": True, "seq": 1}),  # malformed
+        ("p1:7471", {"rank": 0, "step": 40, "seq": 1}),  # no source
+    ]
+    assert newest_held(listed, 0) == [
+        Held(None, "b", 20, 3),
+        Held("p2:7471", "a", 20, 5),
+        Held("p1:7471", "a", 10, 4),
+    ]
+    assert newest_held(listed, 2) == []
+
+
+def _replica(step: int = 42, seq: int = 7, rank: int = 0) -> tuple[Replica, dict[str, bytes]]:
+    tensors = {"w": pattern(3000, 1), "b": pattern(100, 2)}
+    snap = make_snap(tensors, step=step, seq=seq, rank=rank, files={"cfg": b"{}"})
+    return Replica("node-a", rank, snap.desc, memoryview(snap.slot)), {**tensors, "cfg": b"{}"}
+
+
+def test_an_installed_replica_is_a_complete_snapshot_with_hashes_marked_handled(
+    tmp_path: Path,
+) -> None:
+    reader = ShmReader(tmp_path / "shm-c", RUN, 0)
+    replica, content = _replica()
+    desc = install(reader, replica)
+    assert (desc.step, desc.seq, desc.tier, desc.tree) == (
+        42,
+        1,
+        replica.desc.tier,
+        replica.desc.tree,
+    )
+    assert reader.latest() == desc
+    hashes = reader.hashes(desc.slot, desc.seq)
+    assert hashes is not None and hashes.fast is not None
+    with reader.open(desc) as snap:
+        assert snap is not None
+        assert verify_snapshot(snap, hashes) == []
+        for name, data in content.items():
+            view = snap.file(name) if name in desc.files else snap.tensor(name)
+            assert bytes(view) == data
+    mark = reader.persisted()
+    assert mark is not None and mark.seq == desc.seq and not mark.committed  # not persisted here
+    again = install(reader, _replica(step=50, seq=3)[0])
+    assert (again.seq, again.step) == (2, 50) and again.slot != desc.slot
+    assert reader.latest() == again
+
+
+def test_a_replica_of_another_rank_or_run_is_not_installed(tmp_path: Path) -> None:
+    reader = ShmReader(tmp_path / "shm-c", RUN, 0)
+    with pytest.raises(ValueError, match="rank 1"):
+        install(reader, _replica(rank=1)[0])
+    assert reader.latest() is None
