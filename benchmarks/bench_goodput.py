@@ -197,7 +197,20 @@ def agent_config(root: Path, every: int | None) -> Any:
         data["tiers"] = {
             "pulse": {"baseInterval": every, "minInterval": every, "maxInterval": every}
         }
+    _merge(data, json.loads(os.environ.get(AGENT_JSON_ENV) or "{}"))
     return AgentConfig.model_validate(data)
+
+
+AGENT_JSON_ENV = "CKPT_BENCH_AGENT_JSON"
+"""``--agent-json``: merged into the agent's config of every child (an ablation)."""
+
+
+def _merge(into: dict[str, Any], over: dict[str, Any]) -> None:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 class Agent(Saver):
@@ -527,6 +540,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--mlp-mb", type=float, default=100.0, help="MLP weights + AdamW moments, MiB")
     p.add_argument("--dir", help="where checkpoints go (default: the temp dir)")
+    p.add_argument(
+        "--agent-json",
+        help="JSON merged into ckpt_agent's config, for an ablation, e.g. "
+        '\'{"validation": {"mode": "stored"}}\' or \'{"tiers": {"heartbeat": {"enabled": false}}}\'',
+    )
     p.add_argument("--child-workload", help=argparse.SUPPRESS)
     p.add_argument("--child-method", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -534,6 +552,9 @@ def main() -> int:
     if args.child_workload:
         print(json.dumps(child(args)))
         return 0
+    if args.agent_json:
+        json.loads(args.agent_json)  # fail here, not in every child
+        os.environ[AGENT_JSON_ENV] = args.agent_json
     workloads = args.workload or ["mlp"]
     setups = args.setup or SETUPS
     results: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -551,6 +572,7 @@ def main() -> int:
     print(
         f"# {machine()}, load {os.getloadavg()[0]:.1f} at the end, {args.steps} steps, a save "
         f"every {args.every}, median of {args.repeat} runs (MLP state {args.mlp_mb:.0f} MiB)"
+        + (f", agent config {args.agent_json}" if args.agent_json else "")
     )
     print(
         "| workload | setup | method | steps/s | slowdown vs none | paired: median (range) "
