@@ -19,7 +19,7 @@ import logging
 import mmap
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckpt_agent.errors import ReplicaError, ReplicaIntegrityError
 from ckpt_agent.flash.protocol import Descriptor
@@ -42,6 +42,10 @@ class Replica:
     rank: int
     desc: Descriptor
     data: memoryview
+    hashes: dict[str, list[str]] = field(default_factory=dict)
+    """The chunk SHA-256s its bytes were verified against (by name)."""
+    chunk_bytes: int = 0
+    """Their chunk size."""
 
     def tensor(self, name: str) -> memoryview:
         t = self.desc.tensors[name]
@@ -108,7 +112,7 @@ def fetch(
             )
     finally:
         conn.close()
-    return Replica(source, rank, desc, memoryview(data))
+    return Replica(source, rank, desc, memoryview(data), offer.hashes, offer.chunk_bytes)
 
 
 def list_replicas(
@@ -156,7 +160,7 @@ def open_local(store: ReplicaStore, source: str, rank: int) -> Iterator[Replica]
         for chunk in replica.offer().chunks():
             with view[chunk.offset : chunk.offset + chunk.length] as piece:
                 _check(chunk, piece, source, rank, "at rest")
-        yield Replica(source, rank, desc, view)
+        yield Replica(source, rank, desc, view, replica.hashes, replica.chunk_bytes)
     finally:
         view.release()
         if mm is not None:

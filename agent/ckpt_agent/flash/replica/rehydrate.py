@@ -179,8 +179,9 @@ def newest_held(listed: Sequence[tuple[str | None, Mapping[str, object]]], rank:
 def install(reader: ShmReader, replica: Replica) -> Descriptor:
     """Write the verified ``replica`` into a free slot of ``reader``'s area as a complete
     snapshot (a new sequence number, the replica's step, tier, tree and meta), record its
-    chunk hashes (computed here from the bytes written: a replica may have been chunked at
-    another size) and mark it handled.
+    chunk hashes (the SHA-256s it was verified against when they are at
+    :data:`HASH_CHUNK_BYTES`, else computed here; the fast checksums computed here) and
+    mark it handled.
 
     The area's trainer must not be running (it waits for the answer); the slot is written
     under its lock, its descriptor last (a crash before leaves no complete snapshot).
@@ -211,7 +212,11 @@ def install(reader: ShmReader, replica: Replica) -> Descriptor:
         installed = replace(desc, seq=seq, slot=slot, created_at=time.time(), pid=os.getpid())
         views = {n: data[t.offset : t.offset + t.nbytes] for n, t in desc.tensors.items()}
         views.update({n: data[t.offset : t.offset + t.nbytes] for n, t in desc.files.items()})
-        sha = {n: chunk_hashes(v, HASH_CHUNK_BYTES) for n, v in views.items()}
+        sha = (  # verified against these when it was read back; else computed here
+            {n: list(replica.hashes[n]) for n in views}
+            if replica.chunk_bytes == HASH_CHUNK_BYTES and set(replica.hashes) >= set(views)
+            else {n: chunk_hashes(v, HASH_CHUNK_BYTES) for n, v in views.items()}
+        )
         fast = {n: fast_checksums(v, HASH_CHUNK_BYTES) for n, v in views.items()}
         reader.write_hashes(installed, sha, fast)
         reader.mark(
