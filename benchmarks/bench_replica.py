@@ -134,6 +134,16 @@ def serve(store_dir: str) -> int:
     return 0
 
 
+def start_node_b(root: Path) -> tuple[subprocess.Popen[str], str]:
+    """Node b's server in a child process over ``root/shm-b``; (process, host:port)."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(root / "shm-b")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    return proc, f"127.0.0.1:{json.loads(proc.stdout.readline())['port']}"
+
+
 def _rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -209,12 +219,7 @@ def main() -> int:
             storages["MinIO"] = s3
             env.update(s3_env)
             os.environ.update(s3_env)
-        node_b = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(root / "shm-b")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        assert node_b.stdout is not None and node_b.stdin is not None
-        peer = f"127.0.0.1:{json.loads(node_b.stdout.readline())['port']}"
+        node_b, peer = start_node_b(root)
         model, opt = build(args.size_mb)
         size = state_bytes(model, opt)
         for name, storage in storages.items():  # node a: two pulses in each storage
@@ -233,16 +238,12 @@ def main() -> int:
                     time.sleep(0.05)
                 ckpt.close()
             shutil.rmtree(root / "shm-a")  # node a is lost
+        assert node_b.stdin is not None and node_b.stdout is not None
         node_b.stdin.close()
         peer_peak = json.loads(node_b.stdout.readline())["peak_rss_above_base_mib"]
         node_b.wait(60)
         # node b is gone too now: restart it over the same store, serving what it holds
-        node_b = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(root / "shm-b")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        assert node_b.stdout is not None and node_b.stdin is not None
-        peer = f"127.0.0.1:{json.loads(node_b.stdout.readline())['port']}"
+        node_b, peer = start_node_b(root)
         kinds = [(f"storage ({name})", storage, None) for name, storage in storages.items()]
         kinds.append(("peer's replica", storages["local disk"], peer))
         results: dict[str, list[dict[str, Any]]] = {}
@@ -257,6 +258,7 @@ def main() -> int:
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 results.setdefault(label, []).append(r)
                 print(f"  {label}: {json.dumps(r)}", file=sys.stderr, flush=True)
+        assert node_b.stdin is not None
         node_b.stdin.close()
         node_b.wait(60)
     finally:

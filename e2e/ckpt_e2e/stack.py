@@ -45,7 +45,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -110,6 +110,20 @@ class Stack:
         install = install_chart(cluster, values=values)
         operator = OperatorProcess(cluster, install, image=operator_image())
         return cls(cluster, install, operator.start())
+
+    @contextlib.contextmanager
+    def upgraded(self, values: Mapping[str, Any], *, expect_arg: str) -> Iterator[None]:
+        """The chart upgraded with ``values`` and the operator restarted from it (its
+        Deployment then carries ``expect_arg``); both put back afterwards."""
+        port = self.install.webhook_port
+        install_chart(self.cluster, webhook_port=port, values=values)
+        self.operator.restart()
+        try:
+            assert expect_arg in self.operator.deployment_args(), self.operator.deployment_args()
+            yield
+        finally:
+            install_chart(self.cluster, webhook_port=port)
+            self.operator.restart()
 
     def down(self, uninstall: bool = False) -> None:
         self.operator.stop()

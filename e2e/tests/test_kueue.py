@@ -43,7 +43,7 @@ from ckpt_e2e.kueue import (
     workload_priority_class,
 )
 from ckpt_e2e.scenario import RESTARTED_AS, Scenario
-from ckpt_e2e.stack import Stack, install_chart
+from ckpt_e2e.stack import Stack
 from ckpt_e2e.tools import REPO_ROOT
 from ckpt_e2e.trainer_v2 import NODE
 from ckpt_e2e.training import (
@@ -271,15 +271,8 @@ BOOST = {"maxBoost": 500, "secondsPerPoint": 1.0, "minUpdateSeconds": 1.0}
 def _operator_with_kueue(stack: Stack) -> Iterator[None]:
     """The chart upgraded with ``kueue.enabled`` (RBAC on Workloads, ``--kueue=true``) and
     the operator restarted from it; both put back afterwards."""
-    port = stack.install.webhook_port
-    install_chart(stack.cluster, webhook_port=port, values={"kueue": {"enabled": True}})
-    stack.operator.restart()
-    try:
-        assert "--kueue=true" in stack.operator.deployment_args()
+    with stack.upgraded({"kueue": {"enabled": True}}, expect_arg="--kueue=true"):
         yield
-    finally:
-        install_chart(stack.cluster, webhook_port=port)
-        stack.operator.restart()
 
 
 def _boost(kueue: Kueue, ns: str, job: str) -> int | None:

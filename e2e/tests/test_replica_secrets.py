@@ -12,36 +12,21 @@ and the operator are put back afterwards.
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from ckpt_e2e.api import free_port
 from ckpt_e2e.scenario import Scenario
-from ckpt_e2e.stack import Stack, install_chart
+from ckpt_e2e.stack import Stack
 from ckpt_e2e.training import Training, events, pytorchjob_manifest
 
 pytestmark = pytest.mark.e2e
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-@contextlib.contextmanager
-def _issuing(stack: Stack) -> Iterator[None]:
-    port = stack.install.webhook_port
-    install_chart(stack.cluster, webhook_port=port, values={"rbac": {"issueReplicaSecrets": True}})
-    stack.operator.restart()
-    try:
-        assert "--issue-replica-secrets=true" in stack.operator.deployment_args()
-        yield
-    finally:
-        install_chart(stack.cluster, webhook_port=port)
-        stack.operator.restart()
 
 
 def _secret(name: str, *, type_: str = "Opaque", labelled: bool = True) -> str:
@@ -59,7 +44,9 @@ def test_the_operator_issues_the_replica_secret_and_may_create_no_other(
     stack: Stack, scenario: Scenario
 ) -> None:
     cluster, ns, sa = scenario.cluster, scenario.namespace, stack.install.sa_user
-    with _issuing(stack):
+    with stack.upgraded(
+        {"rbac": {"issueReplicaSecrets": True}}, expect_arg="--issue-replica-secrets=true"
+    ):
         # the admission policy: as the operator's account, only its own kind of Secret
         def create_as_operator(body: str) -> Any:
             return cluster.kubectl(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from ckpt_agent.flash.protocol import (
     MAGIC,
     Descriptor,
     PersistedMark,
+    read_doc,
     read_file,
     try_flock,
 )
@@ -142,14 +142,8 @@ class ShmArea:
 
     def hashes(self, slot: int, seq: int) -> RecordedHashes | None:
         """The persister's per-chunk hashes of slot ``slot`` when they are for ``seq``."""
-        raw = read_file(self.hashes_path(slot))
-        if raw is None:
-            return None
-        try:
-            d = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(d, dict) or d.get("format") != FORMAT_HASHES or d.get("seq") != seq:
+        d = read_doc(self.hashes_path(slot), FORMAT_HASHES)
+        if d is None or d.get("seq") != seq:
             return None
         if d.get("chunk_bytes") != HASH_CHUNK_BYTES:
             return None

@@ -337,6 +337,19 @@ def read_file(path: Path) -> bytes | None:
         return None
 
 
+def read_doc(path: Path, fmt: str) -> dict[str, Json] | None:
+    """The JSON object in ``path`` when its ``format`` is ``fmt`` (None: missing, not
+    JSON, or another document)."""
+    raw = read_file(path)
+    if raw is None:
+        return None
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) and d.get("format") == fmt else None
+
+
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -368,11 +381,4 @@ def write_health(root: str | Path, run_id: str, signals: Mapping[str, Json]) -> 
 
 
 def read_health(root: str | Path, run_id: str) -> dict[str, Json] | None:
-    raw = read_file(Path(root) / validate_run_id(run_id) / "health.json")
-    if raw is None:
-        return None
-    try:
-        d = json.loads(raw)
-    except ValueError:
-        return None
-    return d if isinstance(d, dict) and d.get("format") == FORMAT_HEALTH else None
+    return read_doc(Path(root) / validate_run_id(run_id) / "health.json", FORMAT_HEALTH)

@@ -42,7 +42,7 @@ from ckpt_agent.flash.protocol import (
     Descriptor,
     PersistedMark,
     atomic_write,
-    read_file,
+    read_doc,
     try_flock,
 )
 from ckpt_agent.flash.reader import ShmReader
@@ -133,14 +133,7 @@ def read_answer(area: ShmArea, nonce: str) -> RehydrateAnswer | None:
 
 
 def _read(area: ShmArea, name: str) -> dict[str, Json] | None:
-    raw = read_file(area.dir / name)
-    if raw is None:
-        return None
-    try:
-        d = json.loads(raw)
-    except ValueError:
-        return None
-    return d if isinstance(d, dict) and d.get("format") == _FORMAT else None
+    return read_doc(area.dir / name, _FORMAT)
 
 
 # --------------------------------------------------------------------------- the choice
