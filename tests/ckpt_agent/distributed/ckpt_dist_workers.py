@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -234,6 +235,38 @@ class MlpRun:
         Path(out, f"final.rank{rank}.json").write_text(json.dumps({"sha": params_sha(self.model)}))
 
 
+def node_sidecar(
+    out: Path, rank: int, world: int, over: dict[str, Any], rep: dict[str, Any]
+) -> None:
+    """Rank ``rank`` runs on node ``rep["nodes"][rank]`` (its shared memory
+    ``shm.<node>`` beside ``out``) in sidecar mode; that node's sidecar runs in a daemon
+    thread of this process (it dies with it, as with its node), serves replicas on
+    ``rep["ports"][node]`` and pushes to the next rank's node."""
+    from ckpt_agent.flash.replica.replicator import ReplicaOptions
+    from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
+
+    nodes, ports = rep["nodes"], rep["ports"]
+    node, peer = nodes[rank], nodes[(rank + 1) % world]
+    over["shmDir"] = str(out.parent / f"shm.{node}")
+    over["agent"] = {"sidecar": True}
+    secret = out.parent / "replica-secret"
+    if not secret.exists():
+        secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    options = ReplicaOptions(
+        node=node,
+        namespace="team-a",
+        job_id="job-1",
+        secret_file=str(secret),
+        peers=(f"127.0.0.1:{ports[peer]}",),
+        listen_host="127.0.0.1",
+        listen_port=ports[node],
+        timeout_s=10.0,
+    )
+    own = config(out, **{**over, "workDir": str(out / f"work.sidecar.{node}")})
+    sidecar = Sidecar(own, SidecarOptions(metrics_port=0, poll_s=0.01, replicas=options))
+    threading.Thread(target=sidecar.run, daemon=True).start()
+
+
 def _saved(d: Any) -> bool:
     return bool(d.save and d.tier in ("pulse", "full"))
 
@@ -249,6 +282,8 @@ def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]
             over["shmDir"] = str(out.parent / "shm")
             if opts.get("shm_per_rank"):  # as if every rank ran on its own node
                 over["shmDir"] = str(out.parent / f"shm.rank{rank}")
+        if opts.get("replicated"):  # every rank on its own node, with a replicating sidecar
+            node_sidecar(out, rank, world, over, opts["replicated"])
         storage = store(
             out,
             opts.get("kill_suffix") if rank == opts.get("kill_rank") else None,

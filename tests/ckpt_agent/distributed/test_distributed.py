@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -12,6 +13,8 @@ import ckpt_dist_harness as h
 import ckpt_dist_workers as w
 import pytest
 
+from ckpt_agent.flash.area import ShmArea
+from ckpt_agent.flash.replica.store import ReplicaStore
 from ckpt_agent.format import jsontree
 from ckpt_agent.format.layout import commit_key, rank_manifest_key
 from ckpt_agent.format.listing import list_checkpoints
@@ -20,6 +23,7 @@ from ckpt_agent.persist.validate import Validator
 from ckpt_agent.policy.models import Tier, ValidationSpec
 from ckpt_agent.records import CheckpointStatus
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_e2e.api import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -186,6 +190,58 @@ def test_ddp_resume_after_sigkill_is_bitwise_exact(
         assert _losses(out, rank) == reference["losses"][rank]
         got = json.loads((out / f"final.rank{rank}.json").read_text())
         assert got == reference["final"][rank]
+
+
+def test_a_lost_nodes_rank_resumes_from_its_peers_replica_bitwise(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Two ranks, each on its own node with a sidecar that pushes its snapshots to the other
+    node (#31). Rank 1's node is lost (the rank SIGKILLed with its sidecar, its shared
+    memory gone); both ranks restart: rank 0 in place on its node, rank 1 recreated on a
+    third node, whose sidecar fetches rank 1's replica from rank 0's node. Both resume from
+    memory at the same step (the in-place restart), and the stitched losses and the final
+    parameters equal the uninterrupted run's, bit for bit."""
+    out = tmp_path / "job"
+    ports = {n: free_port() for n in ("n0", "n1", "n2")}
+    replicas_on_n0 = ReplicaStore(tmp_path / "shm.n0", w.RUN)
+
+    def newest(node: str, rank: int) -> int | None:
+        desc = ShmArea(tmp_path / f"shm.{node}", w.RUN, rank).latest()
+        return None if desc is None else desc.step
+
+    def kill_when_replicated(job: h.Job) -> None:
+        # both ranks hold before HOLD_AT; rank 1 is killed once its newest snapshot is
+        # replicated on n0 and rank 0 holds the same save (the in-place restart's common one)
+        deadline = time.monotonic() + 90
+        while job.running() and time.monotonic() < deadline:
+            held = {r.rank: r.desc.step for r in replicas_on_n0.replicas()}
+            ready = len(_losses(out, 1)) >= HOLD_AT and held.get(1) is not None
+            if ready and held[1] == newest("n1", 1) == newest("n0", 0):
+                break
+            time.sleep(0.02)
+        job.kill(1)
+        (out / "hold").unlink()
+
+    out.mkdir(parents=True)
+    (out / "hold").touch()
+    first = {"replicated": {"nodes": ["n0", "n1"], "ports": ports}, "hold_at": HOLD_AT}
+    codes = h.launch(w.train_ddp, 2, out, STEPS, first, timeout=120, during=kill_when_replicated)
+    assert codes[1] == -signal.SIGKILL
+    replicated = {r.rank: r.desc.step for r in replicas_on_n0.replicas()}[1]
+    shutil.rmtree(tmp_path / "shm.n1")  # node n1 is lost with its shared memory
+    again = {"replicated": {"nodes": ["n0", "n2"], "ports": ports}}
+    h.codes_ok(h.launch(w.train_ddp, 2, out, STEPS, again, timeout=120), out)
+    resumed = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["action"] for r in resumed] == ["resume_shm", "resume_shm"], resumed
+    assert resumed[0]["step"] == resumed[1]["step"] == replicated + 1
+    assert resumed[0]["exact"] and resumed[1]["exact"]
+    for rank in range(2):
+        assert _losses(out, rank) == reference["losses"][rank]
+        got = json.loads((out / f"final.rank{rank}.json").read_text())
+        assert got == reference["final"][rank]
+    events = (out / "work.sidecar.n2" / "sidecar.jsonl").read_text().splitlines()
+    (rehydrated,) = [e for e in map(json.loads, events) if e["event"] == "rehydrated"]
+    assert (rehydrated["rank"], rehydrated["step"], rehydrated["source"]) == (1, replicated, "n1")
 
 
 def test_sigterm_on_one_rank_saves_everywhere_and_stops(tmp_path: Path) -> None:
