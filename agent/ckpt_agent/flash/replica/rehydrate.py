@@ -6,8 +6,10 @@ trainer resumes, it asks this node's sidecar for it through two small files in i
 empty) area:
 
 1. the trainer writes ``rehydrate.request.json`` (a nonce) — only when its area holds no
-   snapshot and a sidecar serves it (:meth:`~ckpt_agent.runtime.shm.target.FlashTarget.
-   rehydrate`);
+   snapshot and a sidecar that answers such requests serves the run (it says so in
+   ``<shm_dir>/<run>/sidecar.features.json``, :func:`advertise`: a sidecar of an older
+   version never answers, and the trainer must not wait for it;
+   :meth:`~ckpt_agent.runtime.shm.target.FlashTarget.rehydrate`);
 2. the sidecar (:func:`~ckpt_agent.flash.sidecar.rehydration.answer_requests`) looks for
    the newest replica of that rank: in this node's replica store, then on each peer
    (:func:`~.fetch.list_replicas`); reads it back with every chunk verified
@@ -32,6 +34,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Final
 
 from ckpt_agent.flash.area import ShmArea
@@ -47,13 +50,17 @@ from ckpt_agent.flash.protocol import (
 )
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.replica.fetch import Replica
+from ckpt_agent.format.layout import validate_run_id
 from ckpt_agent.records import Json
 
 __all__ = [
     "ANSWER",
+    "FEATURES",
     "REQUEST",
     "Held",
     "RehydrateAnswer",
+    "advertise",
+    "advertised",
     "install",
     "newest_held",
     "read_answer",
@@ -62,12 +69,30 @@ __all__ = [
     "write_request",
 ]
 
+FEATURES: Final = "sidecar.features.json"
+REHYDRATE: Final = "rehydrate"
+"""The feature a sidecar that answers rehydrate requests advertises."""
 REQUEST: Final = "rehydrate.request.json"
 ANSWER: Final = "rehydrate.answer.json"
 _FORMAT: Final = "ckpt-operator.rehydrate"
 
 
-# --------------------------------------------------------------------------- the two files
+# --------------------------------------------------------------------------- the files
+
+
+def advertise(shm_dir: str | Path, run_id: str) -> None:
+    """The sidecar says it answers rehydrate requests (at its start)."""
+    d = Path(shm_dir) / validate_run_id(run_id)
+    d.mkdir(parents=True, exist_ok=True)
+    doc = {"format": _FORMAT, "features": [REHYDRATE], "time": time.time()}
+    atomic_write(d / FEATURES, json.dumps(doc).encode())
+
+
+def advertised(shm_dir: str | Path, run_id: str) -> bool:
+    """A sidecar of this run on this node answers rehydrate requests."""
+    d = read_doc(Path(shm_dir) / validate_run_id(run_id) / FEATURES, _FORMAT)
+    features = d.get("features") if d is not None else None
+    return isinstance(features, list) and REHYDRATE in features
 
 
 def write_request(area: ShmArea, nonce: str) -> None:

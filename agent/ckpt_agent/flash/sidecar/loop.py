@@ -26,6 +26,7 @@ from typing import Any
 
 from ckpt_agent.errors import ReplicaError
 from ckpt_agent.flash.protocol import Descriptor, PersistedMark, atomic_write
+from ckpt_agent.flash.replica.rehydrate import advertise
 from ckpt_agent.flash.replica.replicator import Replicator
 from ckpt_agent.flash.sidecar.commit import Coordinator, Superseded
 from ckpt_agent.flash.sidecar.discovery import Areas, AreaState
@@ -103,6 +104,10 @@ class Sidecar:
         self.part_writer.seed(self.parts.storage)
         self.replicator = self._replicator()  # last: its threads start now
         self.rehydration = Rehydration(self.replicator, self._event)
+        try:  # a trainer asks for a replica only from a sidecar that answers
+            advertise(self.shm_dir, self.run_id)
+        except OSError as e:
+            log.warning("cannot advertise rehydration in %s: %s", self.shm_dir, clean(e))
 
     # ------------------------------------------------------------------ parts
 

@@ -29,7 +29,12 @@ from pathlib import Path
 from ckpt_agent import tuning
 from ckpt_agent.flash.protocol import DEFAULT_SLOTS, Descriptor, PersistedMark, read_health
 from ckpt_agent.flash.reader import ShmReader
-from ckpt_agent.flash.replica.rehydrate import RehydrateAnswer, read_answer, write_request
+from ckpt_agent.flash.replica.rehydrate import (
+    RehydrateAnswer,
+    advertised,
+    read_answer,
+    write_request,
+)
 from ckpt_agent.policy.agent_config import AgentConfig
 from ckpt_agent.policy.models import Tier
 from ckpt_agent.records import Json
@@ -122,17 +127,24 @@ class FlashTarget:
         replica its peers hold (:mod:`ckpt_agent.flash.replica.rehydrate`); the in-place
         restart then offers it like any snapshot.
 
-        Only with a sidecar (not a local persister) and an area without a snapshot. Waits
-        :data:`~ckpt_agent.tuning.REHYDRATE_CLAIM_S` for the sidecar to take the area and
-        then :data:`~ckpt_agent.tuning.REHYDRATE_TIMEOUT_S` for its answer (None: no
-        sidecar, or no answer in time: resume as without it)."""
+        Only with a sidecar (not a local persister) that advertises it answers (an older
+        one does not), and an area without a snapshot. Waits
+        :data:`~ckpt_agent.tuning.REHYDRATE_CLAIM_S` for such a sidecar and for it to take
+        the area, then :data:`~ckpt_agent.tuning.REHYDRATE_TIMEOUT_S` for its answer (None:
+        no such sidecar, or no answer in time: resume as without it)."""
         r = self.reader
         if self.local_persister or r.latest() is not None:
             return None
-        nonce = secrets.token_hex(8)
-        write_request(r, nonce)
+        assert self.config.shm_dir
         t0 = time.monotonic()
         claim_by, answer_by = t0 + tuning.REHYDRATE_CLAIM_S, t0 + tuning.REHYDRATE_TIMEOUT_S
+        while not advertised(self.config.shm_dir, self.config.run_id):
+            if time.monotonic() > claim_by:
+                return None
+            time.sleep(0.02)
+        nonce = secrets.token_hex(8)
+        write_request(r, nonce)
+        claim_by = time.monotonic() + tuning.REHYDRATE_CLAIM_S  # the sidecar takes the area
         while time.monotonic() < answer_by:
             answer = read_answer(r, nonce)
             if answer is not None:

@@ -23,7 +23,9 @@ import pytest
 import torch
 from torch import nn
 
+from ckpt_agent import tuning
 from ckpt_agent.flash.replica.auth import JobScope
+from ckpt_agent.flash.replica.rehydrate import REQUEST, advertise
 from ckpt_agent.flash.replica.replicator import ReplicaOptions
 from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
@@ -31,6 +33,7 @@ from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.format.listing import list_checkpoints
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_agent.runtime.shm.target import FlashTarget
 from ckpt_agent.storage.fs import LocalStorage
 
 pytestmark = pytest.mark.timeout(180)
@@ -169,3 +172,19 @@ def test_a_rank_recreated_on_another_node_resumes_from_a_peers_replica_bitwise(
     (asked,) = [e for e in map(json.loads, lines) if e["event"] == "rehydrate"]
     assert (asked["found"], asked["step"], asked["source"]) == (True, 10, "node-a")
     assert f"from peer {peer_b}" in asked["why"]
+
+
+def test_no_sidecar_that_answers_means_no_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar of an older version never answers: without its advertisement the trainer
+    does not ask; one that advertised but does not take the area is not waited for."""
+    monkeypatch.setattr(tuning, "REHYDRATE_CLAIM_S", 0.2)
+    target = FlashTarget(_config(tmp_path, "c"), 0, 1, work_dir=tmp_path / "work-c")
+    t0 = time.monotonic()
+    assert target.rehydrate() is None
+    assert not (target.reader.dir / REQUEST).exists()  # never asked
+    advertise(tmp_path / "shm-c", RUN)
+    assert target.rehydrate() is None  # asked; nobody took the area
+    assert (target.reader.dir / REQUEST).exists()
+    assert time.monotonic() - t0 < 5
