@@ -18,7 +18,7 @@ import contextlib
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ckpt_agent.errors import ReplicaError, ReplicaIntegrityError
@@ -66,12 +66,17 @@ def fetch(
     max_bytes: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     limits: Limits | None = None,
+    into: Callable[[Descriptor], memoryview] | None = None,
 ) -> Replica:
     """``peer``'s replica of rank ``rank`` of node ``source``, verified, in memory.
 
     ``run_id`` (when given) must be the replica's run; ``max_bytes`` bounds the memory
-    this side allocates for it. Raises :class:`ReplicaIntegrityError` when the replica is
-    corrupted (at rest on the peer, or in flight), :class:`ReplicaError` otherwise.
+    this side allocates for it. ``into``: where to receive it (called with the offered
+    descriptor once it passed those checks; at least ``data_size`` bytes, writable), e.g. a
+    slot of a shared-memory area; default a new buffer. Raises
+    :class:`ReplicaIntegrityError` when the replica is corrupted (at rest on the peer, or
+    in flight), :class:`ReplicaError` otherwise (what was received into ``into`` then is
+    not a replica).
     """
     conn = open_connection(peer, scope, timeout_s=timeout_s, limits=limits)
     try:
@@ -91,7 +96,9 @@ def fetch(
         if offer.chunk_bytes > conn.limits.max_payload:
             raise ReplicaError(f"replica peer {peer}: chunks beyond the payload limit")
         chunks = offer.chunks()
-        data = bytearray(desc.data_size)
+        data = into(desc) if into is not None else memoryview(bytearray(desc.data_size))
+        if len(data) < desc.data_size:
+            raise ReplicaError(f"{len(data)} bytes to receive a {desc.data_size}-byte replica")
         buf = bytearray(offer.chunk_bytes)
         missing = {c.index for c in chunks}
         while True:
@@ -112,7 +119,7 @@ def fetch(
             )
     finally:
         conn.close()
-    return Replica(source, rank, desc, memoryview(data), offer.hashes, offer.chunk_bytes)
+    return Replica(source, rank, desc, data, offer.hashes, offer.chunk_bytes)
 
 
 def list_replicas(

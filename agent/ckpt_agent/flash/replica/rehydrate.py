@@ -30,9 +30,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import mmap
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
@@ -59,10 +60,14 @@ __all__ = [
     "REQUEST",
     "Held",
     "RehydrateAnswer",
+    "Slot",
     "advertise",
     "advertised",
+    "check_fits",
+    "free_slot",
     "install",
     "newest_held",
+    "publish",
     "read_answer",
     "read_request",
     "write_answer",
@@ -194,66 +199,98 @@ def newest_held(listed: Sequence[tuple[str | None, Mapping[str, object]]], rank:
 # --------------------------------------------------------------------------- installing
 
 
-def install(reader: ShmReader, replica: Replica) -> Descriptor:
-    """Write the verified ``replica`` into a free slot of ``reader``'s area as a complete
-    snapshot (a new sequence number, the replica's step, tier, tree and meta), record its
-    chunk hashes (the SHA-256s it was verified against when they are at
-    :data:`HASH_CHUNK_BYTES`, else computed here; the fast checksums computed here) and
-    mark it handled.
+@dataclass
+class Slot:
+    """A free slot of an area, locked and mapped for writing (:func:`free_slot`)."""
 
-    The area's trainer must not be running (it waits for the answer); the slot is written
-    under its lock, its descriptor last (a crash before leaves no complete snapshot).
-    Raises OSError when the area cannot be written.
-    """
-    desc = replica.desc
-    if replica.rank != reader.rank or desc.run_id != reader.run_id:
-        raise ValueError(f"a replica of {desc.run_id} rank {replica.rank} in {reader.dir}")
+    index: int
+    seq: int
+    """The sequence number the snapshot written here gets."""
+    view: memoryview
+
+
+@contextlib.contextmanager
+def free_slot(reader: ShmReader, data_size: int) -> Iterator[Slot]:
+    """A slot of ``reader``'s area to write a ``data_size``-byte snapshot into: an empty one,
+    else the oldest; locked, its descriptor and hashes removed (it holds no complete
+    snapshot from here on), sized and mapped writable. The area's trainer must not be
+    running (it waits for the answer). Raises OSError when the area cannot be written."""
     reader.dir.mkdir(parents=True, exist_ok=True)
     complete = {d.slot: d.seq for d in reader.complete()}
     mark = reader.persisted()
     seq = max([*complete.values(), mark.seq if mark is not None else 0]) + 1
-    slot = min(range(reader.slots), key=lambda i: (i in complete, complete.get(i, -1)))
-    fd = os.open(reader.data_path(slot), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    index = min(range(reader.slots), key=lambda i: (i in complete, complete.get(i, -1)))
+    fd = os.open(reader.data_path(index), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         if not try_flock(fd, fcntl.LOCK_EX):
-            raise OSError(f"slot {slot} of {reader.dir} is in use")
-        reader.desc_path(slot).unlink(missing_ok=True)
-        reader.hashes_path(slot).unlink(missing_ok=True)
-        os.ftruncate(fd, desc.data_size)
-        data = replica.data
-        with contextlib.suppress(OSError):
-            os.posix_fallocate(fd, 0, desc.data_size)
-        header = bytearray(HEADER.size)
-        HEADER.pack_into(header, 0, MAGIC, seq, seq, desc.data_size)
-        _write_all(fd, data[HEADER.size :], HEADER.size)
-        _write_all(fd, memoryview(header), 0)
-        installed = replace(desc, seq=seq, slot=slot, created_at=time.time(), pid=os.getpid())
-        views = {n: data[t.offset : t.offset + t.nbytes] for n, t in desc.tensors.items()}
-        views.update({n: data[t.offset : t.offset + t.nbytes] for n, t in desc.files.items()})
+            raise OSError(f"slot {index} of {reader.dir} is in use")
+        reader.desc_path(index).unlink(missing_ok=True)
+        reader.hashes_path(index).unlink(missing_ok=True)
+        os.ftruncate(fd, data_size)
+        with contextlib.suppress(OSError):  # tmpfs: the pages now, not a SIGBUS later
+            os.posix_fallocate(fd, 0, data_size)
+        mm = mmap.mmap(fd, data_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        view = memoryview(mm)
+        try:
+            yield Slot(index, seq, view)
+        finally:
+            view.release()
+            mm.close()
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def publish(reader: ShmReader, slot: Slot, replica: Replica) -> Descriptor:
+    """``replica``, whose bytes are in ``slot`` now, as a complete snapshot of the area: the
+    slot header, its chunk hashes (the SHA-256s it was verified against when they are at
+    :data:`HASH_CHUNK_BYTES`, else computed here; the fast checksums computed here), the
+    handled mark, then the descriptor (a new sequence number; the replica's step, tier,
+    tree and meta) last: a crash before leaves no complete snapshot."""
+    desc = replica.desc
+    data = slot.view
+    HEADER.pack_into(data, 0, MAGIC, slot.seq, slot.seq, desc.data_size)
+    installed = replace(
+        desc, seq=slot.seq, slot=slot.index, created_at=time.time(), pid=os.getpid()
+    )
+    views = {n: data[t.offset : t.offset + t.nbytes] for n, t in desc.tensors.items()}
+    views.update({n: data[t.offset : t.offset + t.nbytes] for n, t in desc.files.items()})
+    try:
         sha = (  # verified against these when it was read back; else computed here
             {n: list(replica.hashes[n]) for n in views}
             if replica.chunk_bytes == HASH_CHUNK_BYTES and set(replica.hashes) >= set(views)
             else {n: chunk_hashes(v, HASH_CHUNK_BYTES) for n, v in views.items()}
         )
         fast = {n: fast_checksums(v, HASH_CHUNK_BYTES) for n, v in views.items()}
-        reader.write_hashes(installed, sha, fast)
-        reader.mark(
-            PersistedMark(
-                seq=seq,
-                step=desc.step,
-                checkpoint_id=desc.checkpoint_id,
-                ok=False,
-                error="rehydrated from a peer's replica: not persisted from this node",
-                time=time.time(),
-            )
-        )
-        atomic_write(reader.desc_path(slot), installed.to_bytes())  # the commit marker, last
-        return installed
     finally:
-        os.close(fd)  # drops the lock
+        for v in views.values():
+            v.release()
+    reader.write_hashes(installed, sha, fast)
+    reader.mark(
+        PersistedMark(
+            seq=slot.seq,
+            step=desc.step,
+            checkpoint_id=desc.checkpoint_id,
+            ok=False,
+            error="rehydrated from a peer's replica: not persisted from this node",
+            time=time.time(),
+        )
+    )
+    atomic_write(reader.desc_path(slot.index), installed.to_bytes())  # the commit marker
+    return installed
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
+def check_fits(reader: ShmReader, desc: Descriptor) -> None:
+    """ValueError unless ``desc`` is a snapshot of ``reader``'s run and rank."""
+    if desc.rank != reader.rank or desc.run_id != reader.run_id:
+        raise ValueError(f"a replica of {desc.run_id} rank {desc.rank} in {reader.dir}")
+
+
+def install(reader: ShmReader, replica: Replica) -> Descriptor:
+    """Copy the verified ``replica`` into a free slot of ``reader``'s area and
+    :func:`publish` it (a replica read from this node's store; one from a peer is received
+    straight into the slot instead, :func:`~.fetch.fetch` ``into``)."""
+    desc = replica.desc
+    check_fits(reader, desc)
+    with free_slot(reader, desc.data_size) as slot:
+        slot.view[HEADER.size : desc.data_size] = replica.data[HEADER.size : desc.data_size]
+        return publish(reader, slot, replica)

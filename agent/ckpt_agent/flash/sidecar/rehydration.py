@@ -11,6 +11,7 @@ reason, never an error: the trainer then resumes as it would have without it. To
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,8 +24,12 @@ from ckpt_agent.flash.replica.fetch import fetch, list_replicas, open_local
 from ckpt_agent.flash.replica.rehydrate import (
     Held,
     RehydrateAnswer,
+    Slot,
+    check_fits,
+    free_slot,
     install,
     newest_held,
+    publish,
     read_answer,
     read_request,
     write_answer,
@@ -120,13 +125,22 @@ class Rehydration:
         if held.peer is None:
             with open_local(rep.store, held.source, rank) as replica:
                 return install(st.reader, replica)
-        replica = fetch(
-            Peer.parse(held.peer),
-            rep.scope,
-            held.source,
-            rank,
-            run_id=st.reader.run_id,
-            max_bytes=rep.options.max_snapshot_bytes,
-            timeout_s=rep.options.timeout_s,
-        )
-        return install(st.reader, replica)
+        with contextlib.ExitStack() as stack:
+            slots: list[Slot] = []
+
+            def into(desc: Descriptor) -> memoryview:  # straight into a slot: no copy
+                check_fits(st.reader, desc)
+                slots.append(stack.enter_context(free_slot(st.reader, desc.data_size)))
+                return slots[0].view
+
+            replica = fetch(
+                Peer.parse(held.peer),
+                rep.scope,
+                held.source,
+                rank,
+                run_id=st.reader.run_id,
+                max_bytes=rep.options.max_snapshot_bytes,
+                timeout_s=rep.options.timeout_s,
+                into=into,
+            )
+            return publish(st.reader, slots[0], replica)
