@@ -221,7 +221,6 @@ def main() -> int:
             os.environ.update(s3_env)
         node_b, peer = start_node_b(root)
         model, opt = build(args.size_mb)
-        size = state_bytes(model, opt)
         for name, storage in storages.items():  # node a: two pulses in each storage
             pushing = peer if name == "local disk" else None  # and to node b, once
             with sidecar(root, "a", storage, pushing) as sc:
@@ -238,6 +237,7 @@ def main() -> int:
                     time.sleep(0.05)
                 ckpt.close()
             shutil.rmtree(root / "shm-a")  # node a is lost
+        size = state_bytes(model, opt)  # AdamW's moments exist once it stepped
         assert node_b.stdin is not None and node_b.stdout is not None
         node_b.stdin.close()
         peer_peak = json.loads(node_b.stdout.readline())["peak_rss_above_base_mib"]
