@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from replica_helpers import CHUNK, RUN, SECRET, make_snap, write_slot
+from replica_helpers import RUN, SECRET, make_snap, write_slot
 
 from ckpt_agent.flash.area import ShmArea
 from ckpt_agent.flash.protocol import (
@@ -18,11 +18,9 @@ from ckpt_agent.flash.protocol import (
 )
 from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.fetch import open_local
-from ckpt_agent.flash.replica.replicator import ReplicaOptions
 from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
 from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
-from ckpt_agent.policy import AgentConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,48 +41,14 @@ def _wait(cond: Callable[[], bool]) -> None:
         time.sleep(0.01)
 
 
-@pytest.fixture
-def sidecar_for(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
-    secret = tmp_path / "secret"
-    secret.write_bytes(SECRET)
-    made: list[Sidecar] = []
-
-    def build(peer: str, secret_file: Path = secret) -> Sidecar:
-        config = AgentConfig.model_validate(
-            {
-                "runId": RUN,
-                "storageUrl": (tmp_path / "store").as_uri(),
-                "shmDir": str(tmp_path / "shm-a"),
-                "workDir": str(tmp_path / "work"),
-                "validation": {"loadInSubprocess": False},
-            }
-        )
-        replicas = ReplicaOptions(
-            node="node-a",
-            namespace="team-a",
-            job_id="job-1",
-            secret_file=str(secret_file),
-            peers=(peer,),
-            timeout_s=5.0,
-            chunk_bytes=CHUNK,
-        )
-        sidecar = Sidecar(config, SidecarOptions(metrics_port=0, replicas=replicas))
-        made.append(sidecar)
-        return sidecar
-
-    yield build
-    for s in made:
-        s.close()
-
-
 def test_a_handled_snapshot_is_replicated_to_the_peer(
-    tmp_path: Path, sidecar_for: Callable[..., Sidecar]
+    tmp_path: Path, sidecar_on: Callable[..., Sidecar]
 ) -> None:
     store = ReplicaStore(tmp_path / "shm-b", RUN)
     server = ReplicaServer(store, JobScope("team-a", "job-1", SECRET), host="127.0.0.1").start()
     try:
         host, port = server.address
-        sidecar = sidecar_for(f"{host}:{port}")
+        sidecar = sidecar_on("a", f"{host}:{port}")
         payload = bytes(range(256)) * 12
         desc = _snapshot(tmp_path / "shm-a", payload)
         assert sidecar.run_once() == 1
@@ -102,12 +66,12 @@ def test_a_handled_snapshot_is_replicated_to_the_peer(
 
 
 def test_a_dead_peer_is_counted_and_the_snapshot_persisted_all_the_same(
-    tmp_path: Path, sidecar_for: Callable[..., Sidecar]
+    tmp_path: Path, sidecar_on: Callable[..., Sidecar]
 ) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    sidecar = sidecar_for(f"127.0.0.1:{dead}")
+    sidecar = sidecar_on("a", f"127.0.0.1:{dead}")
     _snapshot(tmp_path / "shm-a", b"\x07" * 3000)
     assert sidecar.run_once() == 1
     replicator = sidecar.replicator
@@ -123,11 +87,11 @@ def test_replication_is_off_by_default() -> None:
 
 
 def test_a_replication_that_cannot_start_leaves_persisting_on(
-    tmp_path: Path, sidecar_for: Callable[..., Sidecar]
+    tmp_path: Path, sidecar_on: Callable[..., Sidecar]
 ) -> None:
-    sidecar = sidecar_for("127.0.0.1:9", secret_file=tmp_path / "no-such-secret")
+    sidecar = sidecar_on("a", "127.0.0.1:9", secret_file=tmp_path / "no-such-secret")
     assert sidecar.replicator is None
     _snapshot(tmp_path / "shm-a", b"\x01" * 100)
     assert sidecar.run_once() == 1 and sidecar.persisted == 1
-    events = (tmp_path / "work" / "sidecar.jsonl").read_text()
+    events = (tmp_path / "work-a" / "sidecar.jsonl").read_text()
     assert '"replication_off"' in events and "cannot read the replica secret" in events

@@ -16,11 +16,9 @@ from ckpt_agent.flash.area import ShmArea
 from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.client import Peer, push
 from ckpt_agent.flash.replica.rehydrate import read_answer, write_request
-from ckpt_agent.flash.replica.replicator import ReplicaOptions
 from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
-from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
-from ckpt_agent.policy import AgentConfig
+from ckpt_agent.flash.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +28,8 @@ PAYLOAD = pattern(5000, 3)
 
 @pytest.fixture
 def peer_b(tmp_path: Path) -> Iterator[tuple[ReplicaStore, Peer]]:
-    """Node b's replica store and server; it holds node a's rank-0 snapshot of step 42."""
+    """Node b's replica store and server; it holds node a's rank-0 snapshot of step 42.
+    Node c's sidecar is ``sidecar_on("c", ...)`` (conftest), its shared memory empty."""
     store = ReplicaStore(tmp_path / "shm-b", RUN)
     server = ReplicaServer(store, SCOPE, host="127.0.0.1", timeout_s=5.0).start()
     peer = Peer(*server.address)
@@ -40,53 +39,16 @@ def peer_b(tmp_path: Path) -> Iterator[tuple[ReplicaStore, Peer]]:
     server.close()
 
 
-@pytest.fixture
-def sidecar_c(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
-    """Node c's sidecar (its shm empty), replicating with the given peers (None: off)."""
-    secret = tmp_path / "secret"
-    secret.write_bytes(SECRET)
-    made: list[Sidecar] = []
-
-    def build(*peers: Peer, replicating: bool = True) -> Sidecar:
-        config = AgentConfig.model_validate(
-            {
-                "runId": RUN,
-                "storageUrl": (tmp_path / "store").as_uri(),
-                "shmDir": str(tmp_path / "shm-c"),
-                "workDir": str(tmp_path / "work-c"),
-                "validation": {"loadInSubprocess": False},
-            }
-        )
-        options = ReplicaOptions(
-            node="node-c",
-            namespace="team-a",
-            job_id="job-1",
-            secret_file=str(secret),
-            peers=tuple(str(p) for p in peers),
-            timeout_s=5.0,
-            chunk_bytes=CHUNK,
-        )
-        sidecar = Sidecar(
-            config, SidecarOptions(metrics_port=0, replicas=options if replicating else None)
-        )
-        made.append(sidecar)
-        return sidecar
-
-    yield build
-    for s in made:
-        s.close()
-
-
 def _events(tmp_path: Path, name: str) -> list[dict[str, object]]:
     lines = (tmp_path / "work-c" / "sidecar.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == name]
 
 
 def test_a_request_gets_the_peers_replica_installed_and_not_persisted_again(
-    tmp_path: Path, peer_b: tuple[ReplicaStore, Peer], sidecar_c: Callable[..., Sidecar]
+    tmp_path: Path, peer_b: tuple[ReplicaStore, Peer], sidecar_on: Callable[..., Sidecar]
 ) -> None:
     _, peer = peer_b
-    sidecar = sidecar_c(peer)
+    sidecar = sidecar_on("c", str(peer))
     area = ShmArea(tmp_path / "shm-c", RUN, 0)
     write_request(area, "n1")
     assert sidecar.run_once() == 0  # answered, and nothing to persist
@@ -106,7 +68,7 @@ def test_a_request_gets_the_peers_replica_installed_and_not_persisted_again(
 
 
 def test_this_nodes_own_store_is_read_without_the_network(
-    tmp_path: Path, sidecar_c: Callable[..., Sidecar]
+    tmp_path: Path, sidecar_on: Callable[..., Sidecar]
 ) -> None:
     """The rank came back on a node that holds its replica (pushed there before)."""
     own = ReplicaStore(tmp_path / "shm-c", RUN)
@@ -117,7 +79,7 @@ def test_this_nodes_own_store_is_read_without_the_network(
              chunk_bytes=CHUNK)  # fmt: skip
     finally:
         server.close()
-    sidecar = sidecar_c()  # no peers at all
+    sidecar = sidecar_on("c")  # no peers at all
     area = ShmArea(tmp_path / "shm-c", RUN, 0)
     write_request(area, "n2")
     sidecar.run_once()
@@ -127,14 +89,14 @@ def test_this_nodes_own_store_is_read_without_the_network(
 
 
 def test_a_corrupted_replica_is_not_installed_and_the_answer_says_why(
-    tmp_path: Path, peer_b: tuple[ReplicaStore, Peer], sidecar_c: Callable[..., Sidecar]
+    tmp_path: Path, peer_b: tuple[ReplicaStore, Peer], sidecar_on: Callable[..., Sidecar]
 ) -> None:
     store, peer = peer_b
     (held,) = store.replicas()
     raw = bytearray(held.data_path.read_bytes())
     raw[held.desc.tensors["w"].offset + 100] ^= 0xFF  # a bit flipped at rest on node b
     held.data_path.write_bytes(raw)
-    sidecar = sidecar_c(peer)
+    sidecar = sidecar_on("c", str(peer))
     area = ShmArea(tmp_path / "shm-c", RUN, 0)
     write_request(area, "n3")
     sidecar.run_once()
@@ -146,19 +108,19 @@ def test_a_corrupted_replica_is_not_installed_and_the_answer_says_why(
 
 
 def test_nothing_held_an_unreachable_peer_or_replication_off_is_an_answer_not_an_error(
-    tmp_path: Path, sidecar_c: Callable[..., Sidecar]
+    tmp_path: Path, sidecar_on: Callable[..., Sidecar]
 ) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = Peer("127.0.0.1", s.getsockname()[1])
     area = ShmArea(tmp_path / "shm-c", RUN, 0)
     write_request(area, "n4")
-    sidecar_c(dead).run_once()
+    sidecar_on("c", str(dead)).run_once()
     answer = read_answer(area, "n4")
     assert answer is not None and not answer.found and f"peer {dead}" in answer.why
 
     other = ShmArea(tmp_path / "shm-c", RUN, 1)
     write_request(other, "n5")
-    sidecar_c(replicating=False).run_once()
+    sidecar_on("c", replicating=False).run_once()
     off = read_answer(other, "n5")
     assert off is not None and not off.found and off.why == "peer replication is off on this node"
