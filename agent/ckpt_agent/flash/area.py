@@ -101,6 +101,18 @@ class ShmArea:
         c = self.complete()
         return c[-1] if c else None
 
+    def highest_seq(self) -> int:
+        """The highest sequence number used in the area: its complete snapshots' and the
+        persisted mark's (0: none); the next snapshot takes the one after it."""
+        mark = self.persisted()
+        return max([*(d.seq for d in self.complete()), mark.seq if mark is not None else 0])
+
+    def write_order(self) -> list[int]:
+        """The slots to write the next snapshot into, in order: the empty ones first, then
+        the complete ones, oldest first."""
+        seqs = {d.slot: d.seq for d in self.complete()}
+        return sorted(range(self.slots), key=lambda i: (i in seqs, seqs.get(i, -1)))
+
     def _slot_ids(self) -> list[int]:
         ids = set(range(self.slots))
         with contextlib.suppress(FileNotFoundError):

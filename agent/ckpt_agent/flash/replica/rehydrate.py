@@ -10,7 +10,7 @@ empty) area:
    ``<shm_dir>/<run>/sidecar.features.json``, :func:`advertise`: a sidecar of an older
    version never answers, and the trainer must not wait for it;
    :meth:`~ckpt_agent.runtime.shm.target.FlashTarget.rehydrate`);
-2. the sidecar (:func:`~ckpt_agent.flash.sidecar.rehydration.answer_requests`) looks for
+2. the sidecar (:class:`~ckpt_agent.flash.sidecar.rehydration.Rehydration`) looks for
    the newest replica of that rank: in this node's replica store, then on each peer
    (:func:`~.fetch.list_replicas`); reads it back with every chunk verified
    (:func:`~.fetch.open_local`, :func:`~.fetch.fetch`), :func:`install`\\ s it into a free
@@ -50,6 +50,7 @@ from ckpt_agent.flash.protocol import (
     try_flock,
 )
 from ckpt_agent.flash.reader import ShmReader
+from ckpt_agent.flash.replica.client import Peer
 from ckpt_agent.flash.replica.fetch import Replica
 from ckpt_agent.format.layout import validate_run_id
 from ckpt_agent.records import Json
@@ -173,13 +174,15 @@ def _read(area: ShmArea, name: str) -> dict[str, Json] | None:
 class Held:
     """A replica of the wanted rank somewhere: this node's store (``peer`` None) or a peer's."""
 
-    peer: str | None
+    peer: Peer | None
     source: str
     step: int
     seq: int
 
 
-def newest_held(listed: Sequence[tuple[str | None, Mapping[str, object]]], rank: int) -> list[Held]:
+def newest_held(
+    listed: Sequence[tuple[Peer | None, Mapping[str, object]]], rank: int
+) -> list[Held]:
     """The replicas of ``rank`` among ``listed`` ((peer, entry) pairs, entries as
     :func:`~.fetch.list_replicas` gives them; peer None: this node's store), newest step
     first, this node's own store first among equals (no network); malformed entries are
@@ -211,15 +214,13 @@ class Slot:
 
 @contextlib.contextmanager
 def free_slot(reader: ShmReader, data_size: int) -> Iterator[Slot]:
-    """A slot of ``reader``'s area to write a ``data_size``-byte snapshot into: an empty one,
-    else the oldest; locked, its descriptor and hashes removed (it holds no complete
-    snapshot from here on), sized and mapped writable. The area's trainer must not be
+    """A slot of ``reader``'s area to write a ``data_size``-byte snapshot into (the first of
+    :meth:`~ckpt_agent.flash.area.ShmArea.write_order`, as the trainer's writer picks);
+    locked, its descriptor and hashes removed (it holds no complete snapshot from here
+    on), sized and mapped writable. The area's trainer must not be
     running (it waits for the answer). Raises OSError when the area cannot be written."""
     reader.dir.mkdir(parents=True, exist_ok=True)
-    complete = {d.slot: d.seq for d in reader.complete()}
-    mark = reader.persisted()
-    seq = max([*complete.values(), mark.seq if mark is not None else 0]) + 1
-    index = min(range(reader.slots), key=lambda i: (i in complete, complete.get(i, -1)))
+    seq, index = reader.highest_seq() + 1, reader.write_order()[0]
     fd = os.open(reader.data_path(index), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         if not try_flock(fd, fcntl.LOCK_EX):

@@ -86,26 +86,24 @@ class Rehydration:
         if st.reader.latest() is not None:
             return RehydrateAnswer(nonce, False, "the area holds a snapshot already")
         notes: list[str] = []
-        listed: list[tuple[str | None, Mapping[str, object]]] = [
+        listed: list[tuple[Peer | None, Mapping[str, object]]] = [
             (None, {"source": r.source, "rank": r.rank, "step": r.desc.step, "seq": r.desc.seq})
             for r in rep.store.replicas()
             if r.rank == rank
         ]
+        timeout_s = min(rep.options.timeout_s, tuning.REHYDRATE_LIST_TIMEOUT_S)
         for peer in rep.peers:
             try:
-                timeout_s = min(rep.options.timeout_s, tuning.REHYDRATE_LIST_TIMEOUT_S)
-                for entry in list_replicas(peer, rep.scope, timeout_s=timeout_s):
-                    listed.append((str(peer), entry))
+                listed += [(peer, e) for e in list_replicas(peer, rep.scope, timeout_s=timeout_s)]
             except (ReplicaError, OSError) as e:
                 notes.append(f"peer {peer}: {clean(e)}")
         for held in newest_held(listed, rank):
+            where = "this node's store" if held.peer is None else f"peer {held.peer}"
             try:
                 desc = self._install(st, held)
             except (ReplicaError, OSError, ValueError) as e:
-                where = "this node" if held.peer is None else f"peer {held.peer}"
-                notes.append(f"{where}'s replica of step {held.step}: {clean(e)}")
+                notes.append(f"the replica of step {held.step} in {where}: {clean(e)}")
                 continue
-            where = "this node's store" if held.peer is None else f"peer {held.peer}"
             return RehydrateAnswer(
                 nonce,
                 True,
@@ -134,7 +132,7 @@ class Rehydration:
                 return slots[0].view
 
             replica = fetch(
-                Peer.parse(held.peer),
+                held.peer,
                 rep.scope,
                 held.source,
                 rank,

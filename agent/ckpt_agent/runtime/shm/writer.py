@@ -76,9 +76,7 @@ class ShmWriter(ShmArea):
                 f"{run_id!r} rank {rank} on one node?"
             )
         self._slots: dict[int, _Slot] = {}
-        last = max((d.seq for d in self.complete()), default=0)
-        mark = self.persisted()
-        self._seq = max(last, mark.seq if mark is not None else 0)
+        self._seq = self.highest_seq()
         self.writes = 0
 
     # ------------------------------------------------------------------ slots
@@ -101,15 +99,10 @@ class ShmWriter(ShmArea):
             return None
         return newest.slot
 
-    def _order(self) -> list[int]:
-        """Slots to try: empty ones first, then the oldest complete one."""
-        seqs = {d.slot: d.seq for d in self.complete()}
-        return sorted(range(self.slots), key=lambda i: (i in seqs, seqs.get(i, -1)))
-
     def free_slot(self) -> int | None:
         """A slot a snapshot could be written to now (None: busy, the save must wait)."""
         protect = self._protected()
-        for i in self._order():
+        for i in self.write_order():
             if i == protect:
                 continue
             s = self._slot(i)
@@ -124,7 +117,7 @@ class ShmWriter(ShmArea):
 
     def _acquire(self) -> int | None:
         protect = self._protected()
-        for i in self._order():
+        for i in self.write_order():
             if i == protect:
                 continue
             if try_flock(self._slot(i).fd, fcntl.LOCK_EX):

@@ -10,6 +10,7 @@ from replica_helpers import RUN, make_snap, pattern
 
 from ckpt_agent.flash.area import ShmArea
 from ckpt_agent.flash.reader import ShmReader, verify_snapshot
+from ckpt_agent.flash.replica.client import Peer
 from ckpt_agent.flash.replica.fetch import Replica
 from ckpt_agent.flash.replica.rehydrate import (
     ANSWER,
@@ -41,19 +42,20 @@ def test_a_request_and_its_answer_are_matched_by_nonce(tmp_path: Path) -> None:
 
 
 def test_the_newest_replica_of_the_rank_comes_first_this_nodes_own_among_equals() -> None:
-    listed: list[tuple[str | None, dict[str, object]]] = [
-        ("p1:7471", {"source": "a", "rank": 0, "step": 10, "seq": 4}),
-        ("p2:7471", {"source": "a", "rank": 0, "step": 20, "seq": 5}),
+    p1, p2 = Peer("p1", 7471), Peer("p2", 7471)
+    listed: list[tuple[Peer | None, dict[str, object]]] = [
+        (p1, {"source": "a", "rank": 0, "step": 10, "seq": 4}),
+        (p2, {"source": "a", "rank": 0, "step": 20, "seq": 5}),
         (None, {"source": "b", "rank": 0, "step": 20, "seq": 3}),
-        ("p1:7471", {"source": "a", "rank": 1, "step": 99, "seq": 9}),  # another rank
-        ("p1:7471", {"source": "a", "rank": 0, "step": "30", "seq": 1}),  # malformed
-        ("p1:7471", {"source": "a", "rank": 0, "step": True, "seq": 1}),  # malformed
-        ("p1:7471", {"rank": 0, "step": 40, "seq": 1}),  # no source
+        (p1, {"source": "a", "rank": 1, "step": 99, "seq": 9}),  # another rank
+        (p1, {"source": "a", "rank": 0, "step": "30", "seq": 1}),  # malformed
+        (p1, {"source": "a", "rank": 0, "step": True, "seq": 1}),  # malformed
+        (p1, {"rank": 0, "step": 40, "seq": 1}),  # no source
     ]
     assert newest_held(listed, 0) == [
         Held(None, "b", 20, 3),
-        Held("p2:7471", "a", 20, 5),
-        Held("p1:7471", "a", 10, 4),
+        Held(p2, "a", 20, 5),
+        Held(p1, "a", 10, 4),
     ]
     assert newest_held(listed, 2) == []
 
