@@ -26,7 +26,7 @@ from ckpt_operator.planners.injection import (
     build_pod_patch,
     is_unprotected,
 )
-from ckpt_operator.planners.replica_injection import replicated_secret
+from ckpt_operator.planners.replica_injection import mounts_replica_secret
 from ckpt_operator.planners.runfacts import agent_run_env
 from ckpt_operator.planners.validation import annotation_errors, parse_policy_spec
 
@@ -216,9 +216,8 @@ async def inject_pod(
     if quiet:
         return InjectionOutcome(result.ops, [], "injected")
     notes = list(result.notes)
-    secret = replicated_secret(result.ops)
-    if secret is not None and deps.config.issue_replica_secrets and not dryrun:
-        note = await issue_replica_secret(deps, kind, job, secret)
+    if deps.config.issue_replica_secrets and not dryrun and mounts_replica_secret(result.ops):
+        note = await issue_replica_secret(deps, kind, job)
         if note is not None:
             notes.append(note)
     deps.metrics.injections.labels("injected").inc()

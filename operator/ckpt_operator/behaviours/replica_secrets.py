@@ -1,7 +1,7 @@
 """Issuing each replicating job's Secret from the pod webhook (``--issue-replica-secrets``).
 
 The webhook admits a pod that replicates (its patch mounts ``ckpt-replica-<job>``,
-:func:`~ckpt_operator.planners.replica_injection.replicated_secret`): before the pod is
+:func:`~ckpt_operator.planners.replica_injection.mounts_replica_secret`): before the pod is
 stored, :func:`issue_replica_secret` creates that Secret
 (:func:`~ckpt_operator.planners.replica_secret.replica_secret`, a fresh random key) unless
 it exists, so that every sidecar of the job finds it when it starts. The first pod of a job
@@ -30,12 +30,11 @@ __all__ = ["issue_replica_secret"]
 log = logging.getLogger(__name__)
 
 
-async def issue_replica_secret(
-    deps: Deps, kind: JobKind, job: Mapping[str, Any], name: str
-) -> str | None:
-    """Make sure the Secret ``name`` of ``job`` exists; a note when it could not be made
-    (None: created now, or there already)."""
+async def issue_replica_secret(deps: Deps, kind: JobKind, job: Mapping[str, Any]) -> str | None:
+    """Make sure ``job``'s replica Secret exists; a note when it could not be made (None:
+    created now, or there already)."""
     body = replica_secret(job, kind, secrets.token_hex(SECRET_KEY_HEX_DIGITS // 2))
+    name = body["metadata"]["name"]
     api = deps.admission_api if deps.admission_api is not None else deps.api
     try:
         created = await api.create_secret(body)

@@ -48,8 +48,8 @@ __all__ = [
     "REPLICA_SECRET_PATH",
     "VOL_REPLICA",
     "add_replication",
+    "mounts_replica_secret",
     "replica_secret_name",
-    "replicated_secret",
 ]
 
 VOL_REPLICA: Final = "ckpt-replica"
@@ -64,18 +64,15 @@ def replica_secret_name(job_name: str) -> str:
     return derived_name("ckpt-replica-", job_name)
 
 
-def replicated_secret(ops: Sequence[JSONPatchOp]) -> str | None:
-    """The replica Secret a pod patch mounts (None: the pod does not replicate)."""
-    for op in ops:
-        value = op.get("value")
-        if (
-            op["op"] == "add"
-            and op["path"] == "/spec/volumes/-"
-            and isinstance(value, Mapping)
-            and value.get("name") == VOL_REPLICA
-        ):
-            return str(value["secret"]["secretName"])
-    return None
+def mounts_replica_secret(ops: Sequence[JSONPatchOp]) -> bool:
+    """A pod patch mounts the job's replica Secret: the pod replicates."""
+    return any(
+        op["op"] == "add"
+        and op["path"] == "/spec/volumes/-"
+        and isinstance(op.get("value"), Mapping)
+        and op["value"].get("name") == VOL_REPLICA
+        for op in ops
+    )
 
 
 def _taken(pod_spec: Mapping[str, Any], port: int) -> str | None:

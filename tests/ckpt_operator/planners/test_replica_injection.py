@@ -12,7 +12,7 @@ from ckpt_agent.flash.sidecar.replica_env import replica_options_from_env
 from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_operator.model.jsonpatch import apply_patch
 from ckpt_operator.planners.injection import InjectionContext, build_pod_patch
-from ckpt_operator.planners.replica_injection import replica_secret_name
+from ckpt_operator.planners.replica_injection import mounts_replica_secret, replica_secret_name
 
 RUN_ID = "mnist-ddp-5f0c6a7e"
 IMAGE = "ghcr.io/x/agent:0.1.0"
@@ -127,6 +127,15 @@ def test_a_world_of_one_is_injected_without_replication_and_noted(fixture: Any) 
     assert not any(k.startswith("CKPT_REPLICA_") for k in _env(_sidecar(out)))
     assert all(v["name"] != "ckpt-replica" for v in out["spec"]["volumes"])
     assert len(notes) == 1 and "peer replication off" in notes[0] and "world of one" in notes[0]
+
+
+def test_the_patch_says_whether_the_pod_replicates(fixture: Any) -> None:
+    """What the webhook reads to issue the job's Secret (behaviours.replica_secrets)."""
+    pod, job = _pytorch(fixture)
+    on = build_pod_patch(pod, _spec(fixture, ON), {}, _ctx(job)).ops
+    assert mounts_replica_secret(on)
+    assert not mounts_replica_secret(build_pod_patch(pod, _spec(fixture, None), {}, _ctx(job)).ops)
+    assert not mounts_replica_secret(build_pod_patch(pod, _spec(fixture, ON), {}, _ctx(None)).ops)
 
 
 def test_an_unknown_job_or_rank_is_noted(fixture: Any) -> None:
