@@ -133,7 +133,9 @@ def sidecar(
     CKPT_REPLICA_PEERS, CKPT_REPLICA_SECRET_FILE, CKPT_REPLICA_JOB and
     CKPT_NODE_NAME (set by the operator's webhook for spec.agent.replicas) it
     also pushes each snapshot to its peers and keeps theirs; a bad value is
-    logged and replication stays off, persisting goes on.
+    logged and replication stays off, persisting goes on. A trainer recreated on
+    this node (its old node lost) gets its rank's snapshot back from them before
+    it resumes.
 
     Exit code 2 for a missing or invalid config.
     """
