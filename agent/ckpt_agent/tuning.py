@@ -101,3 +101,9 @@ SHM_CLOSE_TIMEOUT_S: Final = 300.0
 #: the bound without a usable one fails and says so (it never goes back past candidates
 #: it did not try): name the checkpoint with ``ckpt recover --manual --step N --force``.
 MAX_RESUME_CANDIDATES: Final = 32
+
+
+#: How long a just-in-time save waits for a free shared-memory slot before it gives up
+#: (the process is on its way out; the persister frees a slot once it handled the previous
+#: snapshot).
+JIT_SLOT_WAIT_S: Final = 10.0

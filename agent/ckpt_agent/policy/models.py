@@ -284,6 +284,11 @@ class AgentSpec(CamelModel):
                     ".replicas.enabled",
                 ),
                 cel(
+                    "!self.jitSave || self.sidecar",
+                    "jitSave needs sidecar: true (the snapshot goes to shared memory)",
+                    ".jitSave",
+                ),
+                cel(
                     "!self.replicas.enabled || (self.replicas.port != self.metricsPort"
                     " && self.replicas.port != self.metricsPort + 1"
                     " && self.replicas.port != self.metricsPort - 1)",
@@ -313,6 +318,11 @@ class AgentSpec(CamelModel):
     not use the agent (0: never)."""
     replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
     """Peer replicas of the sidecar's flash snapshots (off by default)."""
+    jit_save: bool = False
+    """Just-in-time saves (docs/replicas.md): every step's RNG and data position go to shared
+    memory, and when a rank dies mid-step the surviving ranks save the last finished step
+    before they exit, so that the restart loses at most that step (replicated state only,
+    not FSDP; needs ``sidecar: true`` in a policy, ``CKPT_SHM_DIR`` in a local run)."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> AgentSpec:
@@ -396,6 +406,15 @@ class CheckpointPolicySpec(CamelModel):
     """Agent injection."""
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     """Preemption by Kueue: priority boost, save on eviction (docs/kueue.md)."""
+
+    @model_validator(mode="after")
+    def _check_jit(self) -> CheckpointPolicySpec:
+        # here, not in AgentSpec: a local run's config (CKPT_SHM_DIR, no sidecar) may use it
+        if self.agent.jit_save and not self.agent.sidecar:
+            raise ValueError(
+                "agent.jitSave needs agent.sidecar: true (the snapshot goes to shared memory)"
+            )
+        return self
 
 
 class Condition(CamelModel):

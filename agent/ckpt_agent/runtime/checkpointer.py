@@ -81,12 +81,13 @@ from ckpt_agent.runtime.restore.agreed import agreed_resume_point
 from ckpt_agent.runtime.restore.restorer import Restorer
 from ckpt_agent.runtime.restore.resume_point import ResumePoint
 from ckpt_agent.runtime.save.fencing import claim_writer, follow_writer
-from ckpt_agent.runtime.save.heartbeat import Heartbeats
+from ckpt_agent.runtime.save.heartbeat import HeartbeatCapturer, Heartbeats
 from ckpt_agent.runtime.save.persister import Persister
 from ckpt_agent.runtime.save.saving import SavePath
 from ckpt_agent.runtime.save.signals import SignalWatch
 from ckpt_agent.runtime.save.thread_persister import ThreadPersister
 from ckpt_agent.runtime.shm.in_place import resume_from_memory
+from ckpt_agent.runtime.shm.jit import JitSave, jit_unsupported
 from ckpt_agent.runtime.shm.persister import ShmPersister
 from ckpt_agent.runtime.shm.target import FlashTarget
 from ckpt_agent.runtime.start_report import report_start
@@ -215,7 +216,10 @@ class Checkpointer:
         """Shared memory: the save side writes it, the start may restore from it."""
         self._saver = SavePath(engine, capture, persister, backpressure, on_persist_error)
         self._signals = SignalWatch(config.signal_file)
+        self._capturer = HeartbeatCapturer(capture)
         self._heartbeats: Heartbeats | None = None
+        self._jit: JitSave | None = None
+        """Every step's heartbeat in shared memory and the save on a failure (``jitSave``)."""
         self._preparing: threading.Thread | None = None
         """Allocates and touches the snapshot buffers after :meth:`start` returned."""
         self._resume: ResumePoint | None = None
@@ -298,7 +302,9 @@ class Checkpointer:
         e.metrics.recovered(resume.action, seconds)
         self._persister.start(resume.handover())  # the restore side's result, handed over once
         if e.config.tiers.heartbeat.enabled:
-            self._heartbeats = Heartbeats(e, self._capture, resume_step=resume.step)
+            self._heartbeats = Heartbeats(e, self._capturer, resume_step=resume.step)
+        if e.config.agent.jit_save:
+            self._jit = self._start_jit()
         if self.preallocate and e.ranks.writes and not e.ranks.sharded:
             work = self._persister.prepare(self._steps.last if self._steps.last is not None else 0)
             if work is not None:  # off the critical path: joined before the first snapshot
@@ -327,6 +333,8 @@ class Checkpointer:
         self._engine.close_writers()
         if self._heartbeats is not None:
             self._heartbeats.close(timeout)
+        if self._jit is not None:
+            self._jit.close()
         self._saver.drain()
         self._signals.restore_sigterm()
         self._engine.event("close", stats=self.summary())
@@ -340,7 +348,11 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *rest: object
+    ) -> None:
+        if isinstance(exc, Exception) and self._jit is not None and not self._closed:
+            self.save_on_failure(exc)
         try:
             self.close()
         except Exception:
@@ -363,6 +375,8 @@ class Checkpointer:
         if not self._started or self._closed:
             self._check_running()
         self._steps.check(step)
+        # before the step's agreement: a failure in it still finds this step recorded
+        captured = self._jit.record(step) if self._jit is not None else None
         saver, signals, e = self._saver, self._signals, self._engine
         saver.raise_errors()
         saver.drain()
@@ -388,7 +402,7 @@ class Checkpointer:
         e.record_decision(decision, loss=float(loss))
         if decision.save and decision.tier is not None:
             if self._heartbeats is not None:
-                self._heartbeats.put(step)
+                self._heartbeats.put(step, captured)
             if decision.tier in (Tier.PULSE, Tier.FULL) and e.ranks.writes:
                 self._wait_prepared()
                 self._saver.save(decision, busy=busy, force=stop)
@@ -449,6 +463,27 @@ class Checkpointer:
                 return None
         return ckpt_id
 
+    def save_on_failure(self, error: BaseException | None = None) -> str | None:
+        """A just-in-time save, on the way out after a failure (``spec.agent.jitSave``).
+
+        Call it where the training loop's exception is caught (the ``with Checkpointer``
+        block and the framework integrations do): when the optimizer has not stepped since
+        the last :meth:`step` — the failure came out of the next step's forward or backward,
+        e.g. its all-reduce after another rank died — this rank's state is still that
+        step's, and it is written to shared memory without talking to the other ranks; the
+        restart resumes from it, losing at most the failed step (docs/replicas.md). Returns
+        the snapshot's checkpoint id, or None when there is nothing to save (JIT off, no
+        step yet, the optimizer stepped, memory holds that step already: the decision log
+        says which). Never raises: the original error is what matters.
+        """
+        if self._jit is None or not self._started or self._closed:
+            return None
+        try:
+            return self._jit.save(error)
+        except Exception:
+            log.warning("the just-in-time save failed", exc_info=True)
+            return None
+
     def wait(self, timeout: float | None = None, *, validation: bool = True) -> bool:
         """Wait for the running persist (and validations); False on timeout. Raises errors."""
         ok = self._persister.wait_persisted(timeout)
@@ -471,6 +506,17 @@ class Checkpointer:
 
     def summary(self) -> dict[str, Any]:
         return self._engine.summary()
+
+    def _start_jit(self) -> JitSave | None:
+        """The JIT save when it can work here (else a warning and a ``jit_save`` event)."""
+        e = self._engine
+        why = jit_unsupported(e, self._capture, self._persister)
+        if why:
+            log.warning("spec.agent.jitSave is on but just-in-time saves are off: %s", why)
+            e.event("jit_save", outcome="off", reason=why)
+            return None
+        assert isinstance(self._persister, ShmPersister)
+        return JitSave(e, self._capture, self._persister, self._capturer)
 
     def _wait_prepared(self) -> None:
         """The buffers' preparation is over (before a snapshot uses them)."""

@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from ckpt_agent.decide.inplace import InplaceChoice, ShmOffer, all_usable, choose_inplace
+from ckpt_agent.decide.inplace import (
+    InplaceChoice,
+    ShmOffer,
+    StepMark,
+    all_usable,
+    choose_inplace,
+)
 
 
 def offer(
@@ -108,3 +114,78 @@ def test_all_usable() -> None:
     assert all_usable([{"ok": True}, {"ok": True}]) == (True, "")
     ok, why = all_usable([{"ok": True}, {"ok": False, "why": "bytes differ"}])
     assert not ok and why == "rank 1: bytes differ"
+
+
+# --------------------------------------------------------------------------- JIT saves
+
+
+def jit(step: int, seq: int = 9, ws: int = 4, epoch: int = 0) -> ShmOffer:
+    return ShmOffer(step, f"{step}-jit-{epoch}", seq, ws, epoch, jit=True)
+
+
+def test_a_jit_save_by_the_survivors_covers_the_dead_rank_through_its_step_mark() -> None:
+    older = [offer(10, seq=1, ws=4) for _ in range(4)]
+    offers = [[older[0], jit(13)], [older[1]], [older[2], jit(13)], [older[3], jit(13)]]
+    marks = [StepMark(13, 0), StepMark(13, 0), StepMark(13, 0), StepMark(13, 0)]
+    got = choose(offers, storage=10, ws=4, marks=marks)
+    assert (got.token, got.step, got.source, got.from_heartbeat) == ("13-jit-0", 13, 0, (1,))
+    assert got.seqs == (9, -1, 9, 9) and "just-in-time" in got.reason
+
+
+def test_the_replicated_state_comes_from_the_first_survivor_when_rank_0_died() -> None:
+    offers = [[], [jit(13)], [jit(13)], [jit(13)]]
+    got = choose(offers, ws=4, marks=[StepMark(13, 0)] * 4)
+    assert (got.source, got.from_heartbeat) == (1, (0,))
+
+
+@pytest.mark.parametrize(
+    "mark",
+    [None, StepMark(12, 0), StepMark(14, 0), StepMark(13, 1)],
+    ids=["no mark", "a step behind", "a step ahead", "another lineage"],
+)
+def test_a_dead_rank_whose_mark_is_not_that_step_sends_the_choice_to_the_common_save(
+    mark: StepMark | None,
+) -> None:
+    older = [offer(10, seq=1, ws=4) for _ in range(4)]
+    offers = [[older[0], jit(13)], [older[1]], [older[2], jit(13)], [older[3], jit(13)]]
+    marks = [StepMark(13, 0), mark, StepMark(13, 0), StepMark(13, 0)]
+    got = choose(offers, storage=10, ws=4, marks=marks)
+    assert (got.token, got.step, got.from_heartbeat) == ("t10", 10, ())
+
+
+def test_a_save_that_is_not_jit_is_never_completed_by_step_marks() -> None:
+    offers = [[offer(13, ws=2)], []]
+    got = choose(offers, ws=2, marks=[StepMark(13, 0), StepMark(13, 0)])
+    assert got.token is None
+
+
+def test_without_marks_a_jit_save_some_ranks_lack_is_not_usable() -> None:
+    offers = [[jit(13, ws=2)], []]
+    assert choose(offers, ws=2).token is None
+    assert choose(offers, ws=2, marks=[StepMark(13, 0)]).token is None  # wrong length
+
+
+def test_a_jit_save_older_than_storage_means_storage() -> None:
+    offers = [[jit(13, ws=2)], []]
+    got = choose(offers, storage=20, ws=2, marks=[StepMark(13, 0)] * 2)
+    assert got.token is None and "newer checkpoint (step 20)" in got.reason
+
+
+def test_survivors_disagreeing_on_the_jit_step_are_never_mixed() -> None:
+    a = ShmOffer(13, "13-jit-0", 9, 2, 0, jit=True)
+    b = ShmOffer(14, "13-jit-0", 9, 2, 0, jit=True)
+    got = choose([[a], [b]], ws=2, marks=[StepMark(13, 0), StepMark(14, 0)])
+    assert got.token is None
+
+
+def test_a_jit_save_held_by_every_rank_is_an_ordinary_choice() -> None:
+    got = choose([[jit(13, ws=2)], [jit(13, ws=2)]], ws=2)
+    assert (got.token, got.source, got.from_heartbeat, got.seqs) == ("13-jit-0", 0, (), (9, 9))
+
+
+def test_offers_and_marks_round_trip_through_json_and_old_offers_still_read() -> None:
+    o = jit(13)
+    assert ShmOffer.from_json(o.to_json()) == o
+    assert ShmOffer.from_json([5, "t5", 1, 2, 0]) == offer(5)
+    assert StepMark.from_json(StepMark(3, 1).to_json()) == StepMark(3, 1)
+    assert StepMark.from_json(None) is None

@@ -200,12 +200,33 @@ class MlpRun:
         ckpt: Checkpointer | None,
         die: Callable[[int, Any], bool],
         hold_at: int | None = None,
+        stall_at: int | None = None,
     ) -> None:
         """Steps ``start`` .. ``steps - 1``; SIGKILL itself after a step that took a snapshot
         and where ``die(step, decision)`` (the step is written to ``died_after.txt`` first).
         A save deferred by back-pressure (a loaded machine) took none: not that step.
         ``hold_at``: before that step, wait while ``<out>/hold`` exists (a test holds the
-        run there to kill it mid-run however fast or slow the machine is)."""
+        run there to kill it mid-run however fast or slow the machine is). ``stall_at``:
+        in that step, between the forward and the backward pass, write
+        ``<out>/stalled.rank<r>`` and wait while ``<out>/stall.rank<r>`` exists (a test
+        kills the rank there: mid-step, the other ranks blocked in the step's all-reduce).
+        A failure out of the loop is handed to ``save_on_failure`` (a JIT save), then raised."""
+        try:
+            self._train(start, steps, ckpt, die, hold_at, stall_at)
+        except Exception as err:
+            if ckpt is not None:
+                ckpt.save_on_failure(err)
+            raise
+
+    def _train(
+        self,
+        start: int,
+        steps: int,
+        ckpt: Checkpointer | None,
+        die: Callable[[int, Any], bool],
+        hold_at: int | None,
+        stall_at: int | None,
+    ) -> None:
         rank, out = self.rank, self.out
         with open(out / f"losses.rank{rank}.txt", "a") as log:
             for step in range(start, steps):
@@ -216,6 +237,10 @@ class MlpRun:
                 y = torch.randn(8, 4, generator=g)
                 loss = nnf.mse_loss(self.net(x), y)
                 self.opt.zero_grad()
+                if step == stall_at and (out / f"stall.rank{rank}").exists():
+                    (out / f"stalled.rank{rank}").touch()
+                    while (out / f"stall.rank{rank}").exists():
+                        time.sleep(0.01)
                 loss.backward()
                 self.opt.step()
                 self.sched.step()
@@ -304,7 +329,7 @@ def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]
         dies = opts.get("die_rank") in (rank, "all")
         return die_at is not None and dies and step >= die_at and _saved(d)
 
-    run.train(start, steps, ckpt, die, opts.get("hold_at"))
+    run.train(start, steps, ckpt, die, opts.get("hold_at"), opts.get("stall_at"))
 
 
 # --------------------------------------------------------------------------- agreement

@@ -92,14 +92,19 @@ class Areas:
             self.metrics.trainer_alive.labels(rank=str(r)).set(1 if alive else 0)
 
     def pending(self) -> list[tuple[int, Descriptor]]:
-        """Areas with a complete snapshot not handled yet (newest per area)."""
+        """Areas with a complete snapshot not handled yet (newest per area; but a durable
+        save not handled yet goes before a newer just-in-time one, which never reaches
+        storage: the save taken right before a failure still commits)."""
         out = []
         for r, st in sorted(self.states.items()):
             if not st.claimed:
                 continue
-            d = st.reader.latest()
-            if d is not None and d.seq > st.handled_seq:
-                out.append((r, d))
+            todo = [d for d in st.reader.complete() if d.seq > st.handled_seq]
+            if not todo:
+                continue
+            durable = [d for d in todo if d.meta.get("jit") is not True]
+            newest = todo[-1]
+            out.append((r, durable[-1] if newest.meta.get("jit") is True and durable else newest))
         return out
 
     def any_alive(self) -> bool:

@@ -172,7 +172,38 @@ class Sidecar:
         self.drain.poll_signal()
         return done
 
+    def _record_jit(self, st: AreaState, desc: Descriptor) -> bool:
+        """A just-in-time snapshot: hashes recorded, replicated, never written to storage."""
+        reader = st.reader
+        t0 = time.perf_counter()
+        if not self.part_writer.record_only(reader, desc):
+            return False
+        st.handled_seq = desc.seq
+        seconds = time.perf_counter() - t0
+        self._event(
+            "jit_recorded", rank=desc.rank, seq=desc.seq, step=desc.step, seconds=round(seconds, 6)
+        )
+        reader.mark(
+            PersistedMark(
+                seq=desc.seq,
+                step=desc.step,
+                checkpoint_id=desc.checkpoint_id,
+                ok=True,
+                error="",
+                manifest_hash=None,
+                committed=False,
+                persist_s=seconds,
+                size_bytes=0,
+                time=time.time(),
+            )
+        )
+        if self.replicator is not None:
+            self.replicator.offer(reader, desc)
+        return True
+
     def _persist_area(self, st: AreaState, desc: Descriptor, trigger: str | None) -> bool:
+        if desc.meta.get("jit") is True:
+            return self._record_jit(st, desc)
         reader = st.reader
         t0 = time.perf_counter()
         handled: Handled | None = None

@@ -135,6 +135,19 @@ class PartWriter:
         token = str(desc.meta.get("token") or "")
         return Handled(desc, written, time.perf_counter() - t0, token)
 
+    def record_only(self, reader: ShmReader, desc: Descriptor) -> bool:
+        """A just-in-time snapshot (``jit`` in its metadata): its hashes recorded for the
+        in-place restart, nothing written to storage (the dead rank's part is missing, so it
+        could never commit). False when it was torn or overwritten meanwhile."""
+        with reader.open(desc) as snap:
+            if snap is None:
+                return False
+            views = {name: snap.tensor(name) for name in desc.tensors}
+            views.update({name: snap.file(name) for name in desc.files})
+            self._record_hashes(reader, desc, views)
+            del views
+        return True
+
     def _record_hashes(
         self,
         reader: ShmReader,

@@ -76,14 +76,15 @@ class StateCapture:
         self.train_config = train_config
         self.train_config_bytes = encode_train_config(train_config)
 
-    def sections(self, *, lightweight: bool, step: int) -> dict[str, object]:
+    def sections(self, *, lightweight: bool, step: int, whole: bool = False) -> dict[str, object]:
         """This rank's sections of a snapshot at ``step``.
 
-        Shared (replicated) state is written once, by rank 0; every rank writes its own
-        progress, RNG and data position.
+        Shared (replicated) state is written once, by rank 0 (by every rank with ``whole``:
+        a just-in-time save, which any survivor may have to serve); every rank writes its
+        own progress, RNG and data position.
         """
         ranks = self.engine.ranks
-        shared = ranks.coordinator or not ranks.distributed
+        shared = whole or ranks.coordinator or not ranks.distributed
         sections: dict[str, object] = {
             "progress": {"step": step, "world_size": ranks.world_size, "rank": ranks.rank},
         }

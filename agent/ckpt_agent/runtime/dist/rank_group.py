@@ -85,18 +85,18 @@ class RankGroup:
             )
         return agreed
 
-    def broadcast(self, value: Json) -> Json:
-        """Rank 0's ``value`` on every rank (identity before :meth:`setup`)."""
+    def broadcast(self, value: Json, src: int = 0) -> Json:
+        """Rank ``src``'s ``value`` on every rank (identity before :meth:`setup`)."""
         if self._control is None:
             return value
-        return self._control.broadcast_json(value if self.engine.ranks.coordinator else None)
+        return self._control.broadcast_json(value if self.engine.ranks.rank == src else None, src)
 
     def gather(self, value: Json) -> list[Json]:
         """Every rank's ``value``, in rank order (collective, after :meth:`setup`)."""
         assert self._control is not None
         return self._control.all_gather_json(value)
 
-    def broadcast_tensor(self, t: torch.Tensor) -> None:
-        """Rank 0's tensor into ``t`` on every rank (same shape and dtype everywhere)."""
+    def broadcast_tensor(self, t: torch.Tensor, src: int = 0) -> None:
+        """Rank ``src``'s tensor into ``t`` on every rank (same shape and dtype everywhere)."""
         assert self._control is not None
-        self._control.broadcast_tensor(t)
+        self._control.broadcast_tensor(t, src)

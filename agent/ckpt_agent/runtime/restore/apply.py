@@ -154,6 +154,8 @@ class Applier:
                     f"rebuilt from heartbeat at step {step} with weights of step "
                     f"{source.record.step}: not exact"
                 )
+            elif source.own_heartbeat is not None:  # a JIT save: this rank's step heartbeat
+                data, rng = heartbeat_state(source.own_heartbeat)
             if isinstance(rng, dict):
                 warnings.extend(restore_rng(rng))
             if data is not None and c.dataloader_state is not None:
@@ -216,7 +218,9 @@ class Applier:
         mine = source.loaded
         exact = True
         saved_ws = source.loaded.manifest.meta.world_size
-        if ranks.rank != 0:  # this rank's RNG and data position come from its own part
+        if source.own_heartbeat is not None:
+            pass  # a JIT save: this rank's from its own step heartbeat (_apply_state)
+        elif ranks.rank != 0:  # this rank's RNG and data position come from its own part
             if source.own is not None:
                 mine = source.own
             elif saved_ws > 1 or ranks.distributed:

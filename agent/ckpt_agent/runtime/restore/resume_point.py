@@ -132,5 +132,9 @@ class Candidate:
     manifest_hash: str = ""
     own: LoadedState | None = None
     """This rank's own part (rank > 0 of a multi-rank checkpoint): RNG, data position."""
+    own_heartbeat: Heartbeat | None = None
+    """This rank's RNG and data position at the checkpoint's very step, from its step
+    heartbeat in shared memory: a rank that died before a just-in-time save
+    (:mod:`ckpt_agent.runtime.shm.jit`). Exact, unlike a heartbeat rebuild."""
     checked: bool = False
     """Decoded in full and checked against the live objects (:mod:`.preflight`)."""

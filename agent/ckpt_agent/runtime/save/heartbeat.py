@@ -49,6 +49,7 @@ from ckpt_agent.storage.base import Storage
 
 __all__ = [
     "HeartbeatCapture",
+    "HeartbeatCapturer",
     "HeartbeatWriter",
     "Heartbeats",
     "NumpyRngState",
@@ -358,44 +359,57 @@ class HeartbeatWriter:
         self._thread.join(timeout)
 
 
+class HeartbeatCapturer:
+    """Captures a heartbeat on the training thread: step, time, data position (encoded at
+    once: it is the user's object) and the raw RNG states; shared by the heartbeat ring
+    and the just-in-time save's step record (:mod:`ckpt_agent.runtime.shm.jit`)."""
+
+    def __init__(self, capture: StateCapture) -> None:
+        self.capture = capture
+        self._numpy = NumpyRngState()
+        self._python = PythonRngState()
+        self._cuda = torch.cuda.is_available()
+
+    def __call__(self, step: int) -> HeartbeatCapture:
+        data = self.capture.data_state() if self.capture.dataloader_state is not None else None
+        epoch = data.get("epoch") if isinstance(data, dict) else None
+        cuda: tuple[torch.Tensor, ...] = ()
+        if self._cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            cuda = tuple(torch.cuda.get_rng_state_all())
+        return HeartbeatCapture(
+            step=step,
+            time=time.time(),
+            epoch=epoch if isinstance(epoch, int) else None,
+            data=None if data is None else encode_inline(data),
+            python=self._python.get(),
+            numpy=self._numpy.get(),
+            torch_cpu=torch.get_rng_state(),
+            cuda=cuda,
+        )
+
+
 class Heartbeats:
     """This rank's heartbeat ring: step, data position and RNG at every due heartbeat."""
 
-    def __init__(self, engine: Engine, capture: StateCapture, *, resume_step: int) -> None:
+    def __init__(self, engine: Engine, capturer: HeartbeatCapturer, *, resume_step: int) -> None:
         """Continue the stored ring; entries past ``resume_step - 1`` (an abandoned branch) go."""
-        self.capture = capture
+        self.capturer = capturer
         spec = engine.config.tiers.heartbeat
         self.writer = HeartbeatWriter(
             engine.storage, engine.run_id, engine.ranks.rank, interval=spec.flush_interval_seconds
         )
         self.writer.fence = engine.parts.writer.fence  # rank 0's claim (None elsewhere)
-        self._numpy = NumpyRngState()
-        self._python = PythonRngState()
-        self._cuda = torch.cuda.is_available()
         try:
             ring = read_heartbeat(engine.storage, engine.run_id, engine.ranks.rank)
         except (CheckpointFormatError, StorageError):
             ring = []
         self.writer.seed(ring, resume_step - 1)
 
-    def put(self, step: int) -> None:
-        """Capture the heartbeat of ``step`` (training thread; the writer encodes it)."""
-        data = self.capture.data_state() if self.capture.dataloader_state is not None else None
-        epoch = data.get("epoch") if isinstance(data, dict) else None
-        cuda: tuple[torch.Tensor, ...] = ()
-        if self._cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            cuda = tuple(torch.cuda.get_rng_state_all())
+    def put(self, step: int, captured: HeartbeatCapture | None = None) -> None:
+        """Hand the heartbeat of ``step`` to the writer (training thread; the writer encodes
+        it): ``captured`` when this step's was taken already, else captured now."""
         self.writer.put(
-            HeartbeatCapture(
-                step=step,
-                time=time.time(),
-                epoch=epoch if isinstance(epoch, int) else None,
-                data=None if data is None else encode_inline(data),
-                python=self._python.get(),
-                numpy=self._numpy.get(),
-                torch_cpu=torch.get_rng_state(),
-                cuda=cuda,
-            )
+            captured if captured is not None and captured.step == step else self.capturer(step)
         )
 
     def flush(self, timeout: float | None) -> None:

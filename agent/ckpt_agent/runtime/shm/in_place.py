@@ -41,11 +41,18 @@ import numpy as np
 import torch
 
 from ckpt_agent import tuning
-from ckpt_agent.decide.inplace import InplaceChoice, ShmOffer, all_usable, choose_inplace
+from ckpt_agent.decide.inplace import (
+    InplaceChoice,
+    ShmOffer,
+    StepMark,
+    all_usable,
+    choose_inplace,
+)
 from ckpt_agent.errors import CandidateRejectedError, CheckpointFormatError
 from ckpt_agent.flash.checksums import RecordedHashes
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader, ShmSnapshot, verify_views
+from ckpt_agent.flash.step_heartbeat import StepHeartbeat, read_step_heartbeat
 from ckpt_agent.format.entries import TensorEntry
 from ckpt_agent.format.manifest import CheckpointMeta, RankManifest, lineage_from_json
 from ckpt_agent.format.parallel_read import restore_workers
@@ -88,8 +95,14 @@ def shm_offers(reader: ShmReader) -> list[ShmOffer]:
         except CheckpointFormatError:
             continue
         if isinstance(token, str) and token:
-            out.append(ShmOffer(desc.step, token, desc.seq, desc.world_size, epoch))
+            jit = desc.meta.get("jit") is True
+            out.append(ShmOffer(desc.step, token, desc.seq, desc.world_size, epoch, jit))
     return out
+
+
+def step_mark(reader: ShmReader) -> StepHeartbeat | None:
+    """This rank's step heartbeat (``jitSave``), read and checked (None: none intact)."""
+    return read_step_heartbeat(reader.dir)
 
 
 def regions(desc: Descriptor) -> list[tuple[int, int, list[str]]]:
@@ -221,10 +234,10 @@ def resume_from_memory(
             log.info("rank %d's replica: %s", engine.ranks.rank, clean(answer.why))
     rank = engine.ranks.rank
     areas = {rank: target.reader}
-    if rank != 0:
-        zero = target.reader_of(0)
-        if zero.dir.is_dir():  # rank 0 on this node: read its shared state here
-            areas[0] = zero
+    for other in range(engine.ranks.live_world_size):
+        reader = target.reader_of(other)
+        if other != rank and reader.dir.is_dir():  # on this node: its shared state is read here
+            areas[other] = reader
     return InPlaceRestore(engine, restorer, group, areas).run()
 
 
@@ -238,7 +251,7 @@ class InPlaceRestore:
         group: RankGroup | None,
         areas: dict[int, ShmReader],
     ) -> None:
-        """``areas``: this node's readers by rank (this rank's own; rank 0's when visible)."""
+        """``areas``: this node's readers by rank (this rank's own; the others' on this node)."""
         self.engine = engine
         self.restorer = restorer
         self.group = group
@@ -269,9 +282,11 @@ class InPlaceRestore:
     def _local_view(self) -> dict[str, Json]:
         """What this rank brings to round 1 (an error here: no offer, never a hang)."""
         try:
-            info: dict[str, Json] = {
-                "offers": [o.to_json() for o in shm_offers(self.areas[self.rank])]
-            }
+            own = self.areas[self.rank]
+            info: dict[str, Json] = {"offers": [o.to_json() for o in shm_offers(own)]}
+            mark = step_mark(own)
+            if mark is not None:
+                info["mark"] = StepMark(mark.heartbeat.step, mark.epoch).to_json()
             if self.engine.ranks.coordinator:
                 info.update(self._coordinator_view())
         except Exception as err:
@@ -283,11 +298,12 @@ class InPlaceRestore:
         table = self._gather(self._local_view())
         head = table[0]
         assert isinstance(head, dict)
-        offers = []
+        offers, marks = [], []
         for row in table:
             assert isinstance(row, dict)
             raw = row.get("offers")
             offers.append([ShmOffer.from_json(o) for o in raw] if isinstance(raw, list) else [])
+            marks.append(StepMark.from_json(row.get("mark")))
         step = head.get("storage_step")
         return choose_inplace(
             offers,
@@ -295,6 +311,7 @@ class InPlaceRestore:
             world_size=self.engine.ranks.live_world_size,
             allowed=bool(head.get("allowed")),
             why_not=str(head.get("why_not") or ""),
+            marks=marks,
         )
 
     # ------------------------------------------------------------------ round 2: checks
@@ -315,35 +332,52 @@ class InPlaceRestore:
             return None, f"rank {rank}'s snapshot {choice.seqs[rank]} is not in this node's memory"
         return copy_snapshot(self.areas[rank], desc)
 
-    def _checks(self, choice: InplaceChoice) -> tuple[ShmCopy | None, ShmCopy | None, str]:
-        """This rank's copy and rank 0's (the same on rank 0), or why this rank cannot."""
+    def _own_mark(self, choice: InplaceChoice) -> tuple[StepHeartbeat | None, str]:
+        """A rank restored from its step heartbeat (a JIT save it lacks): that record."""
+        mark = step_mark(self.areas[self.rank])
+        if mark is None or mark.heartbeat.step != choice.step:
+            return None, f"rank {self.rank}'s step heartbeat of step {choice.step} is gone"
+        return mark, ""
+
+    def _checks(
+        self, choice: InplaceChoice
+    ) -> tuple[ShmCopy | None, StepHeartbeat | None, ShmCopy | None, str]:
+        """This rank's copy (or step heartbeat) and the source rank's copy (the same on the
+        source), or why this rank cannot."""
         try:
-            own, why = self._copy(self.rank, choice)
-            if own is None:
-                return None, None, why
-            shared: ShmCopy | None = own
-            if self.rank != 0:  # rank 0's area not on this node: rank 0 broadcasts its copy
-                shared, _ = self._copy(0, choice)
+            own: ShmCopy | None = None
+            mark: StepHeartbeat | None = None
+            if self.rank in choice.from_heartbeat:
+                mark, why = self._own_mark(choice)
+            else:
+                own, why = self._copy(self.rank, choice)
+            if own is None and mark is None:
+                return None, None, None, why
+            shared: ShmCopy | None = own if self.rank == choice.source else None
+            if shared is None and choice.source in self.areas:  # else the source broadcasts
+                shared, _ = self._copy(choice.source, choice)
             if shared is not None:
                 problems = self.restorer.compat(_manifest(self.engine, shared.desc))
                 if problems:
-                    return None, None, "does not fit the live model: " + "; ".join(problems[:3])
+                    why = "does not fit the live model: " + "; ".join(problems[:3])
+                    return None, None, None, why
         except Exception as err:  # never leave the other ranks waiting in the next round
             log.warning("checking the shared-memory snapshot failed", exc_info=True)
-            return None, None, f"{type(err).__name__}: {err}"
-        return own, shared, ""
+            return None, None, None, f"{type(err).__name__}: {err}"
+        return own, mark, shared, ""
 
     def _committed_hash(self, desc: Descriptor) -> str:
-        """Rank 0: the COMMIT hash of this snapshot when its persister committed it."""
-        mark = self.areas[0].persisted()
+        """The source rank: the COMMIT hash of its snapshot when its persister committed it."""
+        mark = self.areas[self.rank].persisted()
         ok = mark is not None and mark.seq == desc.seq and mark.committed and mark.manifest_hash
         return str(mark.manifest_hash) if ok and mark is not None else ""
 
-    def _receive_shared(self, shared: ShmCopy | None) -> ShmCopy | None:
-        """Rank 0 broadcasts its checked copy; ranks without rank 0's area check what they got."""
+    def _receive_shared(self, shared: ShmCopy | None, src: int) -> ShmCopy | None:
+        """The source rank broadcasts its checked copy; ranks without its area check what
+        they got."""
         assert self.group is not None
         head = None
-        if self.rank == 0:
+        if self.rank == src:
             assert shared is not None
             h = shared.hashes
             head = {
@@ -352,18 +386,18 @@ class InPlaceRestore:
                 "fast": h.fast,
                 "files": {k: v.hex() for k, v in shared.files.items()},
             }
-        msg = self.group.broadcast(head)
+        msg = self.group.broadcast(head, src)
         assert isinstance(msg, dict)
-        desc = Descriptor.from_bytes(str(msg["desc"]).encode(), "rank 0's snapshot descriptor")
+        desc = Descriptor.from_bytes(str(msg["desc"]).encode(), f"rank {src}'s snapshot descriptor")
         buffers = (
             shared.buffers
-            if self.rank == 0 and shared is not None
+            if self.rank == src and shared is not None
             else [torch.empty(hi - lo, dtype=torch.uint8) for lo, hi, _ in regions(desc)]
         )
         for buf in buffers:
-            self.group.broadcast_tensor(buf)
+            self.group.broadcast_tensor(buf, src)
         if shared is not None:
-            return shared  # rank 0, or a rank that read rank 0's area itself
+            return shared  # the source, or a rank that read the source's area itself
         fast = msg.get("fast")
         raw_sha, raw_files = msg.get("sha256"), msg.get("files")
         assert isinstance(raw_sha, dict) and isinstance(raw_files, dict)
@@ -388,20 +422,26 @@ class InPlaceRestore:
         if choice.token is None:
             self._event("storage", choice.reason)
             return None
-        own, shared, why = self._checks(choice)
-        committed = self._committed_hash(own.desc) if own is not None and self.rank == 0 else ""
+        own, mark, shared, why = self._checks(choice)
+        source = self.rank == choice.source
+        committed = self._committed_hash(own.desc) if own is not None and source else ""
         reports = self._gather(
-            {"ok": own is not None, "why": why, "shared": shared is not None, "hash": committed}
+            {
+                "ok": own is not None or mark is not None,
+                "why": why,
+                "shared": shared is not None,
+                "hash": committed,
+            }
         )
         ok, why_all = all_usable([r for r in reports if isinstance(r, dict)])
         if not ok:
             self._event("storage", f"step {choice.step} not usable everywhere: {why_all}")
             return None
         if not all(isinstance(r, dict) and r.get("shared") for r in reports):
-            shared = self._receive_shared(shared)
-        head = reports[0]
-        assert isinstance(head, dict) and own is not None
-        point, why = self._apply(own, shared, str(head.get("hash") or ""))
+            shared = self._receive_shared(shared, choice.source)
+        head = reports[choice.source]
+        assert isinstance(head, dict)
+        point, why = self._apply(own, mark, shared, str(head.get("hash") or ""))
         results = self._gather({"ok": point is not None, "why": why})
         ok, why_all = all_usable([r for r in results if isinstance(r, dict)])
         if not ok:  # storage's restore overwrites whatever was applied here
@@ -411,10 +451,14 @@ class InPlaceRestore:
         return point
 
     def _apply(
-        self, own: ShmCopy, shared: ShmCopy | None, committed_hash: str
+        self,
+        own: ShmCopy | None,
+        mark: StepHeartbeat | None,
+        shared: ShmCopy | None,
+        committed_hash: str,
     ) -> tuple[ResumePoint | None, str]:
         if shared is None:
-            return None, "rank 0's shared state did not arrive intact"
+            return None, "the replicated state did not arrive intact"
         desc = shared.desc
         try:
             rec = CheckpointRecord(
@@ -431,7 +475,8 @@ class InPlaceRestore:
                 record=rec,
                 loaded=_loaded(self.engine, shared),
                 manifest_hash=committed_hash,
-                own=_loaded(self.engine, own) if own is not shared else None,
+                own=_loaded(self.engine, own) if own is not None else None,
+                own_heartbeat=mark.heartbeat if mark is not None else None,
             )
             point = self.restorer.restore(cand, action="resume_shm", weights=None, rejected={})
         except CandidateRejectedError as err:

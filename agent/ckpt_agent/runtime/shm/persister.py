@@ -23,11 +23,11 @@ from collections.abc import Callable
 from ckpt_agent import tuning
 from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.retention import classify
-from ckpt_agent.flash.protocol import PersistedMark, read_file
+from ckpt_agent.flash.protocol import Descriptor, PersistedMark, read_file
 from ckpt_agent.format.fence import fenced_from_text
 from ckpt_agent.format.manifest import lineage_to_json
 from ckpt_agent.policy.models import Tier
-from ckpt_agent.records import checkpoint_id
+from ckpt_agent.records import Json, checkpoint_id
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine, Handover
 from ckpt_agent.runtime.core.serialization import library_versions
@@ -36,7 +36,13 @@ from ckpt_agent.runtime.save.chain import HashChain
 from ckpt_agent.runtime.save.snapshot import JobError
 from ckpt_agent.runtime.shm.target import FlashTarget
 
-__all__ = ["ShmPersister"]
+__all__ = ["ShmPersister", "jit_token"]
+
+
+def jit_token(step: int, epoch: int) -> str:
+    """The token of a just-in-time save: the same on every survivor, derived without talking
+    to the others (the step and the resume lineage epoch)."""
+    return f"{step}-jit-{epoch}"
 
 
 class ShmPersister:
@@ -143,21 +149,7 @@ class ShmPersister:
         progress = sections.get("progress")
         if isinstance(progress, dict):
             progress["token"] = token
-        meta = {
-            "score": decision.score,
-            "components": dict(decision.components),
-            "retention_class": classify(decision.score, e.config.retention).value,
-            "reason": decision.reason,
-            "anomaly": decision.anomaly,
-            "lightweight": decision.lightweight,
-            "approximate": False,
-            "emergency": decision.emergency,
-            "prev_hash": self._chain.prev_hash,
-            "resume_step": self._resume_step,
-            "lineage": lineage_to_json(self._chain.lineage),
-            "versions": library_versions(),
-            "token": token,
-        }
+        meta = self._meta(decision, token)
         desc = self.flash.write(step, tier, sections, files=files, meta=meta)
         if desc is None:  # the slots were taken between the check and now: wait once
             self.flash.wait_free()
@@ -182,6 +174,53 @@ class ShmPersister:
             shm_slot=desc.slot,
         )
         return checkpoint_id(tier, step)
+
+    def _meta(self, decision: Decision, token: str) -> dict[str, Json]:
+        """What the persister records of a save: the decision, the chain's link and lineage."""
+        return {
+            "score": decision.score,
+            "components": dict(decision.components),
+            "retention_class": classify(decision.score, self.engine.config.retention).value,
+            "reason": decision.reason,
+            "anomaly": decision.anomaly,
+            "lightweight": decision.lightweight,
+            "approximate": False,
+            "emergency": decision.emergency,
+            "prev_hash": self._chain.prev_hash,
+            "resume_step": self._resume_step,
+            "lineage": lineage_to_json(self._chain.lineage),
+            "versions": library_versions(),
+            "token": token,
+        }
+
+    @property
+    def epoch(self) -> int:
+        """The resume lineage epoch this process's saves are taken in."""
+        return self._chain.lineage.epoch
+
+    def save_jit(self, decision: Decision, sections: dict[str, object]) -> Descriptor | None:
+        """A just-in-time snapshot (:mod:`ckpt_agent.runtime.shm.jit`): no collective, the
+        token every survivor derives alone, ``jit`` in its metadata (its persister records
+        its hashes and replicates it, but never writes it to storage: the dead rank's part
+        is missing). Waits :data:`~ckpt_agent.tuning.JIT_SLOT_WAIT_S` at most for a slot;
+        None when none freed."""
+        token = jit_token(decision.step, self.epoch)
+        progress = sections.get("progress")
+        if isinstance(progress, dict):
+            progress["token"] = token
+        meta = {**self._meta(decision, token), "jit": True}
+        deadline = time.monotonic() + tuning.JIT_SLOT_WAIT_S
+        while True:
+            desc = self.flash.write(decision.step, Tier.PULSE, sections, files={}, meta=meta)
+            if desc is not None or time.monotonic() > deadline:
+                return desc
+            time.sleep(0.02)
+
+    @property
+    def newest_step(self) -> int | None:
+        """The step of this rank's newest complete snapshot in memory (None: none)."""
+        latest = self.flash.reader.latest()
+        return None if latest is None else latest.step
 
     def poll(self) -> None:
         """The persister's results since the last poll: persist times, commit hashes, errors."""

@@ -1,0 +1,160 @@
+"""Every step's heartbeat in a rank's shared-memory area: what a just-in-time save needs.
+
+A just-in-time (JIT) save restores a rank that died mid-step from the surviving ranks'
+copy of the replicated state (docs/replicas.md, "Just-in-time saves"). What only the dead
+rank had — its RNG states and data position at the last step it completed — is written
+here at every ``Checkpointer.step()`` when ``spec.agent.jitSave`` is on: a memory copy into
+``<area>/step_heartbeat.bin`` (no fsync, no system call), which survives the process.
+
+The file is two fixed-size halves written alternately (:data:`HALF_BYTES` each); each half
+is ``header | payload``:
+
+* header ``<8s I Q q q I I``: magic ``CKPTSHB1``, format version, sequence number, step,
+  resume lineage epoch, payload length, CRC-32 of the header's fields and the payload;
+* payload: ``<d`` the wall time, ``<I`` and the :class:`~ckpt_agent.format.heartbeat.PackedRng`
+  record, then the data position as tagged JSON (:mod:`ckpt_agent.format.jsontree`; empty:
+  none).
+
+The writer fills the payload first and the header last, into the half the previous record
+is not in, so a process killed mid-write leaves that half failing its CRC and the previous
+record whole in the other half. The reader takes the valid half with the highest sequence
+number. CRC-32 guards against a torn or stale record in the node's memory, not against a
+forgery (that needs write access to the pod's memory: the same threat model as the
+snapshots' fast checksums, :mod:`ckpt_agent.flash.protocol`). Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_agent.errors import CheckpointFormatError
+from ckpt_agent.format.heartbeat import Heartbeat, PackedRng
+from ckpt_agent.format.layout import dumps, loads
+
+__all__ = [
+    "HALF_BYTES",
+    "STEP_HEARTBEAT_FILE",
+    "StepHeartbeat",
+    "StepHeartbeatSlot",
+    "encode_payload",
+    "read_step_heartbeat",
+]
+
+STEP_HEARTBEAT_FILE = "step_heartbeat.bin"
+HALF_BYTES = 256 * 1024
+"""One record's room (header included): RNG states are ~10 KB; the rest is the data position."""
+_MAGIC = b"CKPTSHB1"
+_VERSION = 1
+_HEADER = struct.Struct("<8sIQqqII")
+_FIELDS = struct.Struct("<Qqq I")
+_TIME = struct.Struct("<dI")
+
+
+@dataclass(frozen=True)
+class StepHeartbeat:
+    """One step's record: the heartbeat (step, time, data position, packed RNG) and the
+    resume lineage epoch it was taken in."""
+
+    heartbeat: Heartbeat
+    epoch: int
+    seq: int = 0
+
+
+def _crc(seq: int, step: int, epoch: int, payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload, zlib.crc32(_FIELDS.pack(seq, step, epoch, len(payload))))
+
+
+def encode_payload(time_s: float, rng: bytes, data: object) -> bytes:
+    """The payload of one record (see the module doc); ``data`` is tagged JSON or None."""
+    tail = b"" if data is None else dumps({"data": data})
+    return b"".join((_TIME.pack(time_s, len(rng)), rng, tail))
+
+
+class StepHeartbeatSlot:
+    """The trainer's writer of ``step_heartbeat.bin`` in its own area (see the module doc)."""
+
+    def __init__(self, area_dir: str | Path) -> None:
+        self.path = Path(area_dir) / STEP_HEARTBEAT_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if os.fstat(fd).st_size < 2 * HALF_BYTES:
+                os.ftruncate(fd, 2 * HALF_BYTES)
+            self._mm = mmap.mmap(fd, 2 * HALF_BYTES)
+        finally:
+            os.close(fd)
+        self._seq = max((r.seq for r in _records(self._mm)), default=0)
+
+    def write(self, step: int, epoch: int, payload: bytes) -> None:
+        """Publish one record (a memory copy); a payload over the room raises ValueError."""
+        if _HEADER.size + len(payload) > HALF_BYTES:
+            raise ValueError(
+                f"a step heartbeat of {len(payload)} bytes is over the {HALF_BYTES}-byte room: "
+                "keep the data position small (ids and offsets, not data)"
+            )
+        seq = self._seq + 1
+        off = (seq % 2) * HALF_BYTES
+        start = off + _HEADER.size
+        mm = self._mm
+        mm[start : start + len(payload)] = payload
+        _HEADER.pack_into(
+            mm,
+            off,
+            _MAGIC,
+            _VERSION,
+            seq,
+            step,
+            epoch,
+            len(payload),
+            _crc(seq, step, epoch, payload),
+        )
+        self._seq = seq
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self._mm.close()
+
+
+def _records(mm: mmap.mmap | bytes) -> list[StepHeartbeat]:
+    out = []
+    for half in (0, 1):
+        off = half * HALF_BYTES
+        magic, version, seq, step, epoch, length, crc = _HEADER.unpack_from(mm, off)
+        if magic != _MAGIC or version != _VERSION or length > HALF_BYTES - _HEADER.size:
+            continue
+        payload = bytes(mm[off + _HEADER.size : off + _HEADER.size + length])
+        if seq < 1 or step < 0 or _crc(seq, step, epoch, payload) != crc:
+            continue  # torn (killed mid-write) or stale
+        try:
+            out.append(_decode(seq, step, epoch, payload))
+        except (CheckpointFormatError, ValueError, struct.error):
+            continue
+    return out
+
+
+def _decode(seq: int, step: int, epoch: int, payload: bytes) -> StepHeartbeat:
+    time_s, n = _TIME.unpack_from(payload, 0)
+    rng = PackedRng.unpack(payload[_TIME.size : _TIME.size + n], "step heartbeat rng")
+    tail = payload[_TIME.size + n :]
+    data = loads(tail, "step heartbeat data", HALF_BYTES).get("data") if tail else None
+    hb = Heartbeat(step=step, time=time_s, data=data, rng_packed=rng)
+    return StepHeartbeat(heartbeat=hb, epoch=epoch, seq=seq)
+
+
+def read_step_heartbeat(area_dir: str | Path) -> StepHeartbeat | None:
+    """The newest whole record of an area (None: none, or neither half intact)."""
+    path = Path(area_dir) / STEP_HEARTBEAT_FILE
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(2 * HALF_BYTES)
+    except FileNotFoundError:
+        return None
+    if len(raw) < 2 * HALF_BYTES:
+        return None
+    records = _records(raw)
+    return max(records, key=lambda r: r.seq) if records else None
