@@ -71,6 +71,11 @@ INVALID = [
         ["spec.storage.s3", "s3 is required when type is s3"],
         id="s3-without-bucket",
     ),
+    pytest.param(
+        {"agent": {"jitSave": True}},
+        ["spec.agent.jitSave", "jitSave needs sidecar: true"],
+        id="jit-without-sidecar",
+    ),
 ]
 
 

@@ -74,3 +74,27 @@ def test_the_crd_carries_the_section_and_its_rules() -> None:
     assert "self.metricsPort + 1" in rules[".replicas.port"]["rule"]
     # an object with CEL rules spells its default out (checked against the rules)
     assert agent["default"] == AgentSpec().to_wire()
+
+
+def test_jit_save_is_off_by_default_and_needs_the_sidecar_in_a_policy() -> None:
+    assert CheckpointPolicySpec().agent.jit_save is False
+    with pytest.raises(ValidationError, match=r"agent\.jitSave needs agent\.sidecar"):
+        CheckpointPolicySpec.model_validate({"agent": {"jitSave": True}})
+    spec = CheckpointPolicySpec.model_validate({"agent": {"sidecar": True, "jitSave": True}})
+    assert spec.to_wire()["agent"]["jitSave"] is True
+    # a local run's config (CKPT_SHM_DIR, no sidecar container) may switch it on
+    assert AgentSpec.model_validate({"jitSave": True}).jit_save is True
+
+
+def test_the_crd_refuses_jit_save_without_the_sidecar_naming_the_field() -> None:
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    agent = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]["agent"]
+    assert agent["properties"]["jitSave"] == {
+        "type": "boolean",
+        "default": False,
+        "description": agent["properties"]["jitSave"]["description"],
+    }
+    (rule,) = [r for r in agent["x-kubernetes-validations"] if "jitSave" in r["rule"]]
+    assert rule["fieldPath"] == ".jitSave" and "needs sidecar: true" in rule["message"]

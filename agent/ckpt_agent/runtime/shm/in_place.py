@@ -22,6 +22,14 @@ control group; none with a single rank):
    fails anywhere, every rank resumes from storage, whose restore overwrites
    whatever was applied.
 
+A just-in-time save (:mod:`ckpt_agent.runtime.shm.jit`) is the one save some ranks may
+lack: the survivors of a rank that died mid-step wrote it with the whole replicated state.
+Every rank also offers its step mark (the step heartbeat's step and lineage epoch); the
+choice takes such a save when every rank without it marked that very step. The replicated
+state then comes from the first rank holding it (the *source*: read from its area on this
+node, else broadcast by it), a survivor's RNG and data position from its own snapshot, a
+dead rank's from its step heartbeat.
+
 Exactly once, never a mix: every rank restores the same save from memory, or
 every rank goes to storage. :func:`resume_from_memory` is what
 :meth:`Checkpointer.start <ckpt_agent.runtime.checkpointer.Checkpointer.start>` runs with
