@@ -348,6 +348,8 @@ class CheckpointCallback(_Callback):  # type: ignore[misc]
         if isinstance(exception, SystemExit):
             return  # the emergency save's exit: the checkpointer closed itself
         if self.ckpt is not None:
+            if isinstance(exception, Exception):  # with jitSave: the last finished step
+                self.ckpt.save_on_failure(exception)
             self.ckpt.close()
 
     def close(self) -> None:

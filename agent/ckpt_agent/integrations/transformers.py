@@ -39,6 +39,7 @@ the step that just finished is saved, committed, and the process exits with 143.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -57,6 +58,8 @@ _tf = require("transformers", "hf", "transformers==5.23.0")
 _TrainerCallback: Any = _tf.TrainerCallback
 
 __all__ = ["CheckpointCallback", "IntegrationError"]
+
+log = logging.getLogger(__name__)
 
 #: The ``TrainerState`` fields a checkpoint carries (small: they are in every heartbeat).
 #: ``log_history`` is not among them (it grows with the run).
@@ -275,6 +278,29 @@ class CheckpointCallback(_TrainerCallback):  # type: ignore[misc]
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._flush()
         self.close()
+
+    def save_on_failure(self, error: BaseException | None = None) -> str | None:
+        """A just-in-time save after ``trainer.train()`` raised (``spec.agent.jitSave``; see
+        :meth:`Checkpointer.save_on_failure <ckpt_agent.Checkpointer.save_on_failure>`).
+        ``transformers`` has no callback for a failure, so the script calls it::
+
+            try:
+                trainer.train(resume_from_checkpoint=callback.resume(trainer))
+            except Exception as err:
+                callback.save_on_failure(err)
+                raise
+
+        The agent is closed afterwards (the run is over; a failure to close is logged, the
+        original error is what counts).
+        """
+        if self.ckpt is None:
+            return None
+        saved = self.ckpt.save_on_failure(error)
+        try:
+            self.close()
+        except Exception:
+            log.exception("closing the agent after the failure failed")
+        return saved
 
     def close(self) -> None:
         """Wait for the running persist and stop the agent (``on_train_end`` calls it)."""
