@@ -156,7 +156,11 @@ class MlpRun:
         if ddp:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.net = DistributedDataParallel(self.model)
+            # No bucket rebuild: DDP rebuilds its buckets after a wrapper's first iteration,
+            # and with 3+ ranks gloo's all-reduce sums a value in another order when it sits
+            # elsewhere in the buffer, so a restarted wrapper's first step would differ in
+            # the last bits (docs/distributed.md, "Bitwise with more than two ranks").
+            self.net = DistributedDataParallel(self.model, find_unused_parameters=True)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=1e-2)
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, 7, 0.5)
         torch.manual_seed(1000 + self.rank)  # each rank its own dropout stream
@@ -273,7 +277,7 @@ def node_sidecar(
     nodes, ports = rep["nodes"], rep["ports"]
     node, peer = nodes[rank], nodes[(rank + 1) % world]
     over["shmDir"] = str(out.parent / f"shm.{node}")
-    over["agent"] = {"sidecar": True}
+    over["agent"] = {**over.get("agent", {}), "sidecar": True}
     secret = out.parent / "replica-secret"
     if not secret.exists():
         secret.write_bytes(b"0123456789abcdef0123456789abcdef")
