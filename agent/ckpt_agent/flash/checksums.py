@@ -48,7 +48,7 @@ def chunk_hashes(data: memoryview, chunk: int = HASH_CHUNK_BYTES) -> list[str]:
     return [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)]
 
 
-def fast_checksum(data: memoryview | bytes) -> str:
+def fast_checksum(data: memoryview | bytes | bytearray) -> str:
     """A fast, non-cryptographic checksum of ``data`` (32 hex digits; see the module doc).
 
     The bytes are read as little-endian 64-bit words in rows of 4 KiB (the

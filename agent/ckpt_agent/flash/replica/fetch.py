@@ -2,10 +2,17 @@
 node's store.
 
 * :func:`fetch` (recovery on a third node): asks a peer's :class:`~.server.ReplicaServer`
-  for its replica of (source, rank) and receives it chunk by chunk into memory, each
-  chunk checked against its SHA-256 on arrival.
+  for its replica of (source, rank) and receives it chunk by chunk straight into its
+  place in memory (``into``: a slot; no buffer, no copy), each chunk checked against its
+  SHA-256 on arrival — on worker threads, while the next chunk is received (hashlib
+  releases the GIL) — and its fast checksum computed from the same bytes
+  (:attr:`Replica.fast`: the installed snapshot's, :func:`~.rehydrate.publish`). The
+  SHA-256s are the ones of the replica's header, a frame authenticated with the job's
+  secret (:mod:`.wire`): this check is what guards the receiver against a peer.
 * :func:`open_local` (recovery on the node that holds it): maps the stored replica
-  read-only and checks every chunk before handing it out.
+  read-only and checks every chunk at rest (:meth:`~.store.StoredReplica.intact`: the
+  fast checksum recorded when it arrived, verified with SHA-256 then) before handing it
+  out.
 
 A replica whose bytes do not match (a bit flipped at rest, a chunk garbled in flight) is
 *unusable*: :class:`~ckpt_agent.errors.ReplicaIntegrityError` is raised and no byte of it
@@ -14,24 +21,31 @@ is returned; recovery takes the next source. Torch-free.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-import mmap
-import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Final
 
+from ckpt_agent.background import usable_cpus
 from ckpt_agent.errors import ReplicaError, ReplicaIntegrityError
+from ckpt_agent.flash.checksums import fast_checksum
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.client import DEFAULT_TIMEOUT_S, Peer, open_connection
-from ckpt_agent.flash.replica.plan import Chunk, Offer
+from ckpt_agent.flash.replica.plan import Chunk, Offer, check_disjoint
 from ckpt_agent.flash.replica.store import ReplicaStore
-from ckpt_agent.flash.replica.wire import Limits
+from ckpt_agent.flash.replica.wire import Conn, Limits
 
-__all__ = ["Replica", "fetch", "list_replicas", "open_local"]
+__all__ = ["VERIFY_THREADS_MAX", "Replica", "fetch", "list_replicas", "open_local"]
 
 log = logging.getLogger(__name__)
+
+#: Threads that verify a fetched replica's chunks while the next ones arrive, at most (and
+#: no more than the CPUs this process may use, :func:`~ckpt_agent.background.usable_cpus`).
+VERIFY_THREADS_MAX: Final = 4
 
 
 @dataclass
@@ -46,6 +60,8 @@ class Replica:
     """The chunk SHA-256s its bytes were verified against (by name)."""
     chunk_bytes: int = 0
     """Their chunk size."""
+    fast: dict[str, list[str]] | None = None
+    """The fast checksum of each of those chunks, of these very bytes (None: not known)."""
 
     def tensor(self, name: str) -> memoryview:
         t = self.desc.tensors[name]
@@ -67,13 +83,15 @@ def fetch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     limits: Limits | None = None,
     into: Callable[[Descriptor], memoryview] | None = None,
+    threads: int | None = None,
 ) -> Replica:
     """``peer``'s replica of rank ``rank`` of node ``source``, verified, in memory.
 
     ``run_id`` (when given) must be the replica's run; ``max_bytes`` bounds the memory
     this side allocates for it. ``into``: where to receive it (called with the offered
     descriptor once it passed those checks; at least ``data_size`` bytes, writable), e.g. a
-    slot of a shared-memory area; default a new buffer. Raises
+    slot of a shared-memory area; default a new buffer. ``threads``: how many verify the
+    chunks (default: the usable CPUs, at most :data:`VERIFY_THREADS_MAX`). Raises
     :class:`ReplicaIntegrityError` when the replica is corrupted (at rest on the peer, or
     in flight), :class:`ReplicaError` otherwise (what was received into ``into`` then is
     not a replica).
@@ -96,30 +114,102 @@ def fetch(
         if offer.chunk_bytes > conn.limits.max_payload:
             raise ReplicaError(f"replica peer {peer}: chunks beyond the payload limit")
         chunks = offer.chunks()
+        check_disjoint(chunks)  # each chunk is written and verified in its own place
         data = into(desc) if into is not None else memoryview(bytearray(desc.data_size))
         if len(data) < desc.data_size:
             raise ReplicaError(f"{len(data)} bytes to receive a {desc.data_size}-byte replica")
-        buf = bytearray(offer.chunk_bytes)
-        missing = {c.index for c in chunks}
-        while True:
-            frame = conn.expect("chunk", "end", into=buf)
-            if frame.kind == "end":
-                break
-            index = frame.header.get("i")
-            if not isinstance(index, int) or index not in missing:
-                raise ReplicaError(f"replica peer {peer}: an unexpected chunk {index!r}")
-            chunk = chunks[index]
-            _check(chunk, frame.payload, source, rank, "in flight")
-            data[chunk.offset : chunk.offset + chunk.length] = frame.payload
-            missing.discard(index)
-        if missing:
-            raise ReplicaError(
-                f"replica peer {peer}: the replica of {source} rank {rank} ended with "
-                f"{len(missing)} chunks missing"
-            )
+        n = threads if threads is not None else min(VERIFY_THREADS_MAX, usable_cpus())
+        with _Verifier(chunks, source, rank, max(1, n)) as verifier:
+            _receive(conn, chunks, data, verifier)
+            fast = verifier.finish()
     finally:
         conn.close()
-    return Replica(source, rank, desc, data, offer.hashes, offer.chunk_bytes)
+    return Replica(source, rank, desc, data, offer.hashes, offer.chunk_bytes, fast)
+
+
+def _receive(conn: Conn, chunks: list[Chunk], data: memoryview, verifier: _Verifier) -> None:
+    """Every chunk of the replica from ``conn``, each read straight into its place in
+    ``data`` and handed to ``verifier``, until the peer's ``end``."""
+    peer = conn.peer
+    missing = {c.index for c in chunks}
+
+    def place(header: dict[str, object], size: int) -> memoryview:
+        if header.get("t") != "chunk":
+            if size:
+                raise ReplicaError(f"replica peer {peer}: a {header.get('t')!r} with a payload")
+            return memoryview(b"")
+        index = header.get("i")
+        if not isinstance(index, int) or index not in missing:
+            raise ReplicaError(f"replica peer {peer}: an unexpected chunk {index!r}")
+        chunk = chunks[index]
+        if size != chunk.length:
+            raise verifier.corrupted(chunk, f"{size} bytes sent for its {chunk.length}")
+        missing.discard(index)
+        return verifier.hold(data[chunk.offset : chunk.offset + chunk.length])
+
+    while True:
+        frame = conn.expect("chunk", "end", into=place)
+        if frame.kind == "end":
+            break
+        index = frame.header.get("i")
+        assert isinstance(index, int) and isinstance(frame.payload, memoryview)
+        verifier.submit(chunks[index], frame.payload)
+    if missing:
+        raise ReplicaError(
+            f"replica peer {peer}: the replica of {verifier.source} rank {verifier.rank} ended "
+            f"with {len(missing)} chunks missing"
+        )
+
+
+class _Verifier:
+    """Checks received chunks on worker threads, in the order they came; the first failure
+    is raised by the next :meth:`submit` or :meth:`finish`. On exit every check has
+    finished and every view of the destination it was given is released."""
+
+    def __init__(self, chunks: list[Chunk], source: str, rank: int, threads: int) -> None:
+        self.chunks, self.source, self.rank = chunks, source, rank
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-replica-verify")
+        self._pending: collections.deque[Future[None]] = collections.deque()
+        self._views: list[memoryview] = []
+        self._fast = ["" for _ in chunks]
+
+    def __enter__(self) -> _Verifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)  # no check still reads the destination
+        for v in self._views:
+            v.release()
+
+    def hold(self, view: memoryview) -> memoryview:
+        """``view`` (a chunk's place) is released on exit, whatever happened."""
+        self._views.append(view)
+        return view
+
+    def corrupted(self, chunk: Chunk, how: str) -> ReplicaIntegrityError:
+        return ReplicaIntegrityError(
+            f"the replica of {self.source} rank {self.rank} is corrupted in flight or on the "
+            f"peer: chunk {chunk.part} of {chunk.name!r} {how}; unusable, use another source"
+        )
+
+    def submit(self, chunk: Chunk, view: memoryview) -> None:
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()  # a failed check stops the receiving
+        self._pending.append(self._pool.submit(self._check, chunk, view))
+
+    def _check(self, chunk: Chunk, view: memoryview) -> None:
+        if not chunk.ok(view):
+            raise self.corrupted(chunk, "does not match its SHA-256")
+        self._fast[chunk.index] = fast_checksum(view)  # of the bytes just verified
+
+    def finish(self) -> dict[str, list[str]]:
+        """Wait for every check (the first failure raised); the fast checksums by name."""
+        while self._pending:
+            self._pending.popleft().result()
+        out: dict[str, list[str]] = {}
+        for c in self.chunks:
+            out.setdefault(c.name, []).append(self._fast[c.index])
+        return out
 
 
 def list_replicas(
@@ -139,49 +229,25 @@ def list_replicas(
 
 @contextlib.contextmanager
 def open_local(store: ReplicaStore, source: str, rank: int) -> Iterator[Replica]:
-    """This node's replica of (source, rank), mapped read-only and verified chunk by chunk.
+    """This node's replica of (source, rank), mapped read-only and checked chunk by chunk
+    at rest (:meth:`~.store.StoredReplica.intact`).
 
     Raises :class:`ReplicaError` when there is none, :class:`ReplicaIntegrityError` when
-    any chunk does not match its SHA-256 (the replica is unusable). The mapping is
-    released on exit; do not keep views of it.
+    any chunk does not match (the replica is unusable). The mapping is released on exit;
+    do not keep views of it.
     """
     replica = store.current(source, rank)
     if replica is None:
         raise ReplicaError(f"no replica of {source} rank {rank} on this node")
-    desc = replica.desc
-    fd = os.open(replica.data_path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if os.fstat(fd).st_size < desc.data_size:
-            raise ReplicaIntegrityError(
-                f"the replica of {source} rank {rank} is truncated; unusable, use another source"
-            )
-        mm = (
-            mmap.mmap(fd, desc.data_size, mmap.MAP_SHARED, mmap.PROT_READ)
-            if desc.data_size
-            else None
-        )
-    finally:
-        os.close(fd)
-    view = memoryview(mm) if mm is not None else memoryview(b"")
-    try:
+    with replica.mapped() as view:
         for chunk in replica.offer().chunks():
             with view[chunk.offset : chunk.offset + chunk.length] as piece:
-                _check(chunk, piece, source, rank, "at rest")
-        yield Replica(source, rank, desc, view, replica.hashes, replica.chunk_bytes)
-    finally:
-        view.release()
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # a view of it is still referenced: unmapped when freed
-                log.warning("the replica of %s rank %d is still referenced", source, rank)
-
-
-def _check(
-    chunk: Chunk, data: bytes | bytearray | memoryview, source: str, rank: int, where: str
-) -> None:
-    if not chunk.ok(data):
-        raise ReplicaIntegrityError(
-            f"the replica of {source} rank {rank} is corrupted {where}: chunk {chunk.part} "
-            f"of {chunk.name!r} does not match its SHA-256; unusable, use another source"
+                if not replica.intact(chunk, piece):
+                    raise ReplicaIntegrityError(
+                        f"the replica of {source} rank {rank} is corrupted at rest: chunk "
+                        f"{chunk.part} of {chunk.name!r} does not match the checksum recorded "
+                        "when it arrived; unusable, use another source"
+                    )
+        yield Replica(
+            source, rank, replica.desc, view, replica.hashes, replica.chunk_bytes, replica.fast
         )

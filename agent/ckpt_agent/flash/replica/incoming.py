@@ -1,10 +1,12 @@
 """One replica being received: chunks checked and written, then published or dropped.
 
 :meth:`.store.ReplicaStore.begin` makes an :class:`Incoming` in a new snapshot folder;
-it copies the chunks the current replica holds (:meth:`Incoming.copy_from`), takes the
-others from the sender (:meth:`Incoming.put`, each checked against its SHA-256), and is
-published with its descriptor renamed into place last (:meth:`Incoming.publish`) or
-removed (:meth:`Incoming.abort`). Torch-free.
+it copies the chunks the current replica holds (:meth:`Incoming.copy_from`, each checked
+there as it is at rest), takes the others from the sender (:meth:`Incoming.put`, each
+checked against its SHA-256), records the fast checksum of every chunk it wrote (what the
+replica is checked with at rest from then on), and is published with its descriptor
+renamed into place last (:meth:`Incoming.publish`) or removed (:meth:`Incoming.abort`).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpt_agent.errors import ReplicaError, ReplicaIntegrityError
+from ckpt_agent.flash.checksums import fast_checksum
 from ckpt_agent.flash.protocol import HEADER, MAGIC, atomic_write
 from ckpt_agent.flash.replica.layout import DATA, DESC, HASHES, remove, snapshot_folders
 from ckpt_agent.flash.replica.plan import Chunk, Offer, hashes_doc
+
+if TYPE_CHECKING:
+    from ckpt_agent.flash.replica.store import StoredReplica
 
 __all__ = ["Incoming"]
 
@@ -40,6 +47,8 @@ class Incoming:
         """The complete replica that is this very snapshot (nothing to receive), or None."""
         self.need: list[int] = [] if already is not None else [c.index for c in chunks]
         self._pending = set(self.need)
+        self._fast: list[str] = ["" for _ in chunks]
+        """The fast checksum of each chunk written (by index)."""
         self.copied = 0
         self._fd = -1
         self._done = False
@@ -51,21 +60,24 @@ class Incoming:
             if size >= HEADER.size:  # the slot's header: the data file reads like a slot file
                 _write_at(self._fd, HEADER.pack(MAGIC, seq, seq, size), 0)
 
-    def copy_from(self, data_path: Path, held: list[Chunk]) -> None:
-        """Copy the chunks the current replica holds (``held``, in its file ``data_path``)
-        by digest, each one checked there: a replica corrupted at rest is never copied."""
+    def copy_from(self, current: StoredReplica, held: list[Chunk]) -> None:
+        """Copy the chunks the ``current`` replica holds (``held``, its chunks) by digest,
+        each one checked there (:meth:`~.store.StoredReplica.intact`): a replica corrupted
+        at rest is never copied; such a chunk is asked from the sender."""
         have = {c.sha256: c for c in held}
         if not have:
             return
-        with open(data_path, "rb") as src:
+        with open(current.data_path, "rb") as src:
             fd = src.fileno()
             need: list[int] = []
             for i in self.need:
                 chunk = self.chunks[i]
                 old = have.get(chunk.sha256)
                 data = os.pread(fd, old.length, old.offset) if old is not None else b""
-                if old is not None and chunk.ok(data):
+                if old is not None and old.length == chunk.length and current.intact(old, data):
                     _write_at(self._fd, data, chunk.offset)
+                    was = current.fast  # the same bytes: their checksum as recorded
+                    self._fast[i] = fast_checksum(data) if was is None else was[old.name][old.part]
                     self.copied += 1
                 else:
                     need.append(i)
@@ -73,7 +85,8 @@ class Incoming:
         self._pending = set(need)
 
     def put(self, index: int, data: bytes | bytearray | memoryview) -> None:
-        """Write chunk ``index`` after checking its SHA-256 (:class:`ReplicaIntegrityError`)."""
+        """Write chunk ``index`` after checking its SHA-256 (:class:`ReplicaIntegrityError`);
+        its fast checksum is recorded."""
         if index not in self._pending:
             raise ReplicaError(f"replica chunk {index} was not asked for (or sent twice)")
         chunk = self.chunks[index]
@@ -83,6 +96,7 @@ class Incoming:
                 f"seq {self.offer.desc.seq}) does not match its SHA-256: corrupted in flight "
                 "or in the sender's memory; refused"
             )
+        self._fast[index] = fast_checksum(data)
         _write_at(self._fd, data, chunk.offset)
         self._pending.discard(index)
 
@@ -99,7 +113,10 @@ class Incoming:
             raise ReplicaError(f"replica not complete: {len(self._pending)} chunks missing")
         os.close(self._fd)
         self._fd = -1
-        (self.folder / HASHES).write_bytes(hashes_doc(self.offer))
+        fast: dict[str, list[str]] = {}
+        for c in self.chunks:
+            fast.setdefault(c.name, []).append(self._fast[c.index])
+        (self.folder / HASHES).write_bytes(hashes_doc(self.offer, fast))
         atomic_write(self.folder / DESC, self.offer.desc.to_bytes())
         rank_dir = self.folder.parent
         for p in snapshot_folders(rank_dir, complete=False):

@@ -5,7 +5,13 @@ out in one slot; the persister records the SHA-256 of every ``chunk_bytes`` piec
 each of them (:class:`~ckpt_agent.flash.checksums.RecordedHashes`, the chunks' content
 addresses in storage). :func:`plan_chunks` turns both into the list of :class:`Chunk`
 (where each lies in the slot, its length and its digest); :class:`Offer` is what a sender
-offers a peer (descriptor, hashes, chunk size), checked on arrival. Torch-free.
+offers a peer (descriptor, hashes, chunk size), checked on arrival.
+
+A stored replica keeps, next to those SHA-256s, the fast checksum of every chunk
+(:func:`~ckpt_agent.flash.checksums.fast_checksum`), computed by the receiver from the
+bytes it had just verified with SHA-256 (:func:`hashes_doc`, :class:`StoredHashes`): what
+the replica is checked with at rest (docs/replicas.md, "What each check protects
+against"). Torch-free.
 """
 
 from __future__ import annotations
@@ -17,13 +23,24 @@ from dataclasses import dataclass
 from typing import Final
 
 from ckpt_agent.errors import CheckpointFormatError, ReplicaError
+from ckpt_agent.flash.checksums import FAST_SCHEME, fast_checksum
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.format.layout import sha256_hex, validate_run_id
 
-__all__ = ["FORMAT_HASHES", "Chunk", "Offer", "hashes_doc", "parse_hashes_doc", "plan_chunks"]
+__all__ = [
+    "FORMAT_HASHES",
+    "Chunk",
+    "Offer",
+    "StoredHashes",
+    "check_disjoint",
+    "hashes_doc",
+    "parse_hashes_doc",
+    "plan_chunks",
+]
 
 FORMAT_HASHES: Final = "ckpt-operator.replica-hashes"
 _SHA = re.compile(r"[0-9a-f]{64}")
+_FAST = re.compile(r"[0-9a-f]{33,48}")
 
 
 @dataclass(frozen=True)
@@ -39,7 +56,13 @@ class Chunk:
     sha256: str
 
     def ok(self, data: bytes | bytearray | memoryview) -> bool:
+        """``data`` is this chunk: its length and SHA-256 (the check against a peer)."""
         return len(data) == self.length and sha256_hex(data) == self.sha256
+
+    def fast_ok(self, data: bytes | bytearray | memoryview, fast: str) -> bool:
+        """``data`` still has the fast checksum ``fast`` recorded when it was verified with
+        SHA-256 (the check at rest; not one against a peer)."""
+        return len(data) == self.length and fast_checksum(data) == fast
 
 
 def plan_chunks(
@@ -75,6 +98,16 @@ def plan_chunks(
             length = min(chunk_bytes, t.nbytes - start)
             out.append(Chunk(len(out), name, part, t.offset + start, length, digest))
     return out
+
+
+def check_disjoint(chunks: Sequence[Chunk]) -> None:
+    """:class:`ReplicaError` when two chunks overlap in the slot (no writer lays a snapshot
+    out so; a received replica's chunks are written and verified side by side)."""
+    end, last = 0, ""
+    for c in sorted((c for c in chunks if c.length), key=lambda c: c.offset):
+        if c.offset < end:
+            raise ReplicaError(f"replica chunks overlap: {c.name!r} lies over {last!r}")
+        end, last = c.offset + c.length, c.name
 
 
 @dataclass(frozen=True)
@@ -127,22 +160,37 @@ def _hash_lists(raw: object) -> dict[str, list[str]]:
     return {str(k): [str(h) for h in v] for k, v in raw.items()}
 
 
-def hashes_doc(offer: Offer) -> bytes:
-    """The per-chunk SHA-256 list a stored replica keeps next to its data."""
-    return json.dumps(
-        {
-            "format": FORMAT_HASHES,
-            "version": 1,
-            "seq": offer.desc.seq,
-            "chunk_bytes": offer.chunk_bytes,
-            "tensors": offer.hashes,
-        },
-        sort_keys=True,
-    ).encode()
+@dataclass(frozen=True)
+class StoredHashes:
+    """A stored replica's hash list (:func:`parse_hashes_doc`)."""
+
+    chunk_bytes: int
+    sha256: dict[str, list[str]]
+    """The SHA-256 of every chunk (the offer's)."""
+    fast: dict[str, list[str]] | None
+    """The fast checksum of every chunk, recorded on arrival (None: a replica stored
+    before they were recorded, or a list that does not cover every chunk)."""
 
 
-def parse_hashes_doc(raw: bytes, what: str) -> tuple[int, dict[str, list[str]]]:
-    """(chunk size, hashes by name) of a stored replica's hash list."""
+def hashes_doc(offer: Offer, fast: Mapping[str, Sequence[str]] | None = None) -> bytes:
+    """The hash list a stored replica keeps next to its data: the per-chunk SHA-256 of the
+    offer and, when given, the fast checksum of every chunk as it arrived."""
+    doc: dict[str, object] = {
+        "format": FORMAT_HASHES,
+        "version": 1,
+        "seq": offer.desc.seq,
+        "chunk_bytes": offer.chunk_bytes,
+        "tensors": offer.hashes,
+    }
+    if fast is not None:
+        doc["fast"] = {k: list(v) for k, v in fast.items()}
+        doc["fast_scheme"] = FAST_SCHEME
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def parse_hashes_doc(raw: bytes, what: str) -> StoredHashes:
+    """A stored replica's hash list (:class:`CheckpointFormatError` when it is not one; fast
+    checksums of another scheme or shape are left out, the SHA-256s are then used)."""
     try:
         d = json.loads(raw)
         if not isinstance(d, dict) or d.get("format") != FORMAT_HASHES:
@@ -150,6 +198,23 @@ def parse_hashes_doc(raw: bytes, what: str) -> tuple[int, dict[str, list[str]]]:
         chunk_bytes = d.get("chunk_bytes")
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise CheckpointFormatError("bad chunk_bytes")
-        return chunk_bytes, _hash_lists(d.get("tensors"))
+        sha = _hash_lists(d.get("tensors"))
     except (ValueError, CheckpointFormatError) as e:
         raise CheckpointFormatError(f"{what}: {e}") from None
+    return StoredHashes(chunk_bytes, sha, _fast_lists(d, sha))
+
+
+def _fast_lists(
+    d: Mapping[str, object], sha: Mapping[str, list[str]]
+) -> dict[str, list[str]] | None:
+    if d.get("fast_scheme") != FAST_SCHEME:
+        return None
+    try:
+        fast = _hash_lists(d.get("fast"))
+    except CheckpointFormatError:
+        return None
+    if fast.keys() != sha.keys() or any(len(fast[k]) != len(v) for k, v in sha.items()):
+        return None
+    if not all(_FAST.fullmatch(f) for v in fast.values() for f in v):
+        return None
+    return fast

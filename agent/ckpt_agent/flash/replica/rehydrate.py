@@ -243,10 +243,11 @@ def free_slot(reader: ShmReader, data_size: int) -> Iterator[Slot]:
 
 def publish(reader: ShmReader, slot: Slot, replica: Replica) -> Descriptor:
     """``replica``, whose bytes are in ``slot`` now, as a complete snapshot of the area: the
-    slot header, its chunk hashes (the SHA-256s it was verified against when they are at
-    :data:`HASH_CHUNK_BYTES`, else computed here; the fast checksums computed here), the
-    handled mark, then the descriptor (a new sequence number; the replica's step, tier,
-    tree and meta) last: a crash before leaves no complete snapshot."""
+    slot header, its chunk hashes, the handled mark, then the descriptor (a new sequence
+    number; the replica's step, tier, tree and meta) last: a crash before leaves no
+    complete snapshot. The chunk hashes are the SHA-256s the replica was verified against
+    and the fast checksums computed from the bytes so verified (:attr:`Replica.fast`) when
+    they are at :data:`HASH_CHUNK_BYTES`; else computed here (one more pass)."""
     desc = replica.desc
     data = slot.view
     HEADER.pack_into(data, 0, MAGIC, slot.seq, slot.seq, desc.data_size)
@@ -255,13 +256,18 @@ def publish(reader: ShmReader, slot: Slot, replica: Replica) -> Descriptor:
     )
     views = {n: data[t.offset : t.offset + t.nbytes] for n, t in desc.tensors.items()}
     views.update({n: data[t.offset : t.offset + t.nbytes] for n, t in desc.files.items()})
+    same = replica.chunk_bytes == HASH_CHUNK_BYTES
     try:
         sha = (  # verified against these when it was read back; else computed here
             {n: list(replica.hashes[n]) for n in views}
-            if replica.chunk_bytes == HASH_CHUNK_BYTES and set(replica.hashes) >= set(views)
+            if same and set(replica.hashes) >= set(views)
             else {n: chunk_hashes(v, HASH_CHUNK_BYTES) for n, v in views.items()}
         )
-        fast = {n: fast_checksums(v, HASH_CHUNK_BYTES) for n, v in views.items()}
+        fast = (  # of the bytes verified against those, as they were received or read
+            {n: list(replica.fast[n]) for n in views}
+            if same and replica.fast is not None and set(replica.fast) >= set(views)
+            else {n: fast_checksums(v, HASH_CHUNK_BYTES) for n, v in views.items()}
+        )
     finally:
         for v in views.values():
             v.release()

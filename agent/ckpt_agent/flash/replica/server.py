@@ -8,8 +8,11 @@ One request per connection, after the handshake (:mod:`.auth`):
   answers ``stored``; anything else (a cut connection, a bad chunk, a timeout) drops the
   partial replica and keeps the previous one.
 * ``fetch`` (recovery on another node, :mod:`.fetch`): the replica's descriptor and hashes,
-  then every chunk, each checked against its SHA-256 before it is sent: a replica
-  corrupted at rest is reported unusable (``error`` with ``integrity``), never sent.
+  then every chunk, sent from the replica's file mapped read-only (no copy), each checked
+  at rest before it is sent (:meth:`~.store.StoredReplica.intact`: the fast checksum
+  recorded when it arrived): a replica corrupted at rest is reported unusable (``error``
+  with ``integrity``), never sent. The receiver checks every chunk against its SHA-256
+  again: that check, not this one, is what guards it against a peer.
 * ``list``: the replicas this node holds (source, rank, seq, step).
 
 :meth:`ReplicaServer.start` serves on its own thread (and one thread per connection, at
@@ -20,17 +23,18 @@ and its reason kept (:attr:`ReplicaServer.stats`). Torch-free.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-import os
 import socket
 import socketserver
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckpt_agent.errors import ReplicaAuthError, ReplicaError, ReplicaIntegrityError
 from ckpt_agent.flash.replica.auth import JobScope, accept
-from ckpt_agent.flash.replica.plan import Offer
+from ckpt_agent.flash.replica.plan import Chunk, Offer
 from ckpt_agent.flash.replica.store import ReplicaStore, StoredReplica
 from ckpt_agent.flash.replica.wire import HANDSHAKE_LIMITS, Conn, Frame, Limits
 from ckpt_agent.text import clean
@@ -231,29 +235,41 @@ class ReplicaServer:
             replica = self.store.current(source, rank)
             if replica is None:
                 raise ReplicaError(f"no replica of {source} rank {rank} on this node")
-            try:
-                fd = os.open(replica.data_path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            try:
-                self._stream(conn, replica, fd)
-            finally:
-                os.close(fd)
+            with contextlib.ExitStack() as stack:
+                try:
+                    view = stack.enter_context(replica.mapped())
+                except FileNotFoundError:
+                    continue
+                self._stream(conn, replica, view)
             return
         raise ReplicaError(f"the replica of {source} rank {rank} kept changing; try again")
 
-    def _stream(self, conn: Conn, replica: StoredReplica, fd: int) -> None:
+    def _stream(self, conn: Conn, replica: StoredReplica, view: memoryview) -> None:
+        """The replica's chunks, each checked at rest (on a helper thread, the next chunk
+        while this one is sent) before it is sent."""
         offer = replica.offer()
+        chunks = offer.chunks()
+
+        def check(chunk: Chunk) -> None:
+            with view[chunk.offset : chunk.offset + chunk.length] as piece:
+                if not replica.intact(chunk, piece):
+                    raise ReplicaIntegrityError(
+                        f"the replica of {replica.source} rank {replica.rank} (step "
+                        f"{replica.desc.step}) is corrupted at rest: chunk {chunk.part} of "
+                        f"{chunk.name!r} does not match the checksum recorded when it arrived; "
+                        "unusable, use another source"
+                    )
+
         conn.send({**offer.to_header(), "t": "replica"})
-        for chunk in offer.chunks():
-            data = os.pread(fd, chunk.length, chunk.offset)
-            if not chunk.ok(data):
-                raise ReplicaIntegrityError(
-                    f"the replica of {replica.source} rank {replica.rank} (step "
-                    f"{replica.desc.step}) is corrupted at rest: chunk {chunk.part} of "
-                    f"{chunk.name!r} does not match its SHA-256; unusable, use another source"
-                )
-            conn.send({"t": "chunk", "i": chunk.index}, data)
+        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-replica-check") as checker:
+            checked = checker.submit(check, chunks[0]) if chunks else None
+            for i, chunk in enumerate(chunks):
+                assert checked is not None
+                checked.result()
+                if i + 1 < len(chunks):
+                    checked = checker.submit(check, chunks[i + 1])
+                with view[chunk.offset : chunk.offset + chunk.length] as piece:
+                    conn.send({"t": "chunk", "i": chunk.index}, piece)
         conn.send({"t": "end"})
         with self._lock:
             self.stats.fetched += 1

@@ -5,7 +5,8 @@ Layout, next to the node's own areas (:mod:`ckpt_agent.flash.protocol`)::
     <shm_dir>/<run_id>/replicas/<source>/rank_<nnnnn>/
         seq_<seq>.<random>/          one snapshot of rank n of node <source>
             data                     the slot's bytes (same offsets as the source's slot)
-            hashes.json              the SHA-256 of every chunk (:mod:`.plan`)
+            hashes.json              the SHA-256 of every chunk, and its fast checksum
+                                     as it arrived (:mod:`.plan`)
             descriptor.json          the snapshot's descriptor: exists ⇔ complete
 
 **Memory bound.** Per (source, rank) this store holds at most *two* snapshot folders: the
@@ -16,12 +17,19 @@ published. A peer-rank therefore costs at most ``2 × data_size`` of memory (tmp
 count against the pod's memory limit), and ``data_size`` once no push is in flight.
 
 **Never half-written.** A replica is written into a new folder: its data file, filled chunk
-by chunk (each one checked against its SHA-256 before it is written), then ``hashes.json``,
-then the descriptor, written to a temporary name and renamed last. A folder without
-``descriptor.json`` is never read and is removed by the next offer.
+by chunk (each one checked against its SHA-256 before it is written, and its fast checksum
+recorded), then ``hashes.json``, then the descriptor, written to a temporary name and
+renamed last. A folder without ``descriptor.json`` is never read and is removed by the
+next offer.
+
+**Checked at rest.** Once stored, a replica's chunks are checked against the fast checksums
+recorded on arrival (:meth:`StoredReplica.intact`; the SHA-256 for a replica stored
+without them) whenever they are read: copied into the next replica, sent to a peer
+(:mod:`.server`), read back on this node (:func:`~.fetch.open_local`). What each check
+protects against: docs/replicas.md.
 
 **Content addressing.** Chunks whose digest the current complete replica already holds are
-copied from it (after checking their SHA-256 there: a replica corrupted at rest is never
+copied from it (after checking them there: a replica corrupted at rest is never
 propagated) and not asked from the sender (:attr:`Incoming.need`).
 
 Names are checked (``source`` like a run id, ranks as numbers): nothing outside
@@ -32,13 +40,17 @@ Torch-free.
 from __future__ import annotations
 
 import contextlib
+import logging
+import mmap
+import os
 import secrets
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ckpt_agent.errors import CheckpointFormatError, ReplicaError
+from ckpt_agent.errors import CheckpointFormatError, ReplicaError, ReplicaIntegrityError
 from ckpt_agent.flash.protocol import Descriptor, read_file
 from ckpt_agent.flash.replica.incoming import Incoming
 from ckpt_agent.flash.replica.layout import DATA, DESC, HASHES, remove, snapshot_folders, subdirs
@@ -51,6 +63,8 @@ __all__ = ["MAX_FOLDERS", "ReplicaStore", "StoredReplica"]
 #: Snapshot folders per (source, rank), at most: the complete replica and the incoming one.
 MAX_FOLDERS: Final = 2
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StoredReplica:
@@ -62,6 +76,8 @@ class StoredReplica:
     desc: Descriptor
     chunk_bytes: int
     hashes: dict[str, list[str]]
+    fast: dict[str, list[str]] | None = None
+    """The fast checksum of every chunk, recorded on arrival (None: stored without)."""
 
     @property
     def data_path(self) -> Path:
@@ -69,6 +85,43 @@ class StoredReplica:
 
     def offer(self) -> Offer:
         return Offer(self.source, self.desc, self.hashes, self.chunk_bytes)
+
+    @contextlib.contextmanager
+    def mapped(self) -> Iterator[memoryview]:
+        """The replica's bytes (``desc.data_size``), mapped read-only: no copy. Raises
+        FileNotFoundError when it was just replaced, :class:`ReplicaIntegrityError` when the
+        file is shorter than the snapshot. The mapping is released on exit; do not keep
+        views of it."""
+        size = self.desc.data_size
+        fd = os.open(self.data_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise ReplicaIntegrityError(
+                    f"the replica of {self.source} rank {self.rank} (step {self.desc.step}) is "
+                    "corrupted at rest: truncated; unusable, use another source"
+                )
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
+        finally:
+            os.close(fd)
+        view = memoryview(mm) if mm is not None else memoryview(b"")
+        try:
+            yield view
+        finally:
+            view.release()
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view of it is still referenced: unmapped when freed
+                    log.warning(
+                        "the replica of %s rank %d is still referenced", self.source, self.rank
+                    )
+
+    def intact(self, chunk: Chunk, data: bytes | bytearray | memoryview) -> bool:
+        """``data``, read from this replica's file, is still ``chunk`` as it arrived: its
+        fast checksum recorded then (a bit flipped at rest), else its SHA-256."""
+        if self.fast is None:
+            return chunk.ok(data)
+        return chunk.fast_ok(data, self.fast[chunk.name][chunk.part])
 
 
 class ReplicaStore:
@@ -122,10 +175,10 @@ class ReplicaStore:
         if raw is None or hashes_raw is None:
             raise FileNotFoundError(path)
         desc = Descriptor.from_bytes(raw, f"replica {path}")
-        chunk_bytes, hashes = parse_hashes_doc(hashes_raw, f"replica {path}")
+        h = parse_hashes_doc(hashes_raw, f"replica {path}")
         if desc.run_id != self.run_id or desc.rank != rank:
             raise CheckpointFormatError(f"replica {path}: of run {desc.run_id} rank {desc.rank}")
-        return StoredReplica(source, rank, path, desc, chunk_bytes, hashes)
+        return StoredReplica(source, rank, path, desc, h.chunk_bytes, h.sha256, h.fast)
 
     # ------------------------------------------------------------------ receiving
 
@@ -177,7 +230,7 @@ class ReplicaStore:
             raise
         try:
             if current is not None:
-                incoming.copy_from(current.data_path, _chunks_of(current))
+                incoming.copy_from(current, _chunks_of(current))
         except BaseException:
             incoming.abort()
             raise

@@ -31,8 +31,9 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 from ckpt_agent.errors import IntegrityError, ReplicaAuthError, ReplicaError, ReplicaIntegrityError
 
@@ -45,6 +46,7 @@ __all__ = [
     "FrameTooLargeError",
     "Limits",
     "PeerClosedError",
+    "Place",
     "remote_error",
 ]
 
@@ -76,6 +78,12 @@ TAG_BYTES: Final = 32
 
 #: Before authentication: hello and proof messages only, no payload.
 HANDSHAKE_LIMITS: Final = Limits(max_header=4096, max_payload=0)
+
+
+Place: TypeAlias = Callable[[dict[str, object], int], memoryview]
+"""Where a frame's payload goes: called with the frame's (authenticated) header and its
+payload's length, before any byte of the payload is read; returns a writable view of
+exactly that length (empty for a frame without payload), or raises to refuse the frame."""
 
 
 @dataclass
@@ -180,9 +188,11 @@ class Conn:
 
     # ------------------------------------------------------------------ receiving
 
-    def recv(self, *, into: bytearray | None = None) -> Frame:
-        """Receive one frame; its payload lands in ``into`` (reused, at least
-        ``limits.max_payload`` long) when given. Sizes are checked before any read."""
+    def recv(self, *, into: bytearray | Place | None = None) -> Frame:
+        """Receive one frame; its payload lands in ``into`` when given: a buffer (reused, at
+        least ``limits.max_payload`` long), or a :data:`Place` that says where, from the
+        header (e.g. straight into the chunk's place in a slot; the caller then releases
+        the view it gave). Sizes are checked before any read."""
         prefix = self._read_exact(PREFIX.size)
         magic, head_len, size = PREFIX.unpack(prefix)
         if magic != MAGIC:
@@ -217,6 +227,16 @@ class Conn:
             raise ReplicaError(f"replica peer {self.peer}: a header is not JSON ({e})") from None
         if not isinstance(header, dict):
             raise ReplicaError(f"replica peer {self.peer}: a header is not a JSON object")
+        if callable(into):
+            view = into(header, size)
+            if len(view) != size:
+                raise ReplicaError(f"replica peer {self.peer}: no place for a {size}-byte payload")
+            try:
+                self._read_into(view)
+            except BaseException:
+                view.release()  # a view of a mapping must not outlive this frame's failure
+                raise
+            return Frame(header, view)
         if not size:
             return Frame(header)
         if into is not None:
@@ -256,7 +276,7 @@ class Conn:
                 )
             got += k
 
-    def expect(self, *kinds: str, into: bytearray | None = None) -> Frame:
+    def expect(self, *kinds: str, into: bytearray | Place | None = None) -> Frame:
         """The next frame, which must be one of ``kinds``; a peer's ``error`` frame is raised."""
         frame = self.recv(into=into)
         if frame.kind == "error":

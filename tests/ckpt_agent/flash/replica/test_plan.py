@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 from replica_helpers import CHUNK, make_snap, pattern
 
 from ckpt_agent.errors import ReplicaError
-from ckpt_agent.flash.replica.plan import Offer, hashes_doc, parse_hashes_doc, plan_chunks
+from ckpt_agent.flash.checksums import fast_checksum
+from ckpt_agent.flash.replica.plan import (
+    Offer,
+    check_disjoint,
+    hashes_doc,
+    parse_hashes_doc,
+    plan_chunks,
+)
 
 
 def test_chunks_cover_every_tensor_and_file_exactly() -> None:
@@ -75,6 +85,25 @@ def test_an_offer_survives_its_header_and_a_tampered_one_is_refused() -> None:
 def test_the_stored_hash_list_round_trips() -> None:
     snap = make_snap({"w": pattern(2 * CHUNK, 1)})
     offer = Offer("node-a", snap.desc, snap.hashes, CHUNK)
-    assert parse_hashes_doc(hashes_doc(offer), "x") == (CHUNK, snap.hashes)
+    chunks = offer.chunks()
+    stored = parse_hashes_doc(hashes_doc(offer), "x")
+    assert (stored.chunk_bytes, stored.sha256, stored.fast) == (CHUNK, snap.hashes, None)
+    fast = {"w": [fast_checksum(snap.view[c.offset : c.offset + c.length]) for c in chunks]}
+    assert parse_hashes_doc(hashes_doc(offer, fast), "x").fast == fast
+    # fast checksums that do not cover every chunk, or of another scheme: not used
+    doc = json.loads(hashes_doc(offer, {"w": fast["w"][:1]}))
+    assert parse_hashes_doc(json.dumps(doc).encode(), "x").fast is None
+    doc = json.loads(hashes_doc(offer, fast)) | {"fast_scheme": "crc32"}
+    assert parse_hashes_doc(json.dumps(doc).encode(), "x").fast is None
     with pytest.raises(ValueError, match="x: "):
         parse_hashes_doc(b'{"format": "other"}', "x")
+
+
+def test_overlapping_chunks_are_refused() -> None:
+    snap = make_snap({"a": pattern(2 * CHUNK, 1), "b": pattern(CHUNK, 2), "e": b""})
+    check_disjoint(plan_chunks(snap.desc, snap.hashes, CHUNK))  # a writer's layout
+    a = snap.desc.tensors["a"]
+    b = snap.desc.tensors["b"]
+    over = replace(snap.desc, tensors={**snap.desc.tensors, "b": replace(b, offset=a.offset + 8)})
+    with pytest.raises(ReplicaError, match="overlap"):
+        check_disjoint(plan_chunks(over, snap.hashes, CHUNK))

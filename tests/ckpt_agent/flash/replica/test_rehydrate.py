@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from replica_helpers import RUN, make_snap, pattern
 
+from ckpt_agent.flash import checksums
 from ckpt_agent.flash.area import ShmArea
 from ckpt_agent.flash.reader import ShmReader, verify_snapshot
+from ckpt_agent.flash.replica import rehydrate
 from ckpt_agent.flash.replica.client import Peer
 from ckpt_agent.flash.replica.fetch import Replica
 from ckpt_agent.flash.replica.rehydrate import (
@@ -99,3 +101,33 @@ def test_a_replica_of_another_rank_or_run_is_not_installed(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="rank 1"):
         install(reader, _replica(rank=1)[0])
     assert reader.latest() is None
+
+
+def test_an_installed_replica_records_the_checksums_it_was_verified_with_not_hashed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica read back at the persister's chunk size brings the SHA-256s it was verified
+    against and the fast checksums of the bytes so verified: no third pass over it."""
+    replica, _ = _replica()
+    views = {
+        n: replica.data[t.offset : t.offset + t.nbytes] for n, t in replica.desc.tensors.items()
+    }
+    views.update(
+        {n: replica.data[t.offset : t.offset + t.nbytes] for n, t in replica.desc.files.items()}
+    )
+    replica.chunk_bytes = checksums.HASH_CHUNK_BYTES
+    replica.hashes = {n: checksums.chunk_hashes(v) for n, v in views.items()}
+    replica.fast = {n: checksums.fast_checksums(v) for n, v in views.items()}
+
+    def no_pass(*_: object) -> list[str]:
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(rehydrate, "chunk_hashes", no_pass)
+    monkeypatch.setattr(rehydrate, "fast_checksums", no_pass)
+    reader = ShmReader(tmp_path / "shm-c", RUN, 0)
+    desc = install(reader, replica)
+    hashes = reader.hashes(desc.slot, desc.seq)
+    assert hashes is not None and (hashes.sha256, hashes.fast) == (replica.hashes, replica.fast)
+    monkeypatch.undo()
+    with reader.open(desc) as snap:
+        assert snap is not None and verify_snapshot(snap, hashes) == []

@@ -11,13 +11,14 @@ import pytest
 from replica_helpers import CHUNK, RUN, SECRET, make_snap, pattern
 
 from ckpt_agent.errors import ReplicaAuthError, ReplicaError, ReplicaIntegrityError
+from ckpt_agent.flash.checksums import fast_checksum
 from ckpt_agent.flash.replica.auth import JobScope, connect_as_client
 from ckpt_agent.flash.replica.client import Peer, open_connection, push
 from ckpt_agent.flash.replica.fetch import fetch, list_replicas, open_local
-from ckpt_agent.flash.replica.layout import DATA
-from ckpt_agent.flash.replica.plan import Offer
+from ckpt_agent.flash.replica.layout import DATA, HASHES
+from ckpt_agent.flash.replica.plan import Offer, hashes_doc
 from ckpt_agent.flash.replica.server import ReplicaServer
-from ckpt_agent.flash.replica.store import ReplicaStore
+from ckpt_agent.flash.replica.store import ReplicaStore, StoredReplica
 from ckpt_agent.flash.replica.wire import HANDSHAKE_LIMITS, PREFIX, Conn, Limits
 
 pytestmark = pytest.mark.timeout(60)
@@ -197,6 +198,82 @@ def test_a_replica_corrupted_at_rest_is_unusable(
     )
     assert result.chunks_sent == 1 and result.chunks_skipped == 3
     assert bytes(fetch(peer, scope, "node-a", 0).tensor("w")) == snap.tensor("w")
+
+
+def _flip_at_rest(replica: StoredReplica, offset: int) -> None:
+    """One bit of ``replica``'s data flipped in memory (tmpfs), at ``offset`` in the slot."""
+    data = replica.path / DATA
+    raw = bytearray(data.read_bytes())
+    raw[offset] ^= 0x01
+    data.write_bytes(raw)
+
+
+def test_the_fast_checksum_of_every_chunk_is_recorded_on_arrival(
+    serve: Serve, scope: JobScope, store: ReplicaStore
+) -> None:
+    first = make_snap({"w": pattern(4 * CHUNK, 1), "e": b""}, seq=1)
+    _, peer = serve()
+    push(peer, scope, first.desc, first.view, first.hashes, source="node-a", chunk_bytes=CHUNK)
+    w = bytearray(first.tensor("w"))
+    w[CHUNK + 3] ^= 0xFF  # the second push copies 3 chunks of w, receives 1
+    second = make_snap({"w": bytes(w), "e": b""}, seq=2)
+    push(peer, scope, second.desc, second.view, second.hashes, source="node-a", chunk_bytes=CHUNK)
+    replica = store.current("node-a", 0)
+    assert replica is not None and replica.desc.seq == 2
+    t = second.desc.tensors["w"]
+    assert replica.fast == {
+        "w": [fast_checksum(w[i : i + CHUNK]) for i in range(0, t.nbytes, CHUNK)],
+        "e": [fast_checksum(b"")],
+    }
+
+
+def test_a_replica_corrupted_at_rest_past_the_senders_check_is_refused_by_the_receiver(
+    serve: Serve, scope: JobScope, store: ReplicaStore
+) -> None:
+    """The receiver's SHA-256 (against the authenticated header) is the check that guards
+    it: a peer that sends corrupted bytes, its own check fooled (here: its recorded fast
+    checksums rewritten to match them) or skipped, gets them refused."""
+    snap = make_snap({"w": pattern(4 * CHUNK, 1)})
+    server, peer = serve()
+    push(peer, scope, snap.desc, snap.view, snap.hashes, source="node-a", chunk_bytes=CHUNK)
+    replica = store.current("node-a", 0)
+    assert replica is not None and replica.fast is not None
+    _flip_at_rest(replica, snap.desc.tensors["w"].offset + 2 * CHUNK + 17)
+    raw = (replica.path / DATA).read_bytes()
+    t = snap.desc.tensors["w"]
+    fooled = {
+        "w": [
+            fast_checksum(raw[t.offset + i : t.offset + i + CHUNK])
+            for i in range(0, t.nbytes, CHUNK)
+        ]
+    }
+    (replica.path / HASHES).write_bytes(hashes_doc(replica.offer(), fooled))
+    into = bytearray(snap.desc.data_size)
+    with pytest.raises(ReplicaIntegrityError, match="chunk 2 of 'w' does not match its SHA-256"):
+        fetch(peer, scope, "node-a", 0, into=lambda _: memoryview(into))
+    assert server.stats.fetched == 1  # the sender saw nothing wrong
+
+
+def test_a_replica_stored_without_fast_checksums_is_checked_at_rest_by_its_sha256(
+    serve: Serve, scope: JobScope, store: ReplicaStore
+) -> None:
+    """A replica stored by an older version (its hash list has no fast checksums)."""
+    snap = make_snap({"w": pattern(4 * CHUNK, 1)})
+    server, peer = serve()
+    push(peer, scope, snap.desc, snap.view, snap.hashes, source="node-a", chunk_bytes=CHUNK)
+    replica = store.current("node-a", 0)
+    assert replica is not None
+    (replica.path / HASHES).write_bytes(hashes_doc(replica.offer()))
+    older = store.current("node-a", 0)
+    assert older is not None and older.fast is None
+    assert bytes(fetch(peer, scope, "node-a", 0).tensor("w")) == snap.tensor("w")
+    _flip_at_rest(older, snap.desc.tensors["w"].offset + CHUNK)
+    with pytest.raises(ReplicaIntegrityError, match="corrupted at rest"):
+        fetch(peer, scope, "node-a", 0)
+    with pytest.raises(ReplicaIntegrityError, match="corrupted at rest"):
+        with open_local(store, "node-a", 0):
+            pass
+    assert server.stats.fetched == 1
 
 
 def test_never_more_than_two_snapshot_folders_per_peer_rank(

@@ -17,7 +17,7 @@ from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.client import Peer, push
 from ckpt_agent.flash.replica.rehydrate import read_answer, write_request
 from ckpt_agent.flash.replica.server import ReplicaServer
-from ckpt_agent.flash.replica.store import ReplicaStore
+from ckpt_agent.flash.replica.store import ReplicaStore, StoredReplica
 from ckpt_agent.flash.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,6 +105,31 @@ def test_a_corrupted_replica_is_not_installed_and_the_answer_says_why(
     assert "corrupted" in answer.why and "step 42" in answer.why
     assert area.latest() is None
     assert [e["why"] for e in _events(tmp_path, "rehydrate_none")] == [answer.why]
+
+
+def test_a_replica_corrupted_at_rest_is_never_installed_even_if_the_sender_does_not_check(
+    tmp_path: Path,
+    peer_b: tuple[ReplicaStore, Peer],
+    sidecar_on: Callable[..., Sidecar],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Node b's own check at rest switched off (a peer of another version, or a malicious
+    one): node c's check of every chunk against its SHA-256 refuses the replica."""
+    store, peer = peer_b
+    (held,) = store.replicas()
+    raw = bytearray(held.data_path.read_bytes())
+    raw[held.desc.tensors["w"].offset + 100] ^= 0x01
+    held.data_path.write_bytes(raw)
+    monkeypatch.setattr(StoredReplica, "intact", lambda *_: True)
+    sidecar = sidecar_on("c", str(peer))
+    area = ShmArea(tmp_path / "shm-c", RUN, 0)
+    write_request(area, "n6")
+    sidecar.run_once()
+    answer = read_answer(area, "n6")
+    assert answer is not None and not answer.found
+    assert "corrupted in flight or on the peer" in answer.why, answer.why
+    assert "does not match its SHA-256" in answer.why
+    assert area.latest() is None
 
 
 def test_nothing_held_an_unreachable_peer_or_replication_off_is_an_answer_not_an_error(
