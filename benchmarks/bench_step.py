@@ -9,7 +9,10 @@ fresh process per configuration, rounds interleaved:
 
 * ``heartbeat every step`` — the default policy's L0 tier (due at every step);
 * ``heartbeat every 10`` — nine steps in ten have nothing due at all;
-* ``heartbeat off``.
+* ``heartbeat off``;
+* ``flash, heartbeat every step`` — snapshots into shared memory (a local persister);
+* ``flash + JIT, heartbeat every step`` — the same with ``agent.jitSave``: every step's
+  heartbeat also written into the shared-memory area (docs/replicas.md).
 
 It prints the median and p99 of the call, the median with and without a
 heartbeat due, the heartbeat objects written (commits: one fsync each) per
@@ -50,7 +53,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "heartbeat every step": {"enabled": True, "everySteps": 1},
     "heartbeat every 10": {"enabled": True, "everySteps": 10},
     "heartbeat off": {"enabled": False},
+    "flash, heartbeat every step": {"enabled": True, "everySteps": 1},
+    "flash + JIT, heartbeat every step": {"enabled": True, "everySteps": 1},
 }
+FLASH = {"flash, heartbeat every step": False, "flash + JIT, heartbeat every step": True}
+"""The configurations with shared-memory snapshots, and whether JIT saves are on."""
 
 
 def p99(xs: list[float]) -> float:
@@ -63,10 +70,14 @@ def child(name: str, steps: int, threads: int, hidden: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     root = Path(tempfile.mkdtemp(prefix="bench-step-"))
+    flash: dict[str, Any] = {}
+    if name in FLASH:
+        flash = {"shmDir": str(root / "shm"), "agent": {"jitSave": FLASH[name]}}
     cfg = agent_config(
         root,
         "bench-step",
         NEVER,
+        **flash,
         tiers={
             "heartbeat": CONFIGS[name],
             "pulse": {"baseInterval": NEVER, "minInterval": NEVER, "maxInterval": NEVER},

@@ -30,7 +30,15 @@ from ckpt_agent.format.schema import nonneg_field, required_field
 from ckpt_agent.records import Json
 from ckpt_agent.storage.base import Storage
 
-__all__ = ["Heartbeat", "PackedRng", "encode_heartbeats", "read_heartbeat"]
+__all__ = [
+    "Heartbeat",
+    "PackedRng",
+    "assemble_rng",
+    "encode_heartbeats",
+    "pack_numpy_rng",
+    "pack_python_rng",
+    "read_heartbeat",
+]
 
 _MT_WORDS = 624
 _RNG_MAGIC = b"CKR1"
@@ -59,38 +67,12 @@ class PackedRng:
         each part little-endian: python ``<i 625I ? d`` (version, words, has gauss_next,
         gauss_next); numpy ``<B name 624I i i d``; torch ``<I bytes``; cuda ``<H`` and
         ``<I bytes`` per device."""
-        out = [_RNG_MAGIC]
-        flags = (
-            (self.python is not None)
-            | (self.numpy is not None) << 1
-            | (self.torch_cpu is not None) << 2
-            | bool(self.cuda) << 3
+        return assemble_rng(
+            None if self.python is None else pack_python_rng(self.python),
+            None if self.numpy is None else pack_numpy_rng(self.numpy),
+            self.torch_cpu,
+            self.cuda,
         )
-        out.append(bytes([flags]))
-        if self.python is not None:
-            version, words, gauss = self.python
-            if len(words) != _MT_WORDS + 1:
-                raise ValueError("python RNG state: 625 words expected")
-            out.append(struct.pack(f"<i{_MT_WORDS + 1}I", version, *words))
-            out.append(struct.pack("<?d", gauss is not None, 0.0 if gauss is None else gauss))
-        if self.numpy is not None:
-            name, key, pos, has_gauss, cached = self.numpy
-            raw_name = name.encode("ascii")
-            if len(key) != _MT_WORDS * 4 or len(raw_name) > 255:
-                raise ValueError("numpy RNG state: 624 uint32 words expected")
-            out += [
-                bytes([len(raw_name)]),
-                raw_name,
-                key,
-                struct.pack("<iid", pos, has_gauss, cached),
-            ]
-        if self.torch_cpu is not None:
-            out += [struct.pack("<I", len(self.torch_cpu)), self.torch_cpu]
-        if self.cuda:
-            out.append(struct.pack("<H", len(self.cuda)))
-            for state in self.cuda:
-                out += [struct.pack("<I", len(state)), state]
-        return b"".join(out)
 
     @classmethod
     def unpack(cls, data: bytes, what: str = "rng") -> PackedRng:
@@ -124,6 +106,55 @@ class PackedRng:
         if flags >> 4 or reader.left:
             raise CheckpointFormatError(f"{what}: trailing bytes or unknown parts")
         return cls(python=python, numpy=numpy, torch_cpu=torch_cpu, cuda=tuple(cuda))
+
+
+_PY_STATE = struct.Struct(f"<i{_MT_WORDS + 1}I")
+
+
+def pack_python_rng(state: tuple[int, tuple[int, ...], float | None]) -> bytes:
+    """The python part of :meth:`PackedRng.pack` (:func:`random.getstate`)."""
+    version, words, gauss = state
+    if len(words) != _MT_WORDS + 1:
+        raise ValueError("python RNG state: 625 words expected")
+    return _PY_STATE.pack(version, *words) + struct.pack(
+        "<?d", gauss is not None, 0.0 if gauss is None else gauss
+    )
+
+
+def pack_numpy_rng(state: tuple[str, bytes, int, int, float]) -> bytes:
+    """The numpy part of :meth:`PackedRng.pack` (the key as 624 little-endian words)."""
+    name, key, pos, has_gauss, cached = state
+    raw_name = name.encode("ascii")
+    if len(key) != _MT_WORDS * 4 or len(raw_name) > 255:
+        raise ValueError("numpy RNG state: 624 uint32 words expected")
+    return b"".join(
+        (bytes([len(raw_name)]), raw_name, key, struct.pack("<iid", pos, has_gauss, cached))
+    )
+
+
+def assemble_rng(
+    python: bytes | None, numpy: bytes | None, torch_cpu: bytes | None, cuda: Sequence[bytes]
+) -> bytes:
+    """:meth:`PackedRng.pack` from its parts (the python and numpy ones already packed: a
+    caller that knows they did not change re-uses them)."""
+    flags = (
+        (python is not None)
+        | (numpy is not None) << 1
+        | (torch_cpu is not None) << 2
+        | bool(cuda) << 3
+    )
+    out = [_RNG_MAGIC, bytes([flags])]
+    if python is not None:
+        out.append(python)
+    if numpy is not None:
+        out.append(numpy)
+    if torch_cpu is not None:
+        out += [struct.pack("<I", len(torch_cpu)), torch_cpu]
+    if cuda:
+        out.append(struct.pack("<H", len(cuda)))
+        for state in cuda:
+            out += [struct.pack("<I", len(state)), state]
+    return b"".join(out)
 
 
 class _Reader:

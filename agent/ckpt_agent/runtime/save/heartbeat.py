@@ -39,7 +39,15 @@ import torch
 from ckpt_agent.background import libc, lower_thread_priority
 from ckpt_agent.errors import CheckpointFormatError, StorageError
 from ckpt_agent.format.fence import Fence
-from ckpt_agent.format.heartbeat import Heartbeat, PackedRng, encode_heartbeats, read_heartbeat
+from ckpt_agent.format.heartbeat import (
+    Heartbeat,
+    PackedRng,
+    assemble_rng,
+    encode_heartbeats,
+    pack_numpy_rng,
+    pack_python_rng,
+    read_heartbeat,
+)
 from ckpt_agent.format.layout import heartbeat_key
 from ckpt_agent.records import Json
 from ckpt_agent.runtime.core.capture import StateCapture
@@ -54,6 +62,7 @@ __all__ = [
     "Heartbeats",
     "NumpyRngState",
     "PythonRngState",
+    "RngPacker",
 ]
 
 log = logging.getLogger(__name__)
@@ -233,7 +242,36 @@ class HeartbeatCapture:  # heartbeat, and a frozen one pays an object.__setattr_
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
+    if t.dtype == torch.uint8 and t.device.type == "cpu" and t.is_contiguous():
+        return t.numpy().tobytes()  # torch.get_rng_state(): one copy, no dispatch
     return t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class RngPacker:
+    """A capture's RNG states as :meth:`PackedRng.pack` bytes, on the training thread, at
+    every step (JIT saves' step record): Python's and NumPy's parts are packed again only
+    when their generator moved (the capture then holds another state object), so a step
+    pays for the torch generator's bytes and one join."""
+
+    def __init__(self) -> None:
+        self._python: tuple[object, bytes] = (None, b"")
+        self._numpy: tuple[object, bytes] = (None, b"")
+
+    def __call__(self, cap: HeartbeatCapture) -> bytes:
+        if cap.python is not self._python[0]:
+            version, words, gauss = cap.python
+            self._python = (cap.python, pack_python_rng((int(version), tuple(words), gauss)))
+        if cap.numpy is not self._numpy[0]:
+            name, key, pos, has_gauss, cached = cap.numpy
+            key_bytes = np.ascontiguousarray(key, dtype="<u4").tobytes()
+            state = (str(name), key_bytes, int(pos), int(has_gauss), float(cached))
+            self._numpy = (cap.numpy, pack_numpy_rng(state))
+        return assemble_rng(
+            self._python[1],
+            self._numpy[1],
+            _tensor_bytes(cap.torch_cpu),
+            tuple(_tensor_bytes(t) for t in cap.cuda),
+        )
 
 
 class HeartbeatWriter:

@@ -37,7 +37,7 @@ from ckpt_agent.policy.models import Tier
 from ckpt_agent.runtime.core.capture import StateCapture
 from ckpt_agent.runtime.core.context import Engine
 from ckpt_agent.runtime.core.inline import heartbeat_state
-from ckpt_agent.runtime.save.heartbeat import HeartbeatCapture, HeartbeatCapturer
+from ckpt_agent.runtime.save.heartbeat import HeartbeatCapture, HeartbeatCapturer, RngPacker
 from ckpt_agent.runtime.shm.persister import ShmPersister
 from ckpt_agent.text import clean
 
@@ -88,6 +88,7 @@ class JitSave:
         self.stepped = 0
         """Optimizer steps since :attr:`last` was captured."""
         self._broken = ""
+        self._pack = RngPacker()
         self._hook = _hookable(capture.optimizer).register_step_post_hook(self._on_step)
 
     def _on_step(self, *_: object) -> None:
@@ -99,12 +100,9 @@ class JitSave:
         self.last, self.stepped = cap, 0
         if self._broken:
             return cap
-        hb = cap.heartbeat()
-        assert hb.rng_packed is not None
         try:
-            self.slot.write(
-                step, self.persister.epoch, encode_payload(hb.time, hb.rng_packed.pack(), hb.data)
-            )
+            payload = encode_payload(cap.time, self._pack(cap), cap.data)
+            self.slot.write(step, self.persister.epoch, payload)
         except ValueError as err:  # too big a data position: JIT off for this process
             self._broken = str(err)
             log.warning("just-in-time saves are off: %s", clean(err))

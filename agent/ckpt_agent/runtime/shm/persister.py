@@ -223,8 +223,10 @@ class ShmPersister:
         return None if latest is None else latest.step
 
     def poll(self) -> None:
-        """The persister's results since the last poll: persist times, commit hashes, errors."""
-        if not self._live:
+        """The persister's results since the last poll: persist times, commit hashes, errors.
+        Nothing to look at (not even a ``stat``) while no save of this process is in flight:
+        results only come for those."""
+        if not self._live or not self._pending:
             return
         for mark in self.flash.poll():
             self._handled(mark)

@@ -17,6 +17,7 @@ from ckpt_agent.runtime.save.heartbeat import (
     HeartbeatWriter,
     NumpyRngState,
     PythonRngState,
+    RngPacker,
 )
 from ckpt_agent.storage.fs import LocalStorage
 
@@ -146,3 +147,27 @@ def test_flush_after_close_returns(ck_store: LocalStorage, interval: float) -> N
     hb.close()
     hb.put(Heartbeat(step=1, time=0.0))
     assert not hb.flush(0.2)  # nobody writes after close: it says so, it does not hang
+
+
+def test_the_step_records_packer_writes_the_rings_format_and_repacks_what_moved() -> None:
+    numpy, python, pack = NumpyRngState(), PythonRngState(), RngPacker()
+
+    def capture(step: int) -> HeartbeatCapture:
+        return HeartbeatCapture(
+            step=step, time=1.0, epoch=None, data=None, python=python.get(),
+            numpy=numpy.get(), torch_cpu=torch.get_rng_state(),
+        )  # fmt: skip
+
+    random.seed(1)
+    np.random.seed(2)
+    for draw in (None, "torch", "python", "numpy"):
+        if draw == "torch":
+            torch.rand(3)
+        elif draw == "python":
+            random.random()
+        elif draw == "numpy":
+            np.random.rand()
+        cap = capture(1)
+        want = cap.heartbeat().rng_packed
+        assert want is not None
+        assert pack(cap) == want.pack(), draw  # the same bytes as the ring's record
