@@ -42,7 +42,11 @@ __all__ = [
     "STEP_HEARTBEAT_FILE",
     "StepHeartbeat",
     "StepHeartbeatSlot",
+    "decode_record",
     "encode_payload",
+    "install_record",
+    "newest_record",
+    "peek_seq",
     "read_step_heartbeat",
 ]
 
@@ -81,6 +85,7 @@ class StepHeartbeatSlot:
 
     def __init__(self, area_dir: str | Path) -> None:
         self.path = Path(area_dir) / STEP_HEARTBEAT_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             if os.fstat(fd).st_size < 2 * HALF_BYTES:
@@ -144,6 +149,66 @@ def _decode(seq: int, step: int, epoch: int, payload: bytes) -> StepHeartbeat:
     data = loads(tail, "step heartbeat data", HALF_BYTES).get("data") if tail else None
     hb = Heartbeat(step=step, time=time_s, data=data, rng_packed=rng)
     return StepHeartbeat(heartbeat=hb, epoch=epoch, seq=seq)
+
+
+def peek_seq(area_dir: str | Path) -> int:
+    """The highest sequence number in the two headers (0: none), without checking them: a
+    cheap "did it change" for a poller, which then reads :func:`newest_record`."""
+    try:
+        with open(Path(area_dir) / STEP_HEARTBEAT_FILE, "rb") as f:
+            first = f.read(_HEADER.size)
+            f.seek(HALF_BYTES)
+            second = f.read(_HEADER.size)
+    except FileNotFoundError:
+        return 0
+    seqs = [
+        _HEADER.unpack(h)[2]
+        for h in (first, second)
+        if len(h) == _HEADER.size and h.startswith(_MAGIC)
+    ]
+    return max(seqs, default=0)
+
+
+def newest_record(area_dir: str | Path) -> bytes | None:
+    """The newest whole record of an area as it lies in the file (header and payload: what
+    a peer keeps for this rank and :func:`install_record` writes back), None: none intact."""
+    path = Path(area_dir) / STEP_HEARTBEAT_FILE
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(2 * HALF_BYTES)
+    except FileNotFoundError:
+        return None
+    if len(raw) < 2 * HALF_BYTES:
+        return None
+    best = max(_records(raw), key=lambda r: r.seq, default=None)
+    if best is None:
+        return None
+    off = (best.seq % 2) * HALF_BYTES
+    length = _HEADER.unpack_from(raw, off)[5]
+    return raw[off : off + _HEADER.size + length]
+
+
+def decode_record(raw: bytes) -> StepHeartbeat:
+    """A record from :func:`newest_record` (a peer's copy), checked; ValueError if it is not
+    one whole record."""
+    if len(raw) < _HEADER.size or len(raw) > HALF_BYTES:
+        raise ValueError(f"a step heartbeat record of {len(raw)} bytes")
+    found = _records(raw + bytes(2 * HALF_BYTES - len(raw)))  # as the first half of a file
+    if len(found) != 1 or len(raw) != _HEADER.size + _HEADER.unpack_from(raw, 0)[5]:
+        raise ValueError("not a whole step heartbeat record (torn, or its CRC does not match)")
+    return found[0]
+
+
+def install_record(area_dir: str | Path, raw: bytes) -> StepHeartbeat:
+    """Write a peer's copy of a rank's record into the rank's (new) area, checked first; the
+    area's reader then finds it as its newest record. Returns it."""
+    got = decode_record(raw)
+    slot = StepHeartbeatSlot(area_dir)
+    try:
+        slot.write(got.heartbeat.step, got.epoch, raw[_HEADER.size :])
+    finally:
+        slot.close()
+    return got
 
 
 def read_step_heartbeat(area_dir: str | Path) -> StepHeartbeat | None:

@@ -95,3 +95,29 @@ def test_a_data_position_over_the_room_is_refused_and_nothing_changes(tmp_path: 
         _write(slot, 2, data={"ids": "x" * HALF_BYTES})
     got = read_step_heartbeat(tmp_path)
     assert got is not None and got.heartbeat.step == 1
+
+
+def test_a_record_travels_whole_and_installs_in_a_new_area(tmp_path: Path) -> None:
+    from ckpt_agent.flash.step_heartbeat import (
+        decode_record,
+        install_record,
+        newest_record,
+        peek_seq,
+    )
+
+    old, new = tmp_path / "lost-node", tmp_path / "new-node"
+    slot = StepHeartbeatSlot(old)
+    for step in (4, 5, 6):
+        _write(slot, step, epoch=3, data={"pos": step})
+    assert peek_seq(old) == 3 and peek_seq(new) == 0
+    raw = newest_record(old)
+    assert raw is not None and decode_record(raw).heartbeat.step == 6
+    with pytest.raises(ValueError, match="not a whole"):
+        decode_record(raw[:-1] + bytes([raw[-1] ^ 1]))
+    with pytest.raises(ValueError, match="not a whole"):
+        decode_record(raw + b"x")
+    new.mkdir()
+    installed = install_record(new, raw)
+    got = read_step_heartbeat(new)
+    assert got is not None and installed.heartbeat == got.heartbeat
+    assert (got.heartbeat.step, got.epoch, got.heartbeat.data) == (6, 3, {"pos": 6})

@@ -25,6 +25,7 @@ from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.client import DEFAULT_TIMEOUT_S, Peer, PushResult, push
+from ckpt_agent.flash.replica.marks import MarkRelay, MarkStore
 from ckpt_agent.flash.replica.plan import plan_chunks
 from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
@@ -65,6 +66,8 @@ class Replicator:
         self.scope = JobScope.from_file(options.namespace, options.job_id, options.secret_file)
         self.peers = [Peer.parse(p) for p in options.peers]
         self.store = ReplicaStore(shm_dir, run_id, max_snapshot_bytes=options.max_snapshot_bytes)
+        self.mark_store = MarkStore(shm_dir, run_id)
+        """Peers' step heartbeat records (JIT saves), served with the replicas."""
         self.server: ReplicaServer | None = None
         if options.listen_port is not None:
             try:
@@ -74,6 +77,7 @@ class Replicator:
                     host=options.listen_host,
                     port=options.listen_port,
                     timeout_s=options.timeout_s,
+                    marks=self.mark_store,
                 )
             except OSError as e:
                 raise ReplicaError(
@@ -92,6 +96,10 @@ class Replicator:
         self._busy = False
         self._thread = threading.Thread(target=self._run, name="ckpt-replica-push", daemon=True)
         self._thread.start()
+        self.marks = MarkRelay(
+            self.peers, self.scope, source=options.node, timeout_s=options.timeout_s
+        )
+        """Step heartbeat records (JIT saves), pushed beside the snapshots."""
 
     def offer(self, reader: ShmReader, desc: Descriptor) -> None:
         """Push ``desc`` (a complete snapshot of ``reader``'s area) soon; returns at once."""
@@ -103,10 +111,14 @@ class Replicator:
             self._pending[desc.rank] = (reader, desc)
             self._cond.notify()
 
+    def offer_mark(self, rank: int, raw: bytes) -> None:
+        """Push rank ``rank``'s newest step heartbeat record soon; returns at once."""
+        self.marks.offer(rank, raw)
+
     def idle(self) -> bool:
-        """Nothing pending and no push in flight."""
+        """Nothing pending and no push in flight (snapshots and step heartbeats)."""
         with self._cond:
-            return not self._pending and not self._busy
+            return not self._pending and not self._busy and self.marks.idle()
 
     def summary(self) -> dict[str, Json]:
         with self._cond:
@@ -116,6 +128,8 @@ class Replicator:
                 "failed": self.failed,
                 "superseded": self.superseded,
                 "last_error": self.last_error or None,
+                "marks_pushed": self.marks.pushed,
+                "marks_failed": self.marks.failed,
             }
         if self.server is not None:
             stats = self.server.stats
@@ -130,6 +144,7 @@ class Replicator:
             self._pending.clear()
             self._cond.notify()
         self._thread.join(timeout_s)
+        self.marks.close(timeout_s)
         if self.server is not None:
             self.server.close()
 

@@ -14,6 +14,8 @@ One request per connection, after the handshake (:mod:`.auth`):
   with ``integrity``), never sent. The receiver checks every chunk against its SHA-256
   again: that check, not this one, is what guards it against a peer.
 * ``list``: the replicas this node holds (source, rank, seq, step).
+* ``mark`` / ``get_mark``: a rank's step heartbeat record (JIT saves), kept and served
+  back (:mod:`.marks`).
 
 :meth:`ReplicaServer.start` serves on its own thread (and one thread per connection, at
 most ``max_connections``); nothing blocks the caller. Every refusal and failure is counted
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 from ckpt_agent.errors import ReplicaAuthError, ReplicaError, ReplicaIntegrityError
 from ckpt_agent.flash.replica.auth import JobScope, accept
+from ckpt_agent.flash.replica.marks import MarkStore, serve_mark
 from ckpt_agent.flash.replica.plan import Chunk, Offer
 from ckpt_agent.flash.replica.store import ReplicaStore, StoredReplica
 from ckpt_agent.flash.replica.wire import HANDSHAKE_LIMITS, Conn, Frame, Limits
@@ -77,8 +80,11 @@ class ReplicaServer:
         timeout_s: float = 60.0,
         limits: Limits | None = None,
         max_connections: int = 8,
+        marks: MarkStore | None = None,
     ) -> None:
         self.store = store
+        self.marks = marks
+        """Peers' step heartbeat records (``mark``, ``get_mark``: JIT saves); None: refused."""
         self.scope = scope
         self.timeout_s = timeout_s
         self.limits = limits or Limits()
@@ -170,7 +176,9 @@ class ReplicaServer:
             self._slots.release()
 
     def _dispatch(self, conn: Conn, req: Frame) -> None:
-        if req.kind == "offer":
+        if req.kind in ("mark", "get_mark") and self.marks is not None:
+            serve_mark(self.marks, conn, req)
+        elif req.kind == "offer":
             self._receive(conn, Offer.from_header(req.header))
         elif req.kind == "fetch":
             source, rank = req.header.get("source"), req.header.get("rank")

@@ -36,6 +36,7 @@ from ckpt_agent.flash.sidecar.metrics import SidecarMetrics
 from ckpt_agent.flash.sidecar.options import SidecarOptions
 from ckpt_agent.flash.sidecar.persisting import Handled, PartWriter
 from ckpt_agent.flash.sidecar.rehydration import Rehydration
+from ckpt_agent.flash.sidecar.step_marks import StepMarkRelay
 from ckpt_agent.metrics import DecisionLog, MetricsServer, snapshot
 from ckpt_agent.persist.builder import PersistBuilder
 from ckpt_agent.persist.catalog import Catalog
@@ -104,6 +105,7 @@ class Sidecar:
         self.part_writer.seed(self.parts.storage)
         self.replicator = self._replicator()  # last: its threads start now
         self.rehydration = Rehydration(self.replicator, self._event)
+        self.step_marks = StepMarkRelay(self.replicator) if self.replicator else None
         try:  # a trainer asks for a replica only from a sidecar that answers
             advertise(self.shm_dir, self.run_id)
         except OSError as e:
@@ -158,6 +160,8 @@ class Sidecar:
         every pending snapshot once; returns how many were persisted."""
         self.areas.discover()
         self.rehydration.poll(self.areas)
+        if self.step_marks is not None:
+            self.step_marks.poll(self.areas)
         done = 0
         # other ranks' parts first: rank 0's commit waits for them
         for rank, desc in sorted(self.pending(), key=lambda x: x[0] == 0):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ckpt_agent import tuning
@@ -21,6 +22,7 @@ from ckpt_agent.errors import ReplicaError
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.replica.client import Peer
 from ckpt_agent.flash.replica.fetch import fetch, list_replicas, open_local
+from ckpt_agent.flash.replica.marks import HeldMark, fetch_mark
 from ckpt_agent.flash.replica.rehydrate import (
     Held,
     RehydrateAnswer,
@@ -36,6 +38,7 @@ from ckpt_agent.flash.replica.rehydrate import (
 )
 from ckpt_agent.flash.replica.replicator import Replicator
 from ckpt_agent.flash.sidecar.discovery import Areas, AreaState
+from ckpt_agent.flash.step_heartbeat import install_record, read_step_heartbeat
 from ckpt_agent.text import clean
 
 __all__ = ["Rehydration"]
@@ -65,6 +68,9 @@ class Rehydration:
             if read_answer(st.reader, nonce) is not None:  # answered before this sidecar restarted
                 continue
             answer = self._answer(st, rank, nonce)
+            mark = self._restore_mark(st, rank)
+            if mark:
+                answer = replace(answer, why=f"{answer.why}; {mark}")
             if answer.found and answer.seq is not None:
                 st.handled_seq = max(st.handled_seq, answer.seq)  # never persisted from here
             write_answer(st.reader, answer)
@@ -115,6 +121,36 @@ class Rehydration:
         if not notes:
             notes.append(f"no replica of rank {rank} on this node or its peers")
         return RehydrateAnswer(nonce, False, "; ".join(notes))
+
+    def _restore_mark(self, st: AreaState, rank: int) -> str:
+        """The rank's step heartbeat (JIT saves) back into its new area: the newest record
+        held here or by a peer; what was done, for the answer ("" when replication is off
+        or the area has its own)."""
+        rep = self.replicator
+        if rep is None or read_step_heartbeat(st.reader.dir) is not None:
+            return ""
+        found: list[tuple[str, HeldMark]] = []
+        own = rep.mark_store.newest(rank)
+        if own is not None:
+            found.append(("this node's store", own))
+        timeout_s = min(rep.options.timeout_s, tuning.REHYDRATE_LIST_TIMEOUT_S)
+        for peer in rep.peers:
+            try:
+                held = fetch_mark(peer, rep.scope, rank, timeout_s=timeout_s)
+            except (ReplicaError, OSError) as e:
+                log.info("no step heartbeat of rank %d from %s: %s", rank, peer, clean(e))
+                continue
+            if held is not None:
+                found.append((f"peer {peer}", held))
+        if not found:
+            return "no step heartbeat of this rank on this node or its peers"
+        where, newest = max(found, key=lambda f: f[1].record.heartbeat.time)
+        try:
+            record = install_record(st.reader.dir, newest.raw)
+        except (OSError, ValueError) as e:
+            return f"the step heartbeat from {where} could not be installed: {clean(e)}"
+        self.emit("step_mark_restored", rank=rank, step=record.heartbeat.step, source=where)
+        return f"step heartbeat of step {record.heartbeat.step} from {where}"
 
     def _install(self, st: AreaState, held: Held) -> Descriptor:
         rep = self.replicator
