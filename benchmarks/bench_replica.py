@@ -18,6 +18,10 @@ AdamW moments total ``--size-mb``):
   ``start()``, the resume action and the child's peak RSS above its baseline (the fresh
   model and optimizer).
 
+The nodes' shared-memory areas and node b's replicas live in ``--memory-dir`` (default: a
+new folder in ``/dev/shm``, a tmpfs like the pod's emptyDir of medium Memory); storage,
+MinIO's data and the work folders in a temporary folder on disk.
+
     python benchmarks/bench_replica.py --size-mb 256 --repeat 3 [--minio] [--write-doc docs/performance.md]
 """
 
@@ -69,11 +73,11 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, hidden: int = 1024)
     return float(loss.item())
 
 
-def config(root: Path, node: str, storage: dict[str, Any]) -> AgentConfig:
+def config(root: Path, mem: Path, node: str, storage: dict[str, Any]) -> AgentConfig:
     return AgentConfig.model_validate(
         {
             "runId": RUN,
-            "shmDir": str(root / f"shm-{node}"),
+            "shmDir": str(mem / f"shm-{node}"),
             "workDir": str(root / f"work-{node}"),
             "agent": {"sidecar": True},
             "tiers": {
@@ -89,7 +93,9 @@ def config(root: Path, node: str, storage: dict[str, Any]) -> AgentConfig:
 
 
 @contextlib.contextmanager
-def sidecar(root: Path, node: str, storage: dict[str, Any], peer: str | None) -> Iterator[Sidecar]:
+def sidecar(
+    root: Path, mem: Path, node: str, storage: dict[str, Any], peer: str | None
+) -> Iterator[Sidecar]:
     """Node ``node``'s sidecar in a thread; replicating with ``peer`` (None: not)."""
     secret = root / "secret"
     secret.write_text(SECRET)
@@ -100,7 +106,8 @@ def sidecar(root: Path, node: str, storage: dict[str, Any], peer: str | None) ->
             peers=(peer,), timeout_s=120.0,
         )  # fmt: skip
     sc = Sidecar(
-        config(root, node, storage), SidecarOptions(metrics_port=0, poll_s=0.01, replicas=replicas)
+        config(root, mem, node, storage),
+        SidecarOptions(metrics_port=0, poll_s=0.01, replicas=replicas),
     )
     stop = threading.Event()
     thread = threading.Thread(target=sc.run, kwargs={"until": stop.is_set}, daemon=True)
@@ -134,10 +141,10 @@ def serve(store_dir: str) -> int:
     return 0
 
 
-def start_node_b(root: Path) -> tuple[subprocess.Popen[str], str]:
-    """Node b's server in a child process over ``root/shm-b``; (process, host:port)."""
+def start_node_b(mem: Path) -> tuple[subprocess.Popen[str], str]:
+    """Node b's server in a child process over ``mem/shm-b``; (process, host:port)."""
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(root / "shm-b")],
+        [sys.executable, __file__, "--serve", str(mem / "shm-b")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -156,19 +163,19 @@ def _rss_kib(field: str) -> int:
 
 def restore(args: argparse.Namespace) -> dict[str, Any]:
     """One restore on a fresh node c (a child process): the seconds of start()."""
-    root, storage = Path(args.root), json.loads(args.storage)
+    root, mem, storage = Path(args.root), Path(args.mem), json.loads(args.storage)
     model, opt = build(args.size_mb)
     Path("/proc/self/clear_refs").write_text("5\n")  # VmHWM from here: the restore's own
     base = _rss_kib("VmRSS")
     node = f"c{os.getpid()}"
-    with sidecar(root, node, storage, args.peer):
+    with sidecar(root, mem, node, storage, args.peer):
         t0 = time.perf_counter()
-        ckpt = Checkpointer(config(root, node, storage), model=model, optimizer=opt)
+        ckpt = Checkpointer(config(root, mem, node, storage), model=model, optimizer=opt)
         resume = ckpt.start()
         seconds = time.perf_counter() - t0
         peak = (_rss_kib("VmHWM") - base) / 1024
         ckpt.close()
-    shutil.rmtree(root / f"shm-{node}", ignore_errors=True)
+    shutil.rmtree(mem / f"shm-{node}", ignore_errors=True)
     shutil.rmtree(root / f"work-{node}", ignore_errors=True)
     return {"seconds": seconds, "action": resume.action, "step": resume.step, "peak_mib": peak}
 
@@ -197,9 +204,15 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--minio", action="store_true", help="also restore from a real MinIO")
     p.add_argument("--write-doc", help="put the results table into this doc (between markers)")
+    p.add_argument(
+        "--memory-dir",
+        default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+        help="where the nodes' shared memory lives (a tmpfs; default /dev/shm, else on disk)",
+    )
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--mem", help=argparse.SUPPRESS)
     p.add_argument("--storage", help=argparse.SUPPRESS)
     p.add_argument("--peer", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -210,6 +223,7 @@ def main() -> int:
         return 0
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="bench-replica-"))
+    mem = Path(tempfile.mkdtemp(prefix="bench-replica-", dir=args.memory_dir))
     minio = None
     try:
         storages = {"local disk": {"storageUrl": (root / "store").as_uri()}}
@@ -219,12 +233,12 @@ def main() -> int:
             storages["MinIO"] = s3
             env.update(s3_env)
             os.environ.update(s3_env)
-        node_b, peer = start_node_b(root)
+        node_b, peer = start_node_b(mem)
         model, opt = build(args.size_mb)
         for name, storage in storages.items():  # node a: two pulses in each storage
             pushing = peer if name == "local disk" else None  # and to node b, once
-            with sidecar(root, "a", storage, pushing) as sc:
-                ckpt = Checkpointer(config(root, "a", storage), model=model, optimizer=opt)
+            with sidecar(root, mem, "a", storage, pushing) as sc:
+                ckpt = Checkpointer(config(root, mem, "a", storage), model=model, optimizer=opt)
                 ckpt.start()
                 for step in range(2):
                     ckpt.step(step, train_step(model, opt))
@@ -236,20 +250,20 @@ def main() -> int:
                         raise SystemExit(f"node a's pushes did not finish: {rep.summary()}")
                     time.sleep(0.05)
                 ckpt.close()
-            shutil.rmtree(root / "shm-a")  # node a is lost
+            shutil.rmtree(mem / "shm-a")  # node a is lost
         size = state_bytes(model, opt)  # AdamW's moments exist once it stepped
         assert node_b.stdin is not None and node_b.stdout is not None
         node_b.stdin.close()
         peer_peak = json.loads(node_b.stdout.readline())["peak_rss_above_base_mib"]
         node_b.wait(60)
         # node b is gone too now: restart it over the same store, serving what it holds
-        node_b, peer = start_node_b(root)
+        node_b, peer = start_node_b(mem)
         kinds = [(f"storage ({name})", storage, None) for name, storage in storages.items()]
         kinds.append(("peer's replica", storages["local disk"], peer))
         results: dict[str, list[dict[str, Any]]] = {}
         for _ in range(args.repeat):
             for label, storage, via in kinds:
-                cmd = [sys.executable, __file__, "--child", "--root", str(root)]
+                cmd = [sys.executable, __file__, "--child", "--root", str(root), "--mem", str(mem)]
                 cmd += ["--size-mb", str(args.size_mb), "--storage", json.dumps(storage)]
                 cmd += ["--peer", via] if via else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -265,10 +279,11 @@ def main() -> int:
         if minio is not None:
             minio.stop()
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(mem, ignore_errors=True)
     base = median([r["seconds"] for r in results[kinds[0][0]]])
     lines = [
         f"# {machine()}, state {size / MIB:.0f} MiB, median of {args.repeat} restores each "
-        "(fresh process, page cache warm)",
+        f"(fresh process, page cache warm), shared memory in {args.memory_dir or 'the temp dir'}",
         "",
         "| node c resumes from | start() s | vs storage (local disk) | resume action "
         "| peak RSS above baseline, MiB |",
@@ -281,6 +296,11 @@ def main() -> int:
             f"| {label} | {s:.2f} | {s / base:.2f}x | {rs[-1]['action']} "
             f"| {median([r['peak_mib'] for r in rs]):.0f} |"
         )
+    if "storage (MinIO)" in results:
+        ratio = median([r["seconds"] for r in results["peer's replica"]]) / median(
+            [r["seconds"] for r in results["storage (MinIO)"]]
+        )
+        lines += ["", f"From the peer's replica: {ratio:.2f}x the time from MinIO (#31: <= 0.5x)."]
     lines += [
         "",
         f"Node b (the peer) peak RSS above its baseline while it received node a's pushes "
