@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckpt_agent.errors import ReplicaError, ReplicaIntegrityError
 from ckpt_agent.flash.checksums import fast_checksum
@@ -22,10 +22,21 @@ from ckpt_agent.flash.protocol import HEADER, MAGIC, atomic_write
 from ckpt_agent.flash.replica.layout import DATA, DESC, HASHES, remove, snapshot_folders
 from ckpt_agent.flash.replica.plan import Chunk, Offer, hashes_doc
 
-if TYPE_CHECKING:
-    from ckpt_agent.flash.replica.store import StoredReplica
+__all__ = ["HeldReplica", "Incoming"]
 
-__all__ = ["Incoming"]
+
+class HeldReplica(Protocol):
+    """What :meth:`Incoming.copy_from` reads of the replica held
+    (:class:`~.store.StoredReplica`; a protocol, so the store and this module do not import
+    each other)."""
+
+    @property
+    def fast(self) -> dict[str, list[str]] | None: ...
+
+    @property
+    def data_path(self) -> Path: ...
+
+    def intact(self, chunk: Chunk, data: bytes | bytearray | memoryview) -> bool: ...
 
 
 class Incoming:
@@ -60,7 +71,7 @@ class Incoming:
             if size >= HEADER.size:  # the slot's header: the data file reads like a slot file
                 _write_at(self._fd, HEADER.pack(MAGIC, seq, seq, size), 0)
 
-    def copy_from(self, current: StoredReplica, held: list[Chunk]) -> None:
+    def copy_from(self, current: HeldReplica, held: list[Chunk]) -> None:
         """Copy the chunks the ``current`` replica holds (``held``, its chunks) by digest,
         each one checked there (:meth:`~.store.StoredReplica.intact`): a replica corrupted
         at rest is never copied; such a chunk is asked from the sender."""
