@@ -169,20 +169,26 @@ def peek_seq(area_dir: str | Path) -> int:
     return max(seqs, default=0)
 
 
-def newest_record(area_dir: str | Path) -> bytes | None:
-    """The newest whole record of an area as it lies in the file (header and payload: what
-    a peer keeps for this rank and :func:`install_record` writes back), None: none intact."""
-    path = Path(area_dir) / STEP_HEARTBEAT_FILE
+def _newest(area_dir: str | Path) -> tuple[bytes, StepHeartbeat] | None:
+    """The area's file and its newest whole record (None: no file, or neither half intact)."""
     try:
-        with open(path, "rb") as f:
+        with open(Path(area_dir) / STEP_HEARTBEAT_FILE, "rb") as f:
             raw = f.read(2 * HALF_BYTES)
     except FileNotFoundError:
         return None
     if len(raw) < 2 * HALF_BYTES:
         return None
     best = max(_records(raw), key=lambda r: r.seq, default=None)
-    if best is None:
+    return None if best is None else (raw, best)
+
+
+def newest_record(area_dir: str | Path) -> bytes | None:
+    """The newest whole record of an area as it lies in the file (header and payload: what
+    a peer keeps for this rank and :func:`install_record` writes back), None: none intact."""
+    found = _newest(area_dir)
+    if found is None:
         return None
+    raw, best = found
     off = (best.seq % 2) * HALF_BYTES
     length = _HEADER.unpack_from(raw, off)[5]
     return raw[off : off + _HEADER.size + length]
@@ -213,13 +219,5 @@ def install_record(area_dir: str | Path, raw: bytes) -> StepHeartbeat:
 
 def read_step_heartbeat(area_dir: str | Path) -> StepHeartbeat | None:
     """The newest whole record of an area (None: none, or neither half intact)."""
-    path = Path(area_dir) / STEP_HEARTBEAT_FILE
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(2 * HALF_BYTES)
-    except FileNotFoundError:
-        return None
-    if len(raw) < 2 * HALF_BYTES:
-        return None
-    records = _records(raw)
-    return max(records, key=lambda r: r.seq) if records else None
+    found = _newest(area_dir)
+    return None if found is None else found[1]

@@ -6,18 +6,15 @@ and ends with the weights and optimizer state of the uninterrupted fit, bitwise.
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_e2e.local_flash import same_state, sidecar_thread
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -53,20 +50,6 @@ def _config(root: Path) -> AgentConfig:
             "validation": {"loadInSubprocess": False},
         }
     )
-
-
-@contextmanager
-def _sidecar(root: Path) -> Iterator[None]:
-    sidecar = Sidecar(_config(root), SidecarOptions(metrics_port=0, poll_s=0.01))
-    stop = threading.Event()
-    thread = threading.Thread(target=sidecar.run, kwargs={"until": stop.is_set}, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(30)
-        sidecar.close()
 
 
 def _fit(root: Path, fail_at: int = -1) -> dict[str, Any]:
@@ -117,26 +100,18 @@ def _fit(root: Path, fail_at: int = -1) -> dict[str, Any]:
     }
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 def test_a_failed_lightning_step_costs_only_that_step(tmp_path: Path) -> None:
-    with _sidecar(tmp_path / "ref"):  # the same fit, uninterrupted, with the callback too
+    with sidecar_thread(
+        _config(tmp_path / "ref")
+    ):  # the same fit, uninterrupted, with the callback too
         want = _fit(tmp_path / "ref")
     tmp_path = tmp_path / "failed"
-    with _sidecar(tmp_path):
+    with sidecar_thread(_config(tmp_path)):
         with pytest.raises(FailedError):
             _fit(tmp_path, fail_at=FAIL_AT)
         got = _fit(tmp_path)
     assert got["global_step"] == want["global_step"] == STEPS
-    assert _equal(got, want)
+    assert same_state(got, want)
     lines = (tmp_path / "work" / "decisions.rank0.jsonl").read_text().splitlines()
     events = list(map(json.loads, lines))
     (saved,) = [e for e in events if e["event"] == "jit_save"]

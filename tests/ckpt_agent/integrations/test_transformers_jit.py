@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_lightning_jit import _config, _equal, _sidecar
+from test_lightning_jit import _config
 
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_e2e.local_flash import same_state, sidecar_thread
 
 pytest.importorskip("transformers")
 
@@ -59,15 +60,15 @@ def _train(root: Path, fail_at: int = -1) -> dict[str, Any]:
 
 
 def test_a_failed_trainer_step_costs_only_that_step(tmp_path: Path) -> None:
-    with _sidecar(tmp_path / "ref"):
+    with sidecar_thread(_config(tmp_path / "ref")):
         want = _train(tmp_path / "ref")
     root = tmp_path / "failed"
-    with _sidecar(root):
+    with sidecar_thread(_config(root)):
         with pytest.raises(FailedError):
             _train(root, fail_at=FAIL_AT)
         got = _train(root)
     assert got["global_step"] == want["global_step"] == STEPS
-    assert _equal(got, want)
+    assert same_state(got, want)
     events = [
         json.loads(x) for x in (root / "work" / "decisions.rank0.jsonl").read_text().splitlines()
     ]

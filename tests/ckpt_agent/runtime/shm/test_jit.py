@@ -10,9 +10,6 @@ writes step 12, and the restart goes on from step 13 (without JIT: from step 10)
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.flash.step_heartbeat import read_step_heartbeat
 from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer
+from ckpt_e2e.local_flash import same_state, sidecar_thread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,32 +85,8 @@ def _config(tmp_path: Path, jit: bool) -> AgentConfig:
     )
 
 
-@contextmanager
-def _sidecar(tmp_path: Path, jit: bool) -> Iterator[Sidecar]:
-    sidecar = Sidecar(_config(tmp_path, jit), SidecarOptions(metrics_port=0, poll_s=0.01))
-    stop = threading.Event()
-    thread = threading.Thread(target=sidecar.run, kwargs={"until": stop.is_set}, daemon=True)
-    thread.start()
-    try:
-        yield sidecar
-    finally:
-        stop.set()
-        thread.join(30)
-        sidecar.close()
-
-
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": model.state_dict(), "opt": opt.state_dict()}
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def _events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
@@ -123,7 +96,7 @@ def _events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
 
 def _fail_then_resume(tmp_path: Path, jit: bool, fail: str) -> tuple[int, dict[str, Any]]:
     """Train, fail in step FAIL_AT, restart, finish; (the step resumed at, final state)."""
-    with _sidecar(tmp_path, jit):
+    with sidecar_thread(_config(tmp_path, jit)):
         model, opt = _model()
         pos = Position()
         torch.manual_seed(7)
@@ -164,7 +137,7 @@ def test_a_failure_before_the_optimizer_step_loses_only_that_step(
 ) -> None:
     resumed, state = _fail_then_resume(tmp_path, True, "before optimizer.step")
     assert resumed == FAIL_AT
-    assert _equal(state, uninterrupted)
+    assert same_state(state, uninterrupted)
     (saved,) = [e for e in _events(tmp_path, "jit_save") if e["outcome"] == "saved"]
     assert saved["step"] == FAIL_AT - 1 and "BoomError: step 13" in saved["failure"]
     mark = read_step_heartbeat(tmp_path / "shm" / RUN / "rank_00000")
@@ -176,7 +149,7 @@ def test_a_failure_after_the_optimizer_step_saves_nothing_and_resumes_from_the_p
 ) -> None:
     resumed, state = _fail_then_resume(tmp_path, True, "after optimizer.step")
     assert resumed == 11  # the pulse of step 10: the live state was step 13's, not 12's
-    assert _equal(state, uninterrupted)
+    assert same_state(state, uninterrupted)
     (skipped,) = _events(tmp_path, "jit_save")
     assert skipped["outcome"] == "skipped" and "optimizer stepped" in skipped["reason"]
 
@@ -186,6 +159,6 @@ def test_without_jit_the_failure_goes_back_to_the_pulse(
 ) -> None:
     resumed, state = _fail_then_resume(tmp_path, False, "before optimizer.step")
     assert resumed == 11
-    assert _equal(state, uninterrupted)
+    assert same_state(state, uninterrupted)
     assert _events(tmp_path, "jit_save") == []
     assert read_step_heartbeat(tmp_path / "shm" / RUN / "rank_00000") is None

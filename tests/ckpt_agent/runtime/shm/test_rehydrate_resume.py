@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from ckpt_agent.policy import AgentConfig
 from ckpt_agent.runtime.checkpointer import Checkpointer
 from ckpt_agent.runtime.shm.target import FlashTarget
 from ckpt_agent.storage.fs import LocalStorage
+from ckpt_e2e.local_flash import same_state, sidecar_thread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -87,32 +87,13 @@ def _sidecar(tmp_path: Path, node: str, peer: str) -> Iterator[Sidecar]:
         node=f"node-{node}", namespace="team-a", job_id="job-1", secret_file=str(secret),
         peers=(peer,), timeout_s=10.0,
     )  # fmt: skip
-    sidecar = Sidecar(
-        _config(tmp_path, node), SidecarOptions(metrics_port=0, poll_s=0.01, replicas=options)
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=sidecar.run, kwargs={"until": stop.is_set}, daemon=True)
-    thread.start()
-    try:
+    opts = SidecarOptions(metrics_port=0, poll_s=0.01, replicas=options)
+    with sidecar_thread(_config(tmp_path, node), opts) as sidecar:
         yield sidecar
-    finally:
-        stop.set()
-        thread.join(30)
-        sidecar.close()
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": model.state_dict(), "opt": opt.state_dict()}
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def test_a_rank_recreated_on_another_node_resumes_from_a_peers_replica_bitwise(
@@ -167,7 +148,7 @@ def test_a_rank_recreated_on_another_node_resumes_from_a_peers_replica_bitwise(
             ckpt.close()
     finally:
         server_b.close()
-    assert _equal(_state(model, opt), _state(ref_model, ref_opt))
+    assert same_state(_state(model, opt), _state(ref_model, ref_opt))
     lines = (tmp_path / "work-c" / "decisions.rank0.jsonl").read_text().splitlines()
     (asked,) = [e for e in map(json.loads, lines) if e["event"] == "rehydrate"]
     assert (asked["found"], asked["step"], asked["source"]) == (True, 10, "node-a")
