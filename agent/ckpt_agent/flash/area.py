@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from ckpt_agent.errors import CheckpointFormatError
@@ -30,7 +31,11 @@ from ckpt_agent.flash.protocol import (
 from ckpt_agent.format.layout import validate_run_id
 from ckpt_agent.records import rank_name
 
-__all__ = ["ShmArea", "hold_lock", "read_header"]
+__all__ = ["PROBE_GRACE_S", "ShmArea", "hold_lock", "read_header"]
+
+PROBE_GRACE_S = 0.5
+"""How long :func:`hold_lock` retries a lock held by someone: longer than any liveness
+probe holds it, short for an owner that is really there (its error then comes this late)."""
 
 
 class ShmArea:
@@ -177,13 +182,22 @@ def _hash_lists(t: object) -> dict[str, list[str]] | None:
     return {str(k): [str(h) for h in v] for k, v in t.items()}
 
 
-def hold_lock(path: Path) -> int:
-    """Open (create) ``path`` and take its exclusive lock, non-blocking; -1 when held elsewhere."""
+def hold_lock(path: Path, *, probe_grace_s: float = PROBE_GRACE_S) -> int:
+    """Open (create) ``path`` and take its exclusive lock; -1 when held elsewhere.
+
+    The other side's liveness probe (:meth:`ShmArea.trainer_alive`,
+    :meth:`ShmArea.persister_alive`) holds a shared lock on the same file for a few
+    microseconds: a lock still held after ``probe_grace_s`` of short retries is a live
+    owner's, not a probe's."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    if try_flock(fd, fcntl.LOCK_EX):
-        return fd
-    os.close(fd)
-    return -1
+    deadline = time.monotonic() + probe_grace_s
+    while True:
+        if try_flock(fd, fcntl.LOCK_EX):
+            return fd
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            return -1
+        time.sleep(0.005)
 
 
 def read_header(view: memoryview) -> tuple[int, int, int] | None:

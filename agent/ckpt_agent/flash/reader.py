@@ -73,7 +73,8 @@ class ShmReader(ShmArea):
         if self._owner_fd >= 0:
             return True
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._owner_fd = hold_lock(self.dir / "persister.lock")
+        # no grace: an area another persister holds is tried again at the next pass
+        self._owner_fd = hold_lock(self.dir / "persister.lock", probe_grace_s=0.0)
         return self._owner_fd >= 0
 
     def release(self) -> None:

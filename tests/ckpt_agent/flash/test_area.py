@@ -42,6 +42,31 @@ def test_hold_lock_is_exclusive(tmp_path: Path) -> None:
     os.close(again)
 
 
+def test_a_liveness_probe_at_the_same_instant_does_not_refuse_the_owner(tmp_path: Path) -> None:
+    """A sidecar's probe holds a shared lock for microseconds; a trainer taking its lock
+    at that instant waits it out instead of failing with "two trainers on one node?"."""
+    import fcntl
+    import threading
+
+    path = tmp_path / "trainer.lock"
+    path.touch()
+    probe = os.open(path, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_SH)  # the probe, caught in the act
+    threading.Timer(0.05, lambda: fcntl.flock(probe, fcntl.LOCK_UN)).start()
+    try:
+        fd = hold_lock(path)
+        assert fd >= 0
+        os.close(fd)
+    finally:
+        os.close(probe)
+    # a lock that stays held is an owner's: refused after the grace
+    owner = hold_lock(path)
+    try:
+        assert hold_lock(path, probe_grace_s=0.05) == -1
+    finally:
+        os.close(owner)
+
+
 def test_read_header_needs_the_magic_and_the_whole_header() -> None:
     buf = bytearray(HEADER.size)
     HEADER.pack_into(buf, 0, MAGIC, 7, 7, 4096)

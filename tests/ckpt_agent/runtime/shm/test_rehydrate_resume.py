@@ -121,12 +121,16 @@ def test_a_rank_recreated_on_another_node_resumes_from_a_peers_replica_bitwise(
             replicator = sidecar_a.replicator
             assert replicator is not None
             deadline = time.monotonic() + 60
-            while not (replicator.idle() and replicator.pushed >= 2):
+
+            def pushed_newest() -> bool:  # under load the sidecar may skip step 5's pulse
+                return any(r.desc.step == 10 for r in store_b.replicas())
+
+            while not (replicator.idle() and pushed_newest()):
                 assert time.monotonic() < deadline, replicator.summary()
                 time.sleep(0.02)
             ckpt.close()
         (held,) = store_b.replicas()
-        assert held.source == "node-a" and held.desc.step == 10  # the pulses: steps 5 and 10
+        assert held.source == "node-a" and held.desc.step == 10  # the newest pulse
         shutil.rmtree(tmp_path / "shm-a")  # node a is lost, with its shared memory ...
         # ... before its last pulse reached storage (step 5's, if kept, is the newest there)
         store = LocalStorage(tmp_path / "store")
