@@ -135,7 +135,9 @@ def sidecar(
     also pushes each snapshot to its peers and keeps theirs; a bad value is
     logged and replication stays off, persisting goes on. A trainer recreated on
     this node (its old node lost) gets its rank's snapshot back from them before
-    it resumes.
+    it resumes, with its step heartbeat (spec.agent.jitSave: the sidecar pushes
+    each rank's to the peers too). A just-in-time snapshot is hashed for the
+    in-place restart and replicated, never written to storage.
 
     Exit code 2 for a missing or invalid config.
     """
