@@ -133,7 +133,10 @@ def sidecar(
     CKPT_REPLICA_PEERS, CKPT_REPLICA_SECRET_FILE, CKPT_REPLICA_JOB and
     CKPT_NODE_NAME (set by the operator's webhook for spec.agent.replicas) it
     also pushes each snapshot to its peers and keeps theirs; a bad value is
-    logged and replication stays off, persisting goes on. A trainer recreated on
+    logged and replication stays off, persisting goes on. With CKPT_REPLICA_RANK
+    and CKPT_REPLICA_PEERS_DIR it pushes to the peers the operator chose from the
+    nodes' zones and racks (its file of the mounted ConfigMap, re-read every 10 s),
+    to CKPT_REPLICA_PEERS until that file is there. A trainer recreated on
     this node (its old node lost) gets its rank's snapshot back from them before
     it resumes, with its step heartbeat (spec.agent.jitSave: the sidecar pushes
     each rank's to the peers too). A just-in-time snapshot is hashed for the

@@ -191,6 +191,10 @@ class MarkRelay:
             self._pending[rank] = raw
             self._cond.notify()
 
+    def set_peers(self, peers: Sequence[Peer]) -> None:
+        """Push to ``peers`` from the next record on (the peer map changed)."""
+        self.peers = list(peers)
+
     def idle(self) -> bool:
         with self._cond:
             return not self._pending and not self._busy

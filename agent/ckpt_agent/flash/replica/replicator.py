@@ -9,7 +9,12 @@ faster than they can be pushed, only the newest of each rank is pushed (a replic
 worth its newest snapshot). A failed push is logged and counted, never fatal; the next
 snapshot is pushed as usual. While a snapshot is pushed its slot is held with a shared
 lock, like the persister's read: the trainer writes its next snapshot into the other slot.
-Torch-free.
+
+The peers are the webhook's ring until the operator's rack/zone-aware peer map is there
+(``peers_file``, re-read every ``peers_refresh_s`` by the pusher thread,
+:class:`~.peer_map.PeerMap`). When they change, the newest snapshot of each rank is pushed
+at once to the peers that are new (all of it: they hold nothing of it), and the step
+heartbeats go to the new peers from then on. Torch-free.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from ckpt_agent.flash.reader import ShmReader
 from ckpt_agent.flash.replica.auth import JobScope
 from ckpt_agent.flash.replica.client import DEFAULT_TIMEOUT_S, Peer, PushResult, push
 from ckpt_agent.flash.replica.marks import MarkRelay, MarkStore
+from ckpt_agent.flash.replica.peer_map import DEFAULT_REFRESH_S, PeerMap
 from ckpt_agent.flash.replica.plan import plan_chunks
 from ckpt_agent.flash.replica.server import ReplicaServer
 from ckpt_agent.flash.replica.store import ReplicaStore
@@ -48,7 +54,12 @@ class ReplicaOptions:
     secret_file: str
     """The per-job secret (the mounted Secret ``ckpt-replica-<job>``)."""
     peers: tuple[str, ...] = ()
-    """``host:port`` of the k peer sidecars this node pushes to."""
+    """``host:port`` of the k peer sidecars this node pushes to (the webhook's ring)."""
+    peers_file: str | None = None
+    """This rank's file of the operator's peer map (``host:port,…``): its peers while it
+    is there and well formed (None: always ``peers``)."""
+    peers_refresh_s: float = DEFAULT_REFRESH_S
+    """How often ``peers_file`` is read."""
     listen_host: str = "0.0.0.0"
     listen_port: int | None = None
     """Serve peers' pushes and fetches on this port (None: push only)."""
@@ -64,7 +75,11 @@ class Replicator:
     def __init__(self, options: ReplicaOptions, shm_dir: str | Path, run_id: str) -> None:
         self.options = options
         self.scope = JobScope.from_file(options.namespace, options.job_id, options.secret_file)
-        self.peers = [Peer.parse(p) for p in options.peers]
+        self.peer_map = PeerMap(
+            [Peer.parse(p) for p in options.peers],
+            options.peers_file,
+            refresh_s=options.peers_refresh_s,
+        )
         self.store = ReplicaStore(shm_dir, run_id, max_snapshot_bytes=options.max_snapshot_bytes)
         self.mark_store = MarkStore(shm_dir, run_id)
         """Peers' step heartbeat records (JIT saves), served with the replicas."""
@@ -90,25 +105,39 @@ class Replicator:
         self.superseded = 0
         self.last_error = ""
         self.last: PushResult | None = None
-        self._pending: dict[int, tuple[ShmReader, Descriptor]] = {}
+        self._pending: dict[int, tuple[ShmReader, Descriptor, tuple[Peer, ...] | None]] = {}
+        """rank → the snapshot to push and to whom (None: every current peer)."""
+        self._newest: dict[int, tuple[ShmReader, Descriptor]] = {}
+        """rank → the newest snapshot offered (pushed again to a new peer)."""
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
-        self._thread = threading.Thread(target=self._run, name="ckpt-replica-push", daemon=True)
-        self._thread.start()
         self.marks = MarkRelay(
             self.peers, self.scope, source=options.node, timeout_s=options.timeout_s
         )
         """Step heartbeat records (JIT saves), pushed beside the snapshots."""
+        self._thread = threading.Thread(target=self._run, name="ckpt-replica-push", daemon=True)
+        self._thread.start()
+
+    @property
+    def peers(self) -> list[Peer]:
+        """The peers pushed to now (the peer map's, else the ring)."""
+        return list(self.peer_map.peers)
+
+    def named_peers(self) -> list[Peer]:
+        """Every peer named so far, the current ones first: the peers that may hold a
+        replica of this node's ranks (what a recreated rank asks)."""
+        return list(self.peer_map.named)
 
     def offer(self, reader: ShmReader, desc: Descriptor) -> None:
         """Push ``desc`` (a complete snapshot of ``reader``'s area) soon; returns at once."""
-        if not self.peers:
-            return
         with self._cond:
+            self._newest[desc.rank] = (reader, desc)
+            if not self.peers:
+                return
             if desc.rank in self._pending:
                 self.superseded += 1
-            self._pending[desc.rank] = (reader, desc)
+            self._pending[desc.rank] = (reader, desc, None)
             self._cond.notify()
 
     def offer_mark(self, rank: int, raw: bytes) -> None:
@@ -124,6 +153,7 @@ class Replicator:
         with self._cond:
             out: dict[str, Json] = {
                 "peers": [str(p) for p in self.peers],
+                "peers_from": self.peer_map.source,
                 "pushed": self.pushed,
                 "failed": self.failed,
                 "superseded": self.superseded,
@@ -152,14 +182,21 @@ class Replicator:
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
-                    self._cond.wait()
+                    wait = self.peer_map.due_in()
+                    if wait == 0:
+                        break
+                    self._cond.wait(wait)
                 if self._closed:
                     return
+            self._refresh_peers()
+            with self._cond:
+                if not self._pending:
+                    continue
                 rank = min(self._pending)
-                reader, desc = self._pending.pop(rank)
+                reader, desc, targets = self._pending.pop(rank)
                 self._busy = True
             try:
-                self._push(reader, desc)
+                self._push(reader, desc, targets)
             except Exception as e:  # the pusher thread never dies; the next snapshot is pushed
                 log.warning("replicating rank %d failed: %s", desc.rank, clean(e))
                 with self._cond:
@@ -169,14 +206,34 @@ class Replicator:
                 with self._cond:
                     self._busy = False
 
-    def _push(self, reader: ShmReader, desc: Descriptor) -> None:
+    def _refresh_peers(self) -> None:
+        """Read the peer map when due; new peers get the newest snapshot of every rank now
+        (a rank already waiting for its push gets it with that push)."""
+        before = set(self.peer_map.peers)
+        if not self.peer_map.refresh():
+            return
+        now = self.peer_map.peers
+        self.marks.set_peers(now)
+        new = tuple(p for p in now if p not in before)
+        with self._cond:
+            if not new:
+                return
+            for rank, (reader, desc) in self._newest.items():
+                if rank not in self._pending:
+                    self._pending[rank] = (reader, desc, new)
+            self._cond.notify()
+
+    def _push(
+        self, reader: ShmReader, desc: Descriptor, targets: tuple[Peer, ...] | None = None
+    ) -> None:
+        """Push ``desc`` to ``targets`` (None: every current peer)."""
         with reader.open(desc) as snap:
             if snap is None:  # overwritten meanwhile: a newer snapshot is coming
                 with self._cond:
                     self.superseded += 1
                 return
             hashes = _usable(reader.hashes(desc.slot, desc.seq), desc, self.options.chunk_bytes)
-            for peer in self.peers:
+            for peer in targets if targets is not None else self.peers:
                 try:
                     result = push(
                         peer,

@@ -4,9 +4,12 @@ snapshot with the newest replica held on this node or by a peer
 
 :class:`Rehydration` runs in the sidecar's loop, after discovery: a request is answered
 once (its nonce remembered), in the loop's own thread — while a replica is fetched the
-other areas wait, which at a restart is nothing. Every way of not finding one (replication
-off, no peer holds it, a peer unreachable or its replica corrupted) is an answer with the
-reason, never an error: the trainer then resumes as it would have without it. Torch-free.
+other areas wait, which at a restart is nothing. The peers asked are every peer this
+sidecar's replication named (``Replicator.named_peers``: the operator's peer map, which
+keeps a rank's peers when it is recreated elsewhere, and the webhook's ring, which held the
+replicas before the map existed). Every way of not finding one (replication off, no peer
+holds it, a peer unreachable or its replica corrupted) is an answer with the reason, never
+an error: the trainer then resumes as it would have without it. Torch-free.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class Rehydration:
             if r.rank == rank
         ]
         timeout_s = min(rep.options.timeout_s, tuning.REHYDRATE_LIST_TIMEOUT_S)
-        for peer in rep.peers:
+        for peer in rep.named_peers():
             try:
                 listed += [(peer, e) for e in list_replicas(peer, rep.scope, timeout_s=timeout_s)]
             except (ReplicaError, OSError) as e:
@@ -134,7 +137,7 @@ class Rehydration:
         if own is not None:
             found.append(("this node's store", own))
         timeout_s = min(rep.options.timeout_s, tuning.REHYDRATE_LIST_TIMEOUT_S)
-        for peer in rep.peers:
+        for peer in rep.named_peers():
             try:
                 held = fetch_mark(peer, rep.scope, rank, timeout_s=timeout_s)
             except (ReplicaError, OSError) as e:

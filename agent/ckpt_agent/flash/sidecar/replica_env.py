@@ -10,7 +10,13 @@
   :class:`ReplicaEnvError` naming the variable; the sidecar logs it and persists without
   replication (the CLI's :func:`replicas_or_off`). The secret file itself is read when the
   replication starts (:class:`~ckpt_agent.flash.replica.replicator.Replicator`): a missing
-  or unreadable one is logged there, with a ``replication_off`` event.
+  or unreadable one is logged there, with a ``replication_off`` event;
+* ``CKPT_REPLICA_RANK`` and ``CKPT_REPLICA_PEERS_DIR`` (both, or neither): this pod's file of
+  the operator's peer map, ``<dir>/rank-<r>``, read while the sidecar runs
+  (:class:`~ckpt_agent.flash.replica.peer_map.PeerMap`); the peers of
+  ``CKPT_REPLICA_PEERS`` (the ring) until it is there. A malformed or lone one is logged
+  and the sidecar keeps to the ring: the map only places the replicas better. The file is
+  read every ``CKPT_REPLICA_PEERS_REFRESH_S`` seconds (default 10; a bad value: the default).
 """
 
 from __future__ import annotations
@@ -19,15 +25,19 @@ import logging
 import os
 from collections.abc import Mapping
 
-from ckpt_agent.flash.replica.client import Peer
+from ckpt_agent.flash.replica.peer_map import DEFAULT_REFRESH_S, parse_peers
 from ckpt_agent.flash.replica.replicator import ReplicaOptions
 from ckpt_agent.format.layout import is_run_id
 from ckpt_agent.policy.agent_config import ENV_NODE_NAME
 from ckpt_agent.policy.replica_contract import (
     ENV_REPLICA_JOB,
     ENV_REPLICA_PEERS,
+    ENV_REPLICA_PEERS_DIR,
+    ENV_REPLICA_PEERS_REFRESH_S,
     ENV_REPLICA_PORT,
+    ENV_REPLICA_RANK,
     ENV_REPLICA_SECRET_FILE,
+    peers_map_key,
 )
 from ckpt_agent.text import clean
 
@@ -67,21 +77,43 @@ def _port(env: Mapping[str, str]) -> int:
 
 
 def _peers(env: Mapping[str, str]) -> tuple[str, ...]:
-    raw = _get(env, ENV_REPLICA_PEERS)
-    peers: list[str] = []
-    for item in (p.strip() for p in raw.split(",")):
-        if not item:
-            continue
-        try:
-            peers.append(str(Peer.parse(item)))
-        except ValueError:
-            raise ReplicaEnvError(
-                f"{ENV_REPLICA_PEERS}: {_shown(item)} is not host:port ([v6]:port for IPv6); "
-                "expected a comma-separated list of the peer sidecars"
-            ) from None
-    if len(set(peers)) != len(peers):
-        raise ReplicaEnvError(f"{ENV_REPLICA_PEERS}={_shown(raw)} names a peer twice")
-    return tuple(peers)
+    try:
+        return tuple(str(p) for p in parse_peers(_get(env, ENV_REPLICA_PEERS), ENV_REPLICA_PEERS))
+    except ValueError as e:
+        raise ReplicaEnvError(str(e)) from None
+
+
+def _peers_file(env: Mapping[str, str]) -> str | None:
+    """This pod's file of the peer map (None: no map). Raises ReplicaEnvError for a lone
+    or malformed ``CKPT_REPLICA_RANK`` / ``CKPT_REPLICA_PEERS_DIR``."""
+    rank, folder = _get(env, ENV_REPLICA_RANK), _get(env, ENV_REPLICA_PEERS_DIR)
+    if not rank and not folder:
+        return None
+    if not rank or not folder:
+        given, missing = (
+            (ENV_REPLICA_RANK, ENV_REPLICA_PEERS_DIR)
+            if rank
+            else (ENV_REPLICA_PEERS_DIR, ENV_REPLICA_RANK)
+        )
+        raise ReplicaEnvError(f"{given} is set but {missing} is not")
+    if not rank.isdigit() or len(rank) > 9:
+        raise ReplicaEnvError(f"{ENV_REPLICA_RANK}={_shown(rank)} is not a rank (a number >= 0)")
+    return os.path.join(folder, peers_map_key(int(rank)))
+
+
+def _refresh_s(env: Mapping[str, str]) -> float:
+    raw = _get(env, ENV_REPLICA_PEERS_REFRESH_S)
+    if not raw:
+        return DEFAULT_REFRESH_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        log.error("%s=%s is not a number of seconds in (0, 3600]; reading the peer map every "
+                  "%g s", ENV_REPLICA_PEERS_REFRESH_S, _shown(raw), DEFAULT_REFRESH_S)  # fmt: skip
+        return DEFAULT_REFRESH_S
+    return value
 
 
 def _job(env: Mapping[str, str]) -> tuple[str, str]:
@@ -112,12 +144,21 @@ def replica_options_from_env(environ: Mapping[str, str] | None = None) -> Replic
     peers = _peers(env)
     secret_file = _required(env, ENV_REPLICA_SECRET_FILE, "the mounted per-job replica secret")
     namespace, job = _job(env)
+    try:
+        peers_file = _peers_file(env)
+    except ReplicaEnvError as e:
+        log.error(
+            "the operator's peer map is not read: %s; pushing to %s", clean(e), ENV_REPLICA_PEERS
+        )
+        peers_file = None
     return ReplicaOptions(
         node=_node(env),
         namespace=namespace,
         job_id=job,
         secret_file=secret_file,
         peers=peers,
+        peers_file=peers_file,
+        peers_refresh_s=_refresh_s(env),
         listen_port=port,
     )
 

@@ -138,3 +138,46 @@ def test_the_persisters_recorded_hashes_are_used_when_they_fit(
     with open_local(b.store, "node-a", 0) as replica:
         assert bytes(replica.tensor("w")) == snap.tensor("w")
         del replica
+
+
+def test_a_new_peer_from_the_peer_map_gets_the_newest_snapshot_in_full(
+    make: Callable[..., Replicator], tmp_path: Path, wait_for: Wait
+) -> None:
+    """The ring's peer b first; the operator's map then names c: c gets the snapshot pushed
+    already (every chunk: it held none), b nothing more; the next snapshot goes to c only,
+    and the step heartbeats follow."""
+    b, c = make("node-b", listen_port=0), make("node-c", listen_port=0)
+    assert b.server is not None and c.server is not None
+    peer_b, peer_c = (f"{h}:{p}" for h, p in (b.server.address, c.server.address))
+    peers_file = tmp_path / "peers" / "rank-0"
+    a = make("node-a", peers=(peer_b,), peers_file=str(peers_file), peers_refresh_s=0.05)
+    assert [str(p) for p in a.peers] == [peer_b] and a.summary()["peers_from"] == "ring"
+    shm = tmp_path / "shm-node-a"
+    first = make_snap({"w": pattern(3 * CHUNK + 5, 1)}, seq=1, step=10)
+    write_slot(shm, first)
+    reader = ShmReader(shm, RUN, 0)
+    a.offer(reader, first.desc)
+    wait_for(lambda: a.pushed == 1 and a.idle())
+
+    peers_file.parent.mkdir()
+    peers_file.write_text(peer_c)
+    wait_for(lambda: a.pushed == 2 and a.idle())
+    assert [str(p) for p in a.peers] == [peer_c] and a.summary()["peers_from"] == "map"
+    assert a.last is not None and a.last.peer == peer_c and a.last.chunks_sent == 4
+    assert a.marks.peers == a.peers
+    assert [str(p) for p in a.named_peers()] == [peer_c, peer_b]
+    with open_local(c.store, "node-a", 0) as replica:
+        assert replica.desc == first.desc
+        del replica
+
+    second = make_snap({"w": pattern(3 * CHUNK + 5, 2)}, seq=2, step=20)
+    write_slot(shm, second)
+    a.offer(reader, second.desc)
+    wait_for(lambda: a.pushed == 3 and a.idle())
+    assert a.failed == 0
+    with open_local(c.store, "node-a", 0) as replica:
+        assert replica.desc == second.desc
+        del replica
+    with open_local(b.store, "node-a", 0) as replica:  # b: still the first, never the second
+        assert replica.desc == first.desc
+        del replica

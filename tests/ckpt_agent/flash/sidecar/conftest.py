@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,13 +27,17 @@ def sidecar_on(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
     """``sidecar_on(node, *peers)``: node ``node``'s sidecar (shared memory ``shm-<node>``,
     work dir ``work-<node>`` under ``tmp_path``) replicating with ``peers`` (``host:port``;
     ``replicating=False``: no replication; ``secret_file``: another secret). Closed after
-    the test."""
+    the test; other keywords: more :class:`ReplicaOptions`)."""
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
     made: list[Sidecar] = []
 
     def build(
-        node: str, *peers: str, replicating: bool = True, secret_file: Path = secret
+        node: str,
+        *peers: str,
+        replicating: bool = True,
+        secret_file: Path = secret,
+        **replica_kw: Any,
     ) -> Sidecar:
         config = AgentConfig.model_validate(
             {
@@ -51,6 +56,7 @@ def sidecar_on(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
             peers=peers,
             timeout_s=5.0,
             chunk_bytes=CHUNK,
+            **replica_kw,
         )
         sidecar = Sidecar(
             config, SidecarOptions(metrics_port=0, replicas=options if replicating else None)

@@ -149,3 +149,36 @@ def test_nothing_held_an_unreachable_peer_or_replication_off_is_an_answer_not_an
     sidecar_on("c", replicating=False).run_once()
     off = read_answer(other, "n5")
     assert off is not None and not off.found and off.why == "peer replication is off on this node"
+
+
+@pytest.mark.parametrize("holder", ["map", "ring"])
+def test_a_recreated_rank_asks_the_peer_map_and_the_ring(
+    tmp_path: Path,
+    peer_b: tuple[ReplicaStore, Peer],
+    sidecar_on: Callable[..., Sidecar],
+    holder: str,
+) -> None:
+    """Rank 0's node lost, the rank recreated on node c. Its peer map (the operator's
+    ConfigMap, which keeps a rank's peers when it moves) names the peer that holds its
+    replica, b, while the webhook's ring names d, which holds nothing: b's replica is found.
+    And the other way round (the replica pushed to the ring before the map existed): found
+    too, every peer named is asked."""
+    _, peer = peer_b
+    empty = ReplicaServer(ReplicaStore(tmp_path / "shm-d", RUN), SCOPE, host="127.0.0.1").start()
+    try:
+        peer_d = Peer(*empty.address)
+        ring, mapped = (peer_d, peer) if holder == "map" else (peer, peer_d)
+        peers_file = tmp_path / "peer-map" / "rank-0"
+        peers_file.parent.mkdir()
+        peers_file.write_text(str(mapped))
+        sidecar = sidecar_on("c", str(ring), peers_file=str(peers_file))
+        assert sidecar.replicator is not None
+        assert sidecar.replicator.peers == [mapped]  # pushes go to the map's peer
+        area = ShmArea(tmp_path / "shm-c", RUN, 0)
+        write_request(area, "n7")
+        sidecar.run_once()
+        answer = read_answer(area, "n7")
+        assert answer is not None and answer.found, answer
+        assert (answer.step, answer.source) == (42, "node-a") and f"peer {peer}" in answer.why
+    finally:
+        empty.close()

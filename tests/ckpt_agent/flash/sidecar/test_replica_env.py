@@ -4,6 +4,7 @@ off when unset, every value checked, a bad one named and replication off."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -101,3 +102,34 @@ def test_or_off_logs_the_error_and_turns_replication_off(
         assert replicas_or_off({}) is None
         assert replicas_or_off(GOOD) == replica_options_from_env(GOOD)
     assert not caplog.records  # off, or on with peers: nothing to say
+
+
+# --------------------------------------------------------------------------- the peer map
+
+
+def test_the_rank_and_the_map_folder_name_this_pods_file_of_the_peer_map() -> None:
+    env = {**GOOD, "CKPT_REPLICA_RANK": "3", "CKPT_REPLICA_PEERS_DIR": "/etc/ckpt-replica-peers"}
+    options = replica_options_from_env(env)
+    assert options is not None
+    assert options.peers_file == "/etc/ckpt-replica-peers/rank-3"
+    assert options.peers == ("job-worker-0.ns.svc:7471", "job-worker-1.ns.svc:7471")  # the ring
+    assert replica_options_from_env(GOOD) == replace(options, peers_file=None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "logged"),
+    [
+        ({"CKPT_REPLICA_RANK": "1"}, "CKPT_REPLICA_RANK is set but CKPT_REPLICA_PEERS_DIR is not"),
+        ({"CKPT_REPLICA_PEERS_DIR": "/m"}, "CKPT_REPLICA_PEERS_DIR is set but CKPT_REPLICA_RANK"),
+        ({"CKPT_REPLICA_RANK": "-1", "CKPT_REPLICA_PEERS_DIR": "/m"}, "is not a rank"),
+        ({"CKPT_REPLICA_RANK": "x", "CKPT_REPLICA_PEERS_DIR": "/m"}, "is not a rank"),
+    ],
+)
+def test_a_bad_rank_or_folder_keeps_the_ring_and_replication_on(
+    extra: dict[str, str], logged: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR):
+        options = replicas_or_off({**GOOD, **extra})
+    assert options is not None and options.peers_file is None
+    assert options.peers == ("job-worker-0.ns.svc:7471", "job-worker-1.ns.svc:7471")
+    assert logged in caplog.text and "peer map is not read" in caplog.text
