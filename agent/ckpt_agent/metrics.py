@@ -17,7 +17,7 @@ scalars live in :mod:`ckpt_agent.runtime.core.tensorboard` (they need torch).
 ``ckpt_last_valid_step``                     newest valid weights checkpoint's step
 ``ckpt_persist_errors_total``                failed background persists
 ``ckpt_heartbeat_errors_total``              failed heartbeat writes
-``ckpt_backpressure_total{action}``          saves deferred or waited for (persist busy)
+``ckpt_backpressure_total{action}``          saves deferred, waited for, memory_deferred
 ``ckpt_recovery_attempts_total``             checkpoints tried by the ladder
 ``ckpt_recovery_successes_total``            successful restores
 ``ckpt_recoveries_total{outcome}``           starts by outcome: resume, fresh, ..., failed

@@ -76,6 +76,16 @@ INVALID = [
         ["spec.agent.jitSave", "jitSave needs sidecar: true"],
         id="jit-without-sidecar",
     ),
+    pytest.param(
+        {"tiers": {"memory": {"enabled": True}}},
+        ["spec.tiers.memory.enabled", "tiers.memory.enabled needs agent.sidecar: true"],
+        id="memory-tier-without-sidecar",
+    ),
+    pytest.param(
+        {"tiers": {"memory": {"minInterval": 8, "maxInterval": 4}}},
+        ["spec.tiers.memory.minInterval", "memory.minInterval must be <= memory.maxInterval"],
+        id="memory-tier-bounds",
+    ),
 ]
 
 

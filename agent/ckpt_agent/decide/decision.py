@@ -69,6 +69,25 @@ class Decision:
     ``1 − warned share`` while calm, ``mtbf / warning_mtbf`` while a warning holds."""
     warning: str | None = None
     """The warning that holds (system alarm or node warning); None while calm."""
+    memory: bool = False
+    """A memory-tier snapshot is due (``tiers.memory``): into the node's shared memory and
+    the peers' replicas, never to storage. Set when neither a pulse nor a full is due (those
+    go to shared memory too); ``save`` and ``tier`` keep saying what is due durably."""
+    memory_interval: int = 0
+    """The memory tier's current interval in steps (0: the tier is off)."""
+
+    @property
+    def memory_only(self) -> bool:
+        """This step's snapshot goes to memory only (a memory-tier snapshot, no pulse or full)."""
+        return self.memory and self.tier not in (Tier.PULSE, Tier.FULL)
+
+    @property
+    def snapshot_tier(self) -> Tier | None:
+        """The tier of the weights-bearing snapshot this decision takes (pulse or full; a
+        memory-tier snapshot is a pulse's content); None: no snapshot."""
+        if self.tier in (Tier.PULSE, Tier.FULL):
+            return self.tier
+        return Tier.PULSE if self.memory else None
 
     @classmethod
     def quick(
@@ -83,6 +102,7 @@ class Decision:
         anomaly: str | None,
         hazard: float,
         warning: str | None,
+        memory_interval: int = 0,
     ) -> Decision:
         """``Decision(step, save=tier is not None, tier, ...)`` with no emergency, not
         lightweight, not high-risk: the same instance, built without the frozen
@@ -101,6 +121,7 @@ class Decision:
         fields["anomaly"] = anomaly
         fields["hazard"] = hazard
         fields["warning"] = warning
+        fields["memory_interval"] = memory_interval
         d = _new(cls)
         _set(d, "__dict__", fields)
         return d
@@ -122,6 +143,8 @@ class Decision:
             "anomaly": self.anomaly,
             "hazard": self.hazard,
             "warning": self.warning,
+            "memory": self.memory,
+            "memory_interval": self.memory_interval,
         }
 
     @classmethod
@@ -142,6 +165,8 @@ class Decision:
             "anomaly",
             "hazard",
             "warning",
+            "memory",
+            "memory_interval",
         }
         unknown = set(data) - known
         if unknown:
@@ -162,6 +187,8 @@ class Decision:
             anomaly=None if data.get("anomaly") is None else str(data["anomaly"]),
             hazard=float(data.get("hazard", 1.0)),
             warning=None if data.get("warning") is None else str(data["warning"]),
+            memory=bool(data.get("memory", False)),
+            memory_interval=int(data.get("memory_interval", 0)),
         )
 
     def to_json_line(self) -> str:
@@ -180,8 +207,9 @@ def merge_decisions(decisions: Iterable[Decision]) -> Decision:
     and per-component max; the smallest interval (and its rule); the highest hazard
     (and its warning); emergency /
     high-risk if any; lightweight only when every rank that chose the merged
-    tier chose a lightweight pulse; the most severe anomaly; reasons joined
-    (unique, sorted).
+    tier chose a lightweight pulse; a memory-tier snapshot if any rank is due one and the
+    merged tier is neither pulse nor full, at the smallest memory interval; the most severe
+    anomaly; reasons joined (unique, sorted).
     """
     ds = list(decisions)
     if not ds:
@@ -220,6 +248,8 @@ def merge_decisions(decisions: Iterable[Decision]) -> Decision:
         anomaly=anomaly,
         hazard=riskiest.hazard,
         warning=riskiest.warning,
+        memory=tier not in (Tier.PULSE, Tier.FULL) and any(d.memory for d in ds),
+        memory_interval=min((d.memory_interval for d in ds), default=0),
     )
 
 
@@ -255,6 +285,9 @@ class SaveOutcome:
     """Seconds training was blocked by the snapshot (``TAKEN``)."""
     persist_seconds: float | None = None
     """Seconds the persist took (``PERSISTED``, or ``TAKEN`` when persisted synchronously)."""
+    memory: bool = False
+    """A memory-tier snapshot (``PERSISTED``: its persister recorded it): its own counter and
+    costs, never the durable tiers'."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "result", SaveResult(self.result))
@@ -278,29 +311,52 @@ class SaveOutcome:
             lightweight=lightweight,
             stall_seconds=stall_seconds,
             persist_seconds=persist_seconds,
+            memory=decision.memory_only,
         )
 
     @classmethod
     def persisted(
-        cls, tier: Tier | str, persist_seconds: float, *, step: int | None = None
+        cls,
+        tier: Tier | str,
+        persist_seconds: float,
+        *,
+        step: int | None = None,
+        memory: bool = False,
     ) -> SaveOutcome:
-        """An asynchronous persist of ``tier`` finished after ``persist_seconds``."""
-        return cls(SaveResult.PERSISTED, Tier(tier), step=step, persist_seconds=persist_seconds)
+        """An asynchronous persist of ``tier`` finished after ``persist_seconds`` (``memory``:
+        a memory-tier snapshot's persister recorded it)."""
+        return cls(
+            SaveResult.PERSISTED,
+            Tier(tier),
+            step=step,
+            persist_seconds=persist_seconds,
+            memory=memory,
+        )
 
     @classmethod
     def deferred(cls, decision: Decision) -> SaveOutcome:
         """The save ``decision`` asked for was not taken."""
         tier, lightweight = _tier_of(decision)
-        return cls(SaveResult.DEFERRED, tier, step=decision.step, lightweight=lightweight)
+        return cls(
+            SaveResult.DEFERRED,
+            tier,
+            step=decision.step,
+            lightweight=lightweight,
+            memory=decision.memory_only,
+        )
 
     @classmethod
-    def failed(cls, tier: Tier | str, *, step: int | None = None) -> SaveOutcome:
-        """The persist of a ``tier`` save failed."""
-        return cls(SaveResult.FAILED, Tier(tier), step=step)
+    def failed(
+        cls, tier: Tier | str, *, step: int | None = None, memory: bool = False
+    ) -> SaveOutcome:
+        """The persist of a ``tier`` save failed (``memory``: a memory-tier snapshot's)."""
+        return cls(SaveResult.FAILED, Tier(tier), step=step, memory=memory)
 
 
 def _tier_of(decision: Decision) -> tuple[Tier, bool]:
-    """(tier, lightweight) of a decision; ValueError when it has no tier."""
-    if decision.tier is None:
+    """(tier, lightweight) of a decision's snapshot (:attr:`Decision.snapshot_tier`, else
+    its tier: a heartbeat); ValueError when it has none."""
+    tier = decision.snapshot_tier or decision.tier
+    if tier is None:
         raise ValueError("decision has no tier")
-    return decision.tier, decision.lightweight
+    return tier, decision.lightweight

@@ -6,7 +6,8 @@ is :attr:`~ckpt_agent.decide.decision.Decision.interval_rule` (one of
 
 1. the starting interval: the Young/Daly optimum ``τ = √(2·δ·M/h)`` seconds,
    converted to steps with the measured step time, with δ the measured pulse
-   cost (stall + persist), M the MTBF and h the hazard multiplier
+   cost (stall + persist), M the MTBF (with the memory tier: the MTBF of the failures
+   it does not cover, ``M / tiers.memory.uncoveredShare``) and h the hazard multiplier
    (:mod:`ckpt_agent.decide.hazard`: below 1 while calm when some failures
    are announced, above 1 while a warning holds); rule ``young_daly``, or
    ``warning`` while a warning holds. Without ``risk.enabled`` or before the
@@ -21,7 +22,18 @@ is :attr:`~ckpt_agent.decide.decision.Decision.interval_rule` (one of
    ``max_interval`` steps.
 
 :class:`CostModel` keeps the inputs: the MTBF, the step time (an EWMA of wall
-time per step minus save stalls) and per-tier EWMAs of stall and persist seconds.
+time per step minus save stalls) and per-tier EWMAs of stall and persist seconds
+(the memory tier's apart: :attr:`CostModel.memory`).
+
+Memory-tier interval (steps; ``tiers.memory``, :func:`memory_interval`), the rule in
+:data:`MEMORY_RULES`: ``everySteps`` when set (``fixed``); else Young/Daly's optimum for
+its own cost, ``√(2·δ·M/h)`` with δ the measured stall of a memory snapshot (what it costs
+training: the persister records and pushes it off the training thread), converted to steps
+(``young_daly``), ``base_interval`` before δ and the step time are measured or without
+``risk.enabled`` (``base``); then the same stall-budget floor as the pulse
+(``stall_budget``) and the clamp to ``[min_interval, max_interval]`` (``min`` / ``max``).
+The replica bandwidth bounds it by back-pressure, not by a rule: a snapshot that finds no
+free slot waits for the next step.
 """
 
 from __future__ import annotations
@@ -32,13 +44,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_agent.decide.signals import ewma, finite
-from ckpt_agent.policy.models import PulseTierSpec, Tier
+from ckpt_agent.policy.models import MemoryTierSpec, PulseTierSpec, Tier
 from ckpt_agent.policy.scheduler_models import SchedulerSpec
 
-__all__ = ["INTERVAL_RULES", "CostModel", "SaveCost", "bound_interval", "pulse_interval"]
+__all__ = [
+    "INTERVAL_RULES",
+    "MEMORY_RULES",
+    "CostModel",
+    "SaveCost",
+    "bound_interval",
+    "memory_interval",
+    "pulse_interval",
+]
 
 INTERVAL_RULES = ("base", "young_daly", "warning", "score", "stall_budget", "min", "max")
 """Values of :attr:`~ckpt_agent.decide.decision.Decision.interval_rule`."""
+MEMORY_RULES = ("fixed", "base", "young_daly", "warning", "stall_budget", "min", "max")
+"""The rules :func:`memory_interval` may end on."""
 
 _COST_ALPHA = 0.3
 """EWMA factor for measured save costs."""
@@ -78,6 +100,8 @@ class CostModel:
         self.mtbf = mtbf
         self.step_time: float | None = None
         self.costs: dict[Tier, SaveCost] = {t: SaveCost() for t in Tier}
+        self.memory = SaveCost()
+        """The memory tier's snapshots (stall; persist: its persister's record time)."""
         self.stall_since_step = 0.0
         """Save stalls since the last measured step (not training time)."""
 
@@ -125,6 +149,7 @@ class CostModel:
             "costs": {
                 t.value: {"stall": c.stall, "persist": c.persist} for t, c in self.costs.items()
             },
+            "memory_cost": {"stall": self.memory.stall, "persist": self.memory.persist},
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, default_mtbf: float) -> None:
@@ -134,6 +159,8 @@ class CostModel:
         self.stall_since_step = 0.0
         for name, c in dict(state.get("costs", {})).items():
             self.costs[Tier(name)] = SaveCost(stall=c.get("stall"), persist=c.get("persist"))
+        m = dict(state.get("memory_cost") or {})
+        self.memory = SaveCost(stall=m.get("stall"), persist=m.get("persist"))
 
 
 def pulse_interval(
@@ -142,13 +169,16 @@ def pulse_interval(
     pulse: PulseTierSpec,
     model: CostModel,
     hazard: float = 1.0,
+    uncovered: float = 1.0,
 ) -> tuple[int, str]:
-    """The dynamic pulse interval for ``score`` at hazard multiplier ``hazard``, and its rule."""
+    """The dynamic pulse interval for ``score`` at hazard multiplier ``hazard``, and its rule.
+    ``uncovered``: the share of failures the memory tier does not cover (1: no memory tier);
+    the Young/Daly interval is sized for their MTBF, ``mtbf / uncovered``."""
     interval, rule = pulse.base_interval, "base"
     st = model.step_time
     delta = model.costs[Tier.PULSE].total
     if spec.risk.enabled and st is not None and st > 0 and delta is not None and delta > 0:
-        tau = math.sqrt(2.0 * delta * model.mtbf / max(hazard, 1e-12))
+        tau = math.sqrt(2.0 * delta * model.mtbf / (max(hazard, 1e-12) * uncovered))
         interval = max(1, math.floor(min(tau / st, 1e12)))
         rule = "warning" if hazard > 1.0 else "young_daly"
     if score > 0:
@@ -171,4 +201,27 @@ def bound_interval(
         interval, rule = pulse.min_interval, "min"
     elif interval > pulse.max_interval:
         interval, rule = pulse.max_interval, "max"
+    return interval, rule
+
+
+def memory_interval(
+    memory: MemoryTierSpec, spec: SchedulerSpec, model: CostModel, hazard: float = 1.0
+) -> tuple[int, str]:
+    """The memory tier's interval in steps and its rule (module doc); call it only with
+    ``memory.enabled``."""
+    if memory.every_steps is not None:
+        return memory.every_steps, "fixed"
+    interval, rule = memory.base_interval, "base"
+    st, stall = model.step_time, model.memory.stall
+    if spec.risk.enabled and st is not None and st > 0 and stall is not None and stall > 0:
+        tau = math.sqrt(2.0 * stall * model.mtbf / max(hazard, 1e-12))
+        interval = max(1, math.floor(min(tau / st, 1e12)))
+        rule = "warning" if hazard > 1.0 else "young_daly"
+        floor = math.ceil(stall / (spec.risk.stall_budget * st) - 1e-9)
+        if floor > interval:
+            interval, rule = floor, "stall_budget"
+    if interval < memory.min_interval:
+        interval, rule = memory.min_interval, "min"
+    elif interval > memory.max_interval:
+        interval, rule = memory.max_interval, "max"
     return interval, rule

@@ -27,7 +27,9 @@ or :class:`~ckpt_agent.policy.models.TiersSpec`):
   Young/Daly optimum for that hazard, the score, the stall budget and the
   policy's bounds.
 * :mod:`ckpt_agent.decide.tiers`: the counters that say which tier is due
-  (heartbeat, pulse, full, retries, emergencies; full ⊇ pulse ⊇ heartbeat).
+  (heartbeat, pulse, full, retries, emergencies; full ⊇ pulse ⊇ heartbeat), and
+  the memory tier's apart (``tiers.memory``: :attr:`Decision.memory`, its interval
+  from :func:`~ckpt_agent.decide.intervals.memory_interval`).
 * :mod:`ckpt_agent.decide.decision`: the data exchanged with the engine.
 
 **NaN/inf**: a non-finite loss or gradient norm is reported as anomaly ``nan``
@@ -72,7 +74,7 @@ from ckpt_agent.decide.decision import (
     SaveResult,
 )
 from ckpt_agent.decide.hazard import Hazard, HazardModel
-from ckpt_agent.decide.intervals import CostModel, pulse_interval
+from ckpt_agent.decide.intervals import CostModel, memory_interval, pulse_interval
 from ckpt_agent.decide.signals import (
     GradientLayer,
     LossLayer,
@@ -122,6 +124,8 @@ class AdaptiveScheduler:
         self._scores: dict[tuple[float, float, float], tuple[dict[str, float], float]] = {}
         """Decision components and score per fired weights (the same dict in every decision
         with those weights: decisions are read, never changed)."""
+        self._memory_on = self.tiers.memory.enabled
+        """The memory tier is on (the policy asks, and :meth:`memory_off` was not called)."""
         self._quiet_path = True
         """Answer steps where at most the heartbeat is due without building a ``Due``
         (:meth:`observe`); False: always the full path (the replay test compares both)."""
@@ -202,6 +206,17 @@ class AdaptiveScheduler:
         if warning:
             self._requested = reason or "emergency requested"
 
+    def memory_off(self) -> None:
+        """No memory-tier snapshots from now on (the engine cannot take them: no shared
+        memory here)."""
+        self._memory_on = False
+
+    def memory_interval(self, hazard: float = 1.0) -> tuple[int, str]:
+        """The memory tier's interval and its rule ((0, "off") when the tier is off)."""
+        if not self._memory_on:
+            return 0, "off"
+        return memory_interval(self.tiers.memory, self.spec, self._costs, hazard)
+
     def settle(self, outcome: SaveOutcome) -> None:
         """Feed back what became of a save (the one feedback call of the engine).
 
@@ -212,8 +227,22 @@ class AdaptiveScheduler:
         * ``PERSISTED``: an asynchronous persist finished: feeds its seconds.
         * ``DEFERRED`` / ``FAILED``: the save was not taken, or its persist
           failed: the tier is due again at the next :meth:`observe`.
+
+        A memory-tier snapshot's outcome (``outcome.memory``) moves only the memory tier's
+        counter and costs.
         """
         tier = outcome.tier
+        if outcome.memory:
+            if outcome.result is SaveResult.TAKEN:
+                assert outcome.step is not None
+                self._counters.saved_memory(outcome.step)
+                self._costs.memory.add(outcome.stall_seconds, outcome.persist_seconds)
+                self._costs.add_stall(outcome.stall_seconds)
+            elif outcome.result is SaveResult.PERSISTED:
+                self._costs.memory.add(None, outcome.persist_seconds)
+            else:
+                self._counters.memory_retry = True
+            return
         if outcome.result is SaveResult.TAKEN:
             assert outcome.step is not None  # SaveOutcome.__post_init__ checks it
             self._counters.saved(tier, outcome.step, lightweight=outcome.lightweight)
@@ -227,6 +256,8 @@ class AdaptiveScheduler:
 
     def adopt(self, decision: Decision) -> None:
         """Apply an agreed (merged or broadcast) decision to this scheduler's counters."""
+        if decision.memory_only:
+            self._counters.saved_memory(decision.step)
         if decision.tier is not None and decision.save:
             self._counters.saved(
                 decision.tier,
@@ -300,7 +331,15 @@ class AdaptiveScheduler:
             components = {"loss": weights[0], "gradient": weights[1], "system": weights[2]}
             scored = self._scores[weights] = (components, round(sum(components.values()), 12))
         components, score = scored
-        interval, rule = pulse_interval(score, sp, self.tiers.pulse, self._costs, multiplier)
+        if self._memory_on:
+            mem = self.tiers.memory
+            interval, rule = pulse_interval(
+                score, sp, self.tiers.pulse, self._costs, multiplier, mem.uncovered_share
+            )
+            memory_every = memory_interval(mem, sp, self._costs, multiplier)[0]
+        else:
+            interval, rule = pulse_interval(score, sp, self.tiers.pulse, self._costs, multiplier)
+            memory_every = 0
 
         counters = self._counters
         if grad_fired_now:
@@ -321,6 +360,7 @@ class AdaptiveScheduler:
                 score=score,
                 pulse_now_score=sp.pulse_now_score,
                 run_seconds=run_seconds,
+                memory_interval=memory_every,
             )
             if loss_ok and self._quiet_path
             else None
@@ -333,7 +373,17 @@ class AdaptiveScheduler:
                 last = counters.last_heartbeat  # adopt(): a heartbeat resets only itself
                 counters.last_heartbeat = step if last is None else max(last, step)
             return Decision.quick(
-                step, tier, score, components, interval, rule, quiet, anomaly, multiplier, warning
+                step,
+                tier,
+                score,
+                components,
+                interval,
+                rule,
+                quiet,
+                anomaly,
+                multiplier,
+                warning,
+                memory_every,
             )
         due = counters.due(
             step,
@@ -343,6 +393,7 @@ class AdaptiveScheduler:
             pulse_now_score=sp.pulse_now_score,
             run_seconds=run_seconds,
             weights_ok=loss_ok,
+            memory_interval=memory_every,
         )
         decision = Decision(
             step=step,
@@ -359,6 +410,8 @@ class AdaptiveScheduler:
             anomaly=anomaly,
             hazard=multiplier,
             warning=warning,
+            memory=due.memory,
+            memory_interval=memory_every,
         )
         self.adopt(decision)
         return decision
@@ -368,7 +421,8 @@ class AdaptiveScheduler:
     def interval_for(self, score: float, hazard: float = 1.0) -> tuple[int, str]:
         """The dynamic pulse interval for ``score`` at hazard multiplier ``hazard``, and the
         rule that set it."""
-        return pulse_interval(score, self.spec, self.tiers.pulse, self._costs, hazard)
+        uncovered = self.tiers.memory.uncovered_share if self._memory_on else 1.0
+        return pulse_interval(score, self.spec, self.tiers.pulse, self._costs, hazard, uncovered)
 
     def young_daly_steps(self) -> int | None:
         """The uncapped Young/Daly interval in steps, when cost and step time are known."""

@@ -17,6 +17,11 @@
 * On a non-finite *loss* the state may already be poisoned, so weights-bearing
   saves (pulse, full, emergency) are deferred to the next finite step; the
   heartbeat is still written.
+* The memory tier (``tiers.memory``, off by default) is apart from the durable ones: a
+  memory-tier snapshot is due when the steps since the last snapshot in memory (a memory
+  one, or a pulse or full: in flash mode they land in memory too) reach its interval, or
+  at the step after one that found no free slot. It resets nothing but its own counter and
+  is never due when a pulse or full is (that save covers it) nor on a non-finite loss.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class Due:
 
     tier: Tier | None = None
     """Highest tier due; None when nothing is due."""
+    memory: bool = False
+    """A memory-tier snapshot is due (only when the tier is neither pulse nor full)."""
     lightweight: bool = False
     emergency: bool = False
     high_risk: bool = False
@@ -74,6 +81,10 @@ class TierCounters:
         self.last_heartbeat: int | None = None
         self.last_pulse: int | None = None
         self.last_full: int | None = None
+        self.last_memory: int | None = None
+        """The last snapshot in memory: a memory-tier one, a pulse or a full."""
+        self.memory_retry = False
+        """A memory-tier snapshot found no free slot: due again at the next step."""
         self.last_emergency: int | None = None
         self.prev_score = 0.0
         """Score at the last finite-loss step (for the pulse-now rising edge)."""
@@ -120,6 +131,8 @@ class TierCounters:
         if not lightweight:
             if tier_rank(tier) >= tier_rank(Tier.PULSE):
                 self.last_pulse = bump(self.last_pulse)
+                self.last_memory = bump(self.last_memory)
+                self.memory_retry = False
             if tier == Tier.FULL:
                 self.last_full = bump(self.last_full)
         if self.retry_tier is not None and tier_rank(tier) >= tier_rank(self.retry_tier):
@@ -128,6 +141,12 @@ class TierCounters:
             self.last_emergency = step
             self.pending_emergency = None
             self.pending_high_risk = False
+
+    def saved_memory(self, step: int) -> None:
+        """A memory-tier snapshot was taken at ``step``: only its own counter."""
+        last = self.last_memory
+        self.last_memory = step if last is None else max(last, step)
+        self.memory_retry = False
 
     def rewind(self, step: int) -> None:
         """The run went back to ``step``: no counter stays in the future."""
@@ -138,6 +157,8 @@ class TierCounters:
             self.last_pulse = step
         if self.last_full is not None and self.last_full > step:
             self.last_full = step
+        if self.last_memory is not None and self.last_memory > step:
+            self.last_memory = step
         if self.last_emergency is not None and self.last_emergency > step:
             self.last_emergency = step
 
@@ -159,8 +180,10 @@ class TierCounters:
         pulse_now_score: float,
         run_seconds: float,
         weights_ok: bool,
+        memory_interval: int = 0,
     ) -> Due:
-        """The tiers due at ``step`` (``weights_ok``: the loss is finite).
+        """The tiers due at ``step`` (``weights_ok``: the loss is finite; ``memory_interval``
+        0: the memory tier is off).
 
         With ``weights_ok`` the score is remembered for the next rising edge.
         """
@@ -208,8 +231,22 @@ class TierCounters:
                 due.add(Tier.PULSE, "gradient anomaly: lightweight pulse now")
                 due.lightweight = True
         due.lightweight = due.lightweight and due.tier == Tier.PULSE
+        if memory_interval > 0 and tier_rank(due.tier) < tier_rank(Tier.PULSE):
+            why = self._memory_due(step, memory_interval)
+            if why:
+                due.memory = True
+                due.reasons.append(f"memory: {why}")
         self.prev_score = score
         return due
+
+    def _memory_due(self, step: int, interval: int) -> str:
+        """Why a memory-tier snapshot is due at ``step`` ("": it is not)."""
+        if self.memory_retry:
+            return "retry after no free slot"
+        since = self._since(step, self.last_memory)
+        if since < interval:
+            return ""
+        return f"{since} steps since last snapshot >= interval {interval}"
 
     def quiet(
         self,
@@ -220,6 +257,7 @@ class TierCounters:
         score: float,
         pulse_now_score: float,
         run_seconds: float,
+        memory_interval: int = 0,
     ) -> str | None:
         """:meth:`due` for a step with a finite loss, when at most the heartbeat is due.
 
@@ -232,6 +270,10 @@ class TierCounters:
             self.retry_tier is not None
             or self.pending_emergency is not None
             or self.pending_lightweight
+        ):
+            return None
+        if memory_interval > 0 and (
+            self.memory_retry or self._since(step, self.last_memory) >= memory_interval
         ):
             return None
         full = tiers.full
@@ -271,6 +313,8 @@ class TierCounters:
             "last_heartbeat": self.last_heartbeat,
             "last_pulse": self.last_pulse,
             "last_full": self.last_full,
+            "last_memory": self.last_memory,
+            "memory_retry": self.memory_retry,
             "last_emergency": self.last_emergency,
             "prev_score": self.prev_score,
             "first_step": self.first_step,
@@ -285,6 +329,8 @@ class TierCounters:
         self.last_heartbeat = state.get("last_heartbeat")
         self.last_pulse = state.get("last_pulse")
         self.last_full = state.get("last_full")
+        self.last_memory = state.get("last_memory")
+        self.memory_retry = bool(state.get("memory_retry", False))
         self.last_emergency = state.get("last_emergency")
         self.prev_score = float(state.get("prev_score", 0.0))
         self.first_step = state.get("first_step")

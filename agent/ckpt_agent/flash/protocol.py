@@ -178,6 +178,18 @@ class Descriptor:
     def checkpoint_id(self) -> str:
         return checkpoint_id(self.tier, self.step)
 
+    @property
+    def jit(self) -> bool:
+        """A just-in-time save (``jit`` in its metadata): written without the other ranks."""
+        return self.meta.get("jit") is True
+
+    @property
+    def memory_only(self) -> bool:
+        """Never written to storage: a memory-tier snapshot (``memory_only`` in its metadata)
+        or a just-in-time save (the dead rank's part is missing: it could never commit). Its
+        persister records its hashes and replicates it."""
+        return self.meta.get("memory_only") is True or self.jit
+
     def to_bytes(self) -> bytes:
         return json.dumps(
             {

@@ -21,7 +21,7 @@ policy at ``kubectl apply`` time, naming the field.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +41,7 @@ __all__ = [
     "API_GROUP",
     "API_VERSION",
     "KIND",
+    "MEMORY_TIER_NEEDS_SIDECAR",
     "PLURAL",
     "SHORT_NAMES",
     "SINGULAR",
@@ -53,6 +54,7 @@ __all__ = [
     "FullTierSpec",
     "HeartbeatTierSpec",
     "JobCheckpointStatus",
+    "MemoryTierSpec",
     "ObjectMeta",
     "PreemptionSpec",
     "PriorityBoostSpec",
@@ -121,6 +123,33 @@ class FullTierSpec(CamelModel):
     """Wall-clock age (hours) after which the long-run period applies (default 15 days)."""
 
 
+class MemoryTierSpec(CamelModel):
+    """The memory tier (docs/replicas.md "The memory tier"): snapshots into the node's shared
+    memory, and the peers' replicas, between the durable pulses; never written to storage.
+    Its interval is Young/Daly's for the measured snapshot stall and the MTBF, no shorter than
+    the stall budget allows, clamped to ``[minInterval, maxInterval]``; ``everySteps`` fixes
+    it instead. A snapshot that finds no free shared-memory slot (its persister still records
+    or pushes the previous one: the replica bandwidth) is taken at the next step."""
+
+    enabled: bool = False
+    """Take memory-tier snapshots (needs ``agent.sidecar: true``; a local run: ``CKPT_SHM_DIR``)."""
+    every_steps: PositiveInt | None = None
+    """A fixed interval in steps instead of the adaptive one."""
+    base_interval: PositiveInt = 10
+    """The interval before the snapshot stall and the step time are measured (and without
+    ``scheduler.risk.enabled``)."""
+    min_interval: PositiveInt = 1
+    """Lower clamp of the adaptive interval, in steps."""
+    max_interval: PositiveInt = 100
+    """Upper clamp: a memory snapshot at least this often (when a slot is free)."""
+    uncovered_share: Annotated[float, Field(ge=0.001, le=1.0)] = 1.0
+    """The share of failures memory does not cover: a node lost with its replicas' peers, a
+    restart in new pods (a job restarted by the operator; ``restartPolicy: Never``). The
+    pulse is sized for the MTBF of those alone (``mtbf / uncoveredShare``), so below 1
+    storage persists less often; 1 (the default) keeps the pulse as without the memory tier.
+    ``ckpt simulate --trace llama3`` estimates it for a failure mix."""
+
+
 class TiersSpec(CamelModel):
     """Per-tier frequencies."""
 
@@ -138,6 +167,11 @@ class TiersSpec(CamelModel):
                     "pulse.baseInterval must lie within [minInterval, maxInterval]",
                     ".pulse.baseInterval",
                 ),
+                cel(
+                    "self.memory.minInterval <= self.memory.maxInterval",
+                    "memory.minInterval must be <= memory.maxInterval",
+                    ".memory.minInterval",
+                ),
             ]
         }
     )
@@ -148,6 +182,8 @@ class TiersSpec(CamelModel):
     """L1 pulse."""
     full: FullTierSpec = Field(default_factory=FullTierSpec)
     """L2 full."""
+    memory: MemoryTierSpec = Field(default_factory=MemoryTierSpec)
+    """In-memory snapshots between the durable tiers (off by default)."""
 
     @model_validator(mode="after")
     def _check_intervals(self) -> TiersSpec:
@@ -156,6 +192,9 @@ class TiersSpec(CamelModel):
             raise ValueError("tiers.pulse.minInterval must be <= pulse.maxInterval")
         if not p.min_interval <= p.base_interval <= p.max_interval:
             raise ValueError("tiers.pulse.baseInterval must lie within [minInterval, maxInterval]")
+        m = self.memory
+        if m.min_interval > m.max_interval:
+            raise ValueError("tiers.memory.minInterval must be <= memory.maxInterval")
         return self
 
 
@@ -385,8 +424,27 @@ class PreemptionSpec(CamelModel):
 # --------------------------------------------------------------------------- spec / status
 
 
+MEMORY_TIER_NEEDS_SIDECAR: Final = (
+    "tiers.memory.enabled needs agent.sidecar: true (the snapshots go to shared memory)"
+)
+
+
 class CheckpointPolicySpec(CamelModel):
     """Desired checkpointing behaviour for the jobs that reference this policy."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.tiers) || !has(self.tiers.memory)"
+                    " || !has(self.tiers.memory.enabled) || !self.tiers.memory.enabled"
+                    " || (has(self.agent) && has(self.agent.sidecar) && self.agent.sidecar)",
+                    MEMORY_TIER_NEEDS_SIDECAR,
+                    ".tiers.memory.enabled",
+                ),
+            ]
+        }
+    )
 
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     """Adaptive scheduling."""
@@ -414,6 +472,8 @@ class CheckpointPolicySpec(CamelModel):
             raise ValueError(
                 "agent.jitSave needs agent.sidecar: true (the snapshot goes to shared memory)"
             )
+        if self.tiers.memory.enabled and not self.agent.sidecar:
+            raise ValueError(MEMORY_TIER_NEEDS_SIDECAR)
         return self
 
 

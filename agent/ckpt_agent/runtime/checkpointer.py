@@ -305,6 +305,11 @@ class Checkpointer:
             self._heartbeats = Heartbeats(e, self._capturer, resume_step=resume.step)
         if e.config.agent.jit_save:
             self._jit = self._start_jit()
+        if e.config.tiers.memory.enabled and not isinstance(self._persister, ShmPersister):
+            why = "it needs flash snapshots (spec.agent.sidecar, or CKPT_SHM_DIR for a local run)"
+            log.warning("tiers.memory is on but memory-tier snapshots are off: %s", why)
+            e.event("memory_tier", outcome="off", reason=why)
+            e.scheduler.memory_off()
         if self.preallocate and e.ranks.writes and not e.ranks.sharded:
             work = self._persister.prepare(self._steps.last if self._steps.last is not None else 0)
             if work is not None:  # off the critical path: joined before the first snapshot
@@ -400,12 +405,11 @@ class Checkpointer:
             decision = e.scheduler.observe(step, float(loss), grad_norm, system=system)
         self._steps.last = step
         e.record_decision(decision, loss=float(loss))
-        if decision.save and decision.tier is not None:
-            if self._heartbeats is not None:
-                self._heartbeats.put(step, captured)
-            if decision.tier in (Tier.PULSE, Tier.FULL) and e.ranks.writes:
-                self._wait_prepared()
-                self._saver.save(decision, busy=busy, force=stop)
+        if decision.save and self._heartbeats is not None:
+            self._heartbeats.put(step, captured)
+        if decision.snapshot_tier is not None and e.ranks.writes:  # a memory-tier one too
+            self._wait_prepared()
+            self._saver.save(decision, busy=busy, force=stop)
         if stop:
             self._on_sigterm(step, agreed=True)
         return decision

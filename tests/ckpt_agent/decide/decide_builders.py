@@ -13,7 +13,14 @@ from collections.abc import Iterable, Sequence
 
 from ckpt_agent.decide.decision import Decision, SaveOutcome
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
-from ckpt_agent.policy.models import FullTierSpec, HeartbeatTierSpec, PulseTierSpec, Tier, TiersSpec
+from ckpt_agent.policy.models import (
+    FullTierSpec,
+    HeartbeatTierSpec,
+    MemoryTierSpec,
+    PulseTierSpec,
+    Tier,
+    TiersSpec,
+)
 from ckpt_agent.policy.scheduler_models import (
     GradientLayerSpec,
     LossLayerSpec,
@@ -55,6 +62,7 @@ def make(
     pulse: PulseTierSpec | None = None,
     full: FullTierSpec | None = None,
     heartbeat: HeartbeatTierSpec | None = None,
+    memory: MemoryTierSpec | None = None,
     start_time: float = 0.0,
 ) -> AdaptiveScheduler:
     """A scheduler with default specs except the ones given."""
@@ -69,6 +77,7 @@ def make(
         pulse=pulse or PulseTierSpec(),
         full=full or FullTierSpec(),
         heartbeat=heartbeat or HeartbeatTierSpec(),
+        memory=memory or MemoryTierSpec(),
     )
     return AdaptiveScheduler(spec, tiers, start_time=start_time)
 
@@ -111,6 +120,11 @@ def one_anomaly(s: AdaptiveScheduler) -> None:
 def pulse_at(step: int, *, lightweight: bool = False) -> Decision:
     """A pulse decision at ``step``."""
     return Decision(step=step, save=True, tier=Tier.PULSE, lightweight=lightweight)
+
+
+def memory_at(step: int, tier: Tier | None = None) -> Decision:
+    """A memory-tier snapshot decision at ``step`` (``tier``: what is due durably too)."""
+    return Decision(step=step, save=tier is not None, tier=tier, memory=True, memory_interval=5)
 
 
 def measured(

@@ -28,7 +28,14 @@ from typing import Any
 from ckpt_agent.decide.decision import SaveOutcome
 from ckpt_agent.decide.scheduler import AdaptiveScheduler
 from ckpt_agent.decide.signals import SystemSignals
-from ckpt_agent.policy.models import FullTierSpec, HeartbeatTierSpec, PulseTierSpec, Tier, TiersSpec
+from ckpt_agent.policy.models import (
+    FullTierSpec,
+    HeartbeatTierSpec,
+    MemoryTierSpec,
+    PulseTierSpec,
+    Tier,
+    TiersSpec,
+)
 from ckpt_agent.policy.scheduler_models import (
     GradientLayerSpec,
     RiskSpec,
@@ -57,6 +64,15 @@ CONFIGS: dict[str, Callable[[], tuple[SchedulerSpec, TiersSpec]]] = {
             heartbeat=HeartbeatTierSpec(enabled=False),
             pulse=PulseTierSpec(base_interval=15, min_interval=3, max_interval=40),
             full=FullTierSpec(every_steps=120),
+        ),
+    ),
+    "memory tier": lambda: (
+        SchedulerSpec(risk=RiskSpec(mtbf_seconds=900.0)),
+        TiersSpec(
+            heartbeat=HeartbeatTierSpec(every_steps=4),
+            pulse=PulseTierSpec(base_interval=40, min_interval=10, max_interval=80),
+            full=FullTierSpec(every_steps=300),
+            memory=MemoryTierSpec(enabled=True, base_interval=10, min_interval=8, max_interval=20),
         ),
     ),
     "warned share set": lambda: (
@@ -161,7 +177,7 @@ def replay(make: Factory, seed: int, steps: int) -> Iterator[str]:
         if kind == "observe":
             step, loss, grad, system, now = arg
             last = s.observe(step, loss, grad, system=system, now=now)
-            yield last.to_json_line()
+            yield _line(last.to_dict(), s, compact=True)
         elif kind == "emergency":
             reason, warning = arg
             s.request_emergency(reason, warning=warning)
@@ -173,6 +189,14 @@ def replay(make: Factory, seed: int, steps: int) -> Iterator[str]:
             state = json.loads(json.dumps(s.state_dict()))
             s = make()
             s.load_state_dict(state)
+        elif kind == "settle" and last is not None and last.memory_only:
+            r = float(arg)
+            if r < 0.7:
+                s.settle(SaveOutcome.taken(last, stall_seconds=r / 100))
+            elif r < 0.9:
+                s.settle(SaveOutcome.deferred(last))
+            else:
+                s.settle(SaveOutcome.persisted(Tier.PULSE, r, memory=True))
         elif kind == "settle" and last is not None and last.save and last.tier is not None:
             r = float(arg)
             if last.tier is Tier.HEARTBEAT:
@@ -190,7 +214,22 @@ def replay(make: Factory, seed: int, steps: int) -> Iterator[str]:
             s.settle(SaveOutcome.persisted(tier, seconds))
         else:
             continue
-        yield json.dumps(s.state_dict(), sort_keys=True)
+        yield _line(s.state_dict(), s)
+
+
+MEMORY_KEYS = ("memory", "memory_interval", "last_memory", "memory_retry", "memory_cost")
+"""What the memory tier added to decisions and the state (after the goldens were recorded)."""
+
+
+def _line(data: dict[str, Any], s: AdaptiveScheduler, *, compact: bool = False) -> str:
+    """One replay line: sorted JSON; without :data:`MEMORY_KEYS` when the memory tier is
+    off, so that a run without it is compared bit for bit with the goldens recorded before
+    the tier existed."""
+    if not s.tiers.memory.enabled:
+        data = {k: v for k, v in data.items() if k not in MEMORY_KEYS}
+    if compact:  # Decision.to_json_line's form
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return json.dumps(data, sort_keys=True)
 
 
 def digest(make: Factory, seed: int, steps: int) -> str:

@@ -14,6 +14,7 @@ from decide_builders import (
     feed,
     feed_grads,
     make,
+    memory_at,
     one_anomaly,
     pulse_at,
     tiers_of,
@@ -113,6 +114,7 @@ NO_COST = {"stall": None, "persist": None}
             {
                 "last_heartbeat": 49,
                 "last_pulse": 49,
+                "last_memory": 49,
                 "costs": {
                     "heartbeat": NO_COST,
                     "pulse": {"stall": 0.1, "persist": 0.2},
@@ -131,6 +133,7 @@ NO_COST = {"stall": None, "persist": None}
             {
                 "last_heartbeat": 49,
                 "last_pulse": 49,
+                "last_memory": 49,
                 "last_full": 49,
                 "costs": {
                     "heartbeat": NO_COST,
@@ -167,8 +170,36 @@ NO_COST = {"stall": None, "persist": None}
             {
                 "last_heartbeat": 49,
                 "last_pulse": 49,
+                "last_memory": 49,
                 "last_full": 49,
                 "retry_tier": None,
+            },
+        ),
+        (  # a memory-tier snapshot: its own counter and costs, nothing durable
+            [],
+            SaveOutcome.taken(memory_at(49), stall_seconds=0.01),
+            {"last_memory": 49, "memory_cost": {"stall": 0.01, "persist": None}},
+        ),
+        (
+            [],
+            SaveOutcome.persisted(Tier.PULSE, 0.4, memory=True),
+            {"memory_cost": {"stall": None, "persist": 0.4}},
+        ),
+        ([], SaveOutcome.deferred(memory_at(49)), {"memory_retry": True}),
+        ([], SaveOutcome.failed(Tier.PULSE, memory=True), {"memory_retry": True}),
+        (  # a pending pulse retry stays: a memory snapshot never reaches storage
+            [SaveOutcome.failed(Tier.PULSE)],
+            SaveOutcome.taken(memory_at(49)),
+            {"last_memory": 49},
+        ),
+        (  # a memory retry is cleared by the next memory snapshot or a pulse
+            [SaveOutcome.deferred(memory_at(48))],
+            SaveOutcome.taken(pulse_at(49)),
+            {
+                "last_heartbeat": 49,
+                "last_pulse": 49,
+                "last_memory": 49,
+                "memory_retry": False,
             },
         ),
         (  # a persist result never clears a retry
@@ -277,6 +308,8 @@ def test_state_dict_keys_and_order_are_stable() -> None:
         "last_heartbeat",
         "last_pulse",
         "last_full",
+        "last_memory",
+        "memory_retry",
         "last_emergency",
         "prev_score",
         "first_step",
@@ -287,6 +320,7 @@ def test_state_dict_keys_and_order_are_stable() -> None:
         "retry_tier",
         "step_time",
         "costs",
+        "memory_cost",
         "warning",
         "warning_until",
         "warning_since",

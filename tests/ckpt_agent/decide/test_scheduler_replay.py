@@ -39,6 +39,11 @@ GOLDEN = {
         "no risk, no heartbeat",
         2,
     ): "43dea70d0164201568d3043ad4e97baf8c084fc10f014f4a98fb7f23f9503de1",
+    # recorded when the memory tier came (#31); the others are from b4a97a2, compared
+    # without the memory tier's keys (scheduler_replay.MEMORY_KEYS): with it off, nothing
+    # changed
+    ("memory tier", 1): "410e616eb131b16cdd619c77491f01c126145057a0a0f4f05054fa7dd667dad5",
+    ("memory tier", 2): "11d598c2ebb0aee6e976c86de513a3d95116bd0c7426d00a0fd6679d3c64e04a",
     ("warned share set", 1): "efc1f78b174440450e05b0c113b788be73b663ed478ca76909d440e3d57b1624",
     ("warned share set", 2): "e1dc31014a6e58a61d04920cfa665cbf82e3a92fcd7346f6911843b457b9cc86",
 }

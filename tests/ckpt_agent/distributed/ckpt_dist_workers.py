@@ -300,6 +300,10 @@ def _saved(d: Any) -> bool:
     return bool(d.save and d.tier in ("pulse", "full"))
 
 
+def _memory_saved(d: Any) -> bool:
+    return bool(d.memory_only)
+
+
 def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]) -> None:
     """A 2-rank DDP run with dropout (per-rank RNG), AdamW, StepLR and a data position."""
     run = MlpRun(rank, out, ddp=True)
@@ -328,10 +332,12 @@ def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]
         )
         assert run.pos.pos == start, (run.pos.pos, start)
     die_at = opts.get("die_after_save_at")
+    # "memory": after a memory-tier snapshot (memory only), else after a pulse or full
+    saved = _memory_saved if opts.get("die_after") == "memory" else _saved
 
     def die(step: int, d: Any) -> bool:
         dies = opts.get("die_rank") in (rank, "all")
-        return die_at is not None and dies and step >= die_at and _saved(d)
+        return die_at is not None and dies and step >= die_at and saved(d)
 
     run.train(start, steps, ckpt, die, opts.get("hold_at"), opts.get("stall_at"))
 

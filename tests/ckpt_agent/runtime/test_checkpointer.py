@@ -685,3 +685,16 @@ def test_approximate_filter_is_opt_in_and_marked(ck_config: ConfigFactory) -> No
     resume = again.start()
     again.close()
     assert resume.checkpoint_id == second and not resume.exact
+
+
+def test_memory_tier_without_shared_memory_is_off_and_says_why(
+    ck_config: ConfigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = ck_config(tiers={"memory": {"enabled": True, "everySteps": 2}})
+    t, ckpt = _started(cfg)
+    decisions = [ckpt.step(s, t.step()) for s in range(12)]
+    ckpt.close()
+    assert not any(d.memory for d in decisions)
+    off = _events(cfg, "memory_tier")
+    assert [e["outcome"] for e in off] == ["off"] and "flash snapshots" in off[0]["reason"]
+    assert "memory-tier snapshots are off" in caplog.text

@@ -93,8 +93,8 @@ class Areas:
 
     def pending(self) -> list[tuple[int, Descriptor]]:
         """Areas with a complete snapshot not handled yet (newest per area; but a durable
-        save not handled yet goes before a newer just-in-time one, which never reaches
-        storage: the save taken right before a failure still commits)."""
+        save not handled yet goes before a newer memory-only one — a memory-tier snapshot or
+        a just-in-time save — which never reaches storage: the durable save still commits)."""
         out = []
         for r, st in sorted(self.states.items()):
             if not st.claimed:
@@ -102,9 +102,9 @@ class Areas:
             todo = [d for d in st.reader.complete() if d.seq > st.handled_seq]
             if not todo:
                 continue
-            durable = [d for d in todo if d.meta.get("jit") is not True]
+            durable = [d for d in todo if not d.memory_only]
             newest = todo[-1]
-            out.append((r, durable[-1] if newest.meta.get("jit") is True and durable else newest))
+            out.append((r, durable[-1] if newest.memory_only and durable else newest))
         return out
 
     def any_alive(self) -> bool:

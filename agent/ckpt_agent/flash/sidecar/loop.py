@@ -176,8 +176,9 @@ class Sidecar:
         self.drain.poll_signal()
         return done
 
-    def _record_jit(self, st: AreaState, desc: Descriptor) -> bool:
-        """A just-in-time snapshot: hashes recorded, replicated, never written to storage."""
+    def _record_memory_only(self, st: AreaState, desc: Descriptor) -> bool:
+        """A memory-tier snapshot or a just-in-time save: hashes recorded, replicated, never
+        written to storage."""
         reader = st.reader
         t0 = time.perf_counter()
         if not self.part_writer.record_only(reader, desc):
@@ -185,8 +186,13 @@ class Sidecar:
         st.handled_seq = desc.seq
         seconds = time.perf_counter() - t0
         self._event(
-            "jit_recorded", rank=desc.rank, seq=desc.seq, step=desc.step, seconds=round(seconds, 6)
+            "jit_recorded" if desc.jit else "memory_recorded",
+            rank=desc.rank,
+            seq=desc.seq,
+            step=desc.step,
+            seconds=round(seconds, 6),
         )
+        self.metrics.snapshots.labels(outcome="recorded").inc()
         reader.mark(
             PersistedMark(
                 seq=desc.seq,
@@ -206,8 +212,8 @@ class Sidecar:
         return True
 
     def _persist_area(self, st: AreaState, desc: Descriptor, trigger: str | None) -> bool:
-        if desc.meta.get("jit") is True:
-            return self._record_jit(st, desc)
+        if desc.memory_only:
+            return self._record_memory_only(st, desc)
         reader = st.reader
         t0 = time.perf_counter()
         handled: Handled | None = None

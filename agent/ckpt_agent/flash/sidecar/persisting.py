@@ -136,9 +136,9 @@ class PartWriter:
         return Handled(desc, written, time.perf_counter() - t0, token)
 
     def record_only(self, reader: ShmReader, desc: Descriptor) -> bool:
-        """A just-in-time snapshot (``jit`` in its metadata): its hashes recorded for the
-        in-place restart, nothing written to storage (the dead rank's part is missing, so it
-        could never commit). False when it was torn or overwritten meanwhile."""
+        """A memory-only snapshot (:attr:`Descriptor.memory_only`: a memory-tier snapshot or
+        a just-in-time save): its hashes recorded for the in-place restart, nothing written
+        to storage. False when it was torn or overwritten meanwhile."""
         with reader.open(desc) as snap:
             if snap is None:
                 return False

@@ -385,19 +385,21 @@ class Engine:
 
     def book_snapshot(self, decision: Decision, stall_s: float, **details: Any) -> None:
         """Book a taken snapshot: scheduler feedback, stall metrics/stats, the event."""
-        assert decision.tier is not None
+        tier = decision.snapshot_tier or decision.tier
+        assert tier is not None
         self.scheduler.settle(SaveOutcome.taken(decision, stall_seconds=stall_s))
-        self.metrics.add_stall(decision.tier.value, stall_s)
+        self.metrics.add_stall("memory" if decision.memory_only else tier.value, stall_s)
         self.stats.saves += 1
         self.stats.stalls.append(stall_s)
         del self.stats.stalls[:-_STALLS_KEPT]
         self.event(
             "snapshot",
             step=decision.step,
-            tier=decision.tier,
+            tier=tier,
             lightweight=decision.lightweight,
             emergency=decision.emergency,
             stall_s=round(stall_s, 6),
+            **({"memory_only": True} if decision.memory_only else {}),
             **details,
         )
 

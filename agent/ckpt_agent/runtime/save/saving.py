@@ -61,11 +61,17 @@ class SavePath:
     def save(
         self, decision: Decision, *, force: bool = False, busy: bool | None = None
     ) -> str | None:
-        """Snapshot now (``busy``: agreed by all ranks; None = this rank's persister)."""
-        assert decision.tier is not None
+        """Snapshot now (``busy``: agreed by all ranks; None = this rank's persister). A
+        memory-tier snapshot never waits: busy, it is taken at the next step."""
+        tier = decision.snapshot_tier
+        assert tier is not None
         e = self.engine
         if busy is None:
             busy = self.persister.busy
+        if busy and decision.memory_only:  # counted, no event: it may find it busy each step
+            e.scheduler.settle(SaveOutcome.deferred(decision))
+            e.metrics.backpressure.labels(action="memory_deferred").inc()
+            return None
         if busy and not (self.backpressure == "wait" or force or decision.emergency):
             e.scheduler.settle(SaveOutcome.deferred(decision))
             e.stats.deferred += 1
@@ -81,7 +87,7 @@ class SavePath:
             e.stats.waited += 1
             self._backpressure(decision, "waited", seconds=round(time.perf_counter() - t0, 6))
             self.raise_errors()
-        return self.persister.save(decision, self.capture.files(decision.tier))
+        return self.persister.save(decision, self.capture.files(tier))
 
     def _backpressure(self, decision: Decision, action: str, **fields: object) -> None:
         self.engine.metrics.backpressure.labels(action=action).inc()

@@ -103,7 +103,7 @@ def shm_offers(reader: ShmReader) -> list[ShmOffer]:
         except CheckpointFormatError:
             continue
         if isinstance(token, str) and token:
-            jit = desc.meta.get("jit") is True
+            jit = desc.jit
             out.append(ShmOffer(desc.step, token, desc.seq, desc.world_size, epoch, jit))
     return out
 

@@ -17,6 +17,7 @@ restart from checked shared-memory snapshots is the restore side's
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -37,6 +38,8 @@ from ckpt_agent.runtime.save.snapshot import JobError
 from ckpt_agent.runtime.shm.target import FlashTarget
 
 __all__ = ["ShmPersister", "jit_token"]
+
+log = logging.getLogger(__name__)
 
 
 def jit_token(step: int, epoch: int) -> str:
@@ -67,7 +70,8 @@ class ShmPersister:
             work_dir=engine.work_dir,
         )
         self._errors: list[JobError] = []
-        self._pending: dict[int, Tier] = {}
+        self._pending: dict[int, tuple[Tier, bool]] = {}
+        """Saves in flight: their tier and whether memory-only (a memory-tier snapshot)."""
         self._resume_step = -1
         self._chain = HashChain(Handover())
         """The training thread's (replaced by :meth:`start`)."""
@@ -140,16 +144,19 @@ class ShmPersister:
     def save(self, decision: Decision, files: dict[str, bytes]) -> str | None:
         """Copy the snapshot into shared memory; the persister process does the rest."""
         e = self.engine
-        assert decision.tier is not None
-        tier, step = decision.tier, decision.step
+        tier, step = decision.snapshot_tier, decision.step
+        assert tier is not None
+        memory_only = decision.memory_only
         sections = self.capture.sections(lightweight=decision.lightweight, step=step)
-        token = f"{step}-{tier.value}-{time.time_ns()}"
+        token = f"{step}-{'memory' if memory_only else tier.value}-{time.time_ns()}"
         if self.group is not None:  # one token for all ranks: parts of the same save
             token = str(self.group.broadcast(token))
         progress = sections.get("progress")
         if isinstance(progress, dict):
             progress["token"] = token
         meta = self._meta(decision, token)
+        if memory_only:  # its persister records and replicates it, never writes it to storage
+            meta["memory_only"] = True
         desc = self.flash.write(step, tier, sections, files=files, meta=meta)
         if desc is None:  # the slots were taken between the check and now: wait once
             self.flash.wait_free()
@@ -164,7 +171,7 @@ class ShmPersister:
                 reason="no free shared-memory slot",
             )
             return None
-        self._pending[desc.seq] = tier
+        self._pending[desc.seq] = (tier, memory_only)
         e.book_snapshot(
             decision,
             desc.stall_s,
@@ -234,9 +241,12 @@ class ShmPersister:
     def _handled(self, mark: PersistedMark) -> None:
         """One save's result (every save's latency is observed, not only the newest's)."""
         e = self.engine
-        tier = Tier.PULSE
+        tier, memory_only = Tier.PULSE, False
         for seq in [s for s in self._pending if s <= mark.seq]:
-            tier = self._pending.pop(seq)
+            tier, memory_only = self._pending.pop(seq)
+        if memory_only:
+            self._recorded(mark)
+            return
         if not mark.ok:
             what = f"persisting {tier.value} of step {mark.step} (shared memory)"
             # the persister holds the run's generation: fenced there is fenced here (fatal)
@@ -263,3 +273,15 @@ class ShmPersister:
         """Results in, and their persist times to the scheduler right away."""
         self.poll()
         self.engine.drain_feedback()
+
+    def _recorded(self, mark: PersistedMark) -> None:
+        """A memory-tier snapshot's result: recorded (hashed for an in-place restart, pushed
+        to the replicas) or not. Never an error of the run: the next one is due again."""
+        e = self.engine
+        if not mark.ok:
+            log.warning("recording memory snapshot of step %d failed: %s", mark.step, mark.error)
+            e.feedback.put(SaveOutcome.failed(Tier.PULSE, step=mark.step, memory=True))
+            e.event("memory_recorded", step=mark.step, ok=False, error=mark.error)
+            return
+        e.feedback.put(SaveOutcome.persisted(Tier.PULSE, mark.persist_s, memory=True))
+        e.event("memory_recorded", step=mark.step, ok=True, seconds=round(mark.persist_s, 6))

@@ -56,15 +56,19 @@ class FlashTarget:
         *,
         work_dir: str | Path,
         local_persister: bool | None = None,
-        slots: int = DEFAULT_SLOTS,
+        slots: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        """``slots`` (None: :data:`DEFAULT_SLOTS`, one more with the memory tier, so that
+        memory snapshots go on while the persister holds a durable one)."""
         if not config.shm_dir:
             raise ValueError("config.shm_dir is not set")
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.work_dir = Path(work_dir)
+        if slots is None:
+            slots = DEFAULT_SLOTS + (1 if config.tiers.memory.enabled else 0)
         self.slots = slots
         self.local_persister = (
             not config.agent.sidecar if local_persister is None else local_persister

@@ -89,21 +89,26 @@ class ShmWriter(ShmArea):
             self._slots[i] = s
         return s
 
-    def _protected(self) -> int | None:
-        """The slot holding the newest complete snapshot nobody persisted yet."""
-        newest = self.latest()
-        if newest is None:
-            return None
+    def _protected(self) -> set[int]:
+        """The slots no snapshot may overwrite: the newest complete snapshot nobody handled
+        yet, and the newest durable one nobody handled yet (a newer memory-only snapshot
+        must not take a pulse or a full out of storage's reach)."""
         mark = self.persisted()
-        if mark is not None and mark.seq >= newest.seq:
-            return None
-        return newest.slot
+        handled = mark.seq if mark is not None else 0
+        todo = [d for d in self.complete() if d.seq > handled]
+        if not todo:
+            return set()
+        out = {todo[-1].slot}
+        durable = [d for d in todo if not d.memory_only]
+        if durable:
+            out.add(durable[-1].slot)
+        return out
 
     def free_slot(self) -> int | None:
         """A slot a snapshot could be written to now (None: busy, the save must wait)."""
         protect = self._protected()
         for i in self.write_order():
-            if i == protect:
+            if i in protect:
                 continue
             s = self._slot(i)
             if try_flock(s.fd, fcntl.LOCK_EX):
@@ -118,7 +123,7 @@ class ShmWriter(ShmArea):
     def _acquire(self) -> int | None:
         protect = self._protected()
         for i in self.write_order():
-            if i == protect:
+            if i in protect:
                 continue
             if try_flock(self._slot(i).fd, fcntl.LOCK_EX):
                 return i
