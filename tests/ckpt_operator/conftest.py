@@ -113,6 +113,7 @@ class FakeApi:
         self.policies: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.config_maps: dict[tuple[str, str], dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
         self.created_secrets: dict[tuple[str, str], dict[str, Any]] = {}
         """Secrets the operator created (bodies), by (namespace, name)."""
@@ -239,6 +240,19 @@ class FakeApi:
         self.calls.append(("apply_config_map", body["metadata"]["name"]))
         m = body["metadata"]
         self.config_maps[(m["namespace"], m["name"])] = copy.deepcopy(body)
+
+    async def create_config_map(self, body: dict[str, Any]) -> bool:
+        self.calls.append(("create_config_map", body["metadata"]["name"]))
+        m = body["metadata"]
+        if (m["namespace"], m["name"]) in self.config_maps:
+            return False
+        self.config_maps[(m["namespace"], m["name"])] = copy.deepcopy(body)
+        return True
+
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get_node", name))
+        node = self.nodes.get(name)
+        return copy.deepcopy(node) if node is not None else None
 
     async def list_pods(
         self, *, node_name: str | None, label_selector: str, namespace: str | None = None

@@ -255,6 +255,23 @@ def test_issuing_replica_secrets_grants_create_bounded_by_an_admission_policy(
     )
 
 
+def test_the_replica_rack_label_reaches_the_operator_and_its_rights_suffice(
+    default: Rendered,
+) -> None:
+    """operator.replicaRackLabel (unset by default) becomes --replica-rack-label; the peer
+    map needs no right beyond the ConfigMaps and nodes the operator already has."""
+    args = only(default, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--replica-rack-label") for a in args)
+    objs = render("operator.replicaRackLabel=topology.example.com/rack")
+    args = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--replica-rack-label=topology.example.com/rack" in args
+    granted = rules(default)
+    assert ("", "configmaps", ("create", "get", "patch")) in granted
+    assert ("", "nodes", ("get", "list", "watch")) in granted
+    bad = helm("template", RELEASE, str(CHART), "--set", "operator.replicaRackLabel=a b")
+    assert bad.returncode != 0 and "replicaRackLabel" in bad.stderr
+
+
 def test_webhooks_point_at_the_operator_with_a_trusted_ca(default: Rendered) -> None:
     mutating = only(default, "MutatingWebhookConfiguration")
     hook, lhook, thook = mutating["webhooks"]

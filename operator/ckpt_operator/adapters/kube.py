@@ -119,6 +119,14 @@ class KubeApi(Protocol):
         """Create, or replace the data of, a ConfigMap."""
         ...
 
+    async def create_config_map(self, body: Obj) -> bool:
+        """Create a ConfigMap; False when one of that name exists (it is left as it is)."""
+        ...
+
+    async def get_node(self, name: str) -> Obj | None:
+        """A Node (None when missing)."""
+        ...
+
     async def list_pods(
         self, *, node_name: str | None, label_selector: str, namespace: str | None = None
     ) -> list[Obj]:
@@ -396,6 +404,21 @@ class KubernetesApi:
                 meta["namespace"],
                 {"metadata": {"labels": meta.get("labels", {})}, "data": body["data"]},
             )
+
+    async def create_config_map(self, body: Obj) -> bool:
+        try:
+            await self._raw(
+                self._core.create_namespaced_config_map, body["metadata"]["namespace"], body
+            )
+        except ConflictError:
+            return False
+        return True
+
+    async def get_node(self, name: str) -> Obj | None:
+        try:
+            return await self._raw(self._core.read_node, name)
+        except NotFoundError:
+            return None
 
     async def list_pods(
         self, *, node_name: str | None, label_selector: str, namespace: str | None = None

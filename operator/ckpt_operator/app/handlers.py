@@ -23,10 +23,13 @@ TrainJob (opted in)         as a PyTorchJob, plus each JobSet restart attempt pl
 JobSet (events)             the JobSet cache (its restart attempt) → the TrainJob's planning
 Pod (mutating webhook)      ``inject-pods``: CREATE of labelled pods → JSON Patch (from the watch
                             caches, within ``--webhook-budget``; fails closed)
-Pod (training, events)      pod index for recovery; reports opted-in pods running uninjected
+Pod (training, events)      pod index for recovery; reports opted-in pods running uninjected;
+                            once a replicating job's ranks are all on nodes, its replica
+                            peer map (:mod:`ckpt_operator.behaviours.replica_maps`)
 Pod (injected, events)      DisruptionTarget / deletion → ``ckpt.dev/save-now``
 Node (events)               cordon / going-away taint / NotReady / pressure → a node warning in
-                            ``ckpt.dev/save-now`` on its pods; calm again → its clearing
+                            ``ckpt.dev/save-now`` on its pods; calm again → its clearing;
+                            its zone and rack labels (the replica peer choice)
 Workload (Kueue, events)    only with ``--kueue`` (:mod:`ckpt_operator.app.kueue`): priority
                             boost from the at-risk work, save-now on eviction
 probe                       liveness details (loops, tracked policies, active recoveries)
@@ -63,10 +66,12 @@ from ckpt_operator.behaviours.deps import Deps, cached_job
 from ckpt_operator.behaviours.disruption import signal_node, signal_pod
 from ckpt_operator.behaviours.policies import reconcile_policy
 from ckpt_operator.behaviours.recovery import observe_job, recover_job, report_fenced_pod
+from ckpt_operator.behaviours.replica_maps import publish_peer_map
 from ckpt_operator.behaviours.retention import reconcile_retention
 from ckpt_operator.kinds.trainjob import TRAINJOB, add_inject_patch, jobset_trainjob, pod_ended_at
 from ckpt_operator.model import constants as c
 from ckpt_operator.model.bodies import meta_of
+from ckpt_operator.planners.replica_topology import ZONE_LABEL
 
 __all__ = ["EVENT_ONLY_KINDS", "DiffBaseForChanges", "Runtime", "make_runtime", "register"]
 
@@ -284,6 +289,7 @@ async def on_label_trainjob(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
 
 
 async def _track_job(
+    deps: Deps,
     type: str | None,
     job: dict[str, Any],
     cache: ObjectCache,
@@ -296,6 +302,7 @@ async def _track_job(
     if type == "DELETED":
         scheduler.cancel(ns, name)
         cache.remove(ns, name)
+        deps.peer_maps.forget(str(meta.uid or ""))
         return
     cache.upsert(job)
     if await observe(job):
@@ -305,7 +312,7 @@ async def _track_job(
 async def on_job_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     rt = _rt(memo)
     observe = functools.partial(observe_job, rt.deps)
-    await _track_job(type, _raw(body), rt.deps.jobs, rt.recovery, observe)
+    await _track_job(rt.deps, type, _raw(body), rt.deps.jobs, rt.recovery, observe)
     if type == "DELETED":
         rt.memory.evicted()
 
@@ -314,7 +321,7 @@ async def on_trainjob_event(type: str | None, body: kopf.Body, memo: kopf.Memo, 
     rt = _rt(memo)
     observe = functools.partial(observe_trainjob, rt.deps)
     trainjob = _raw(body)
-    await _track_job(type, trainjob, rt.deps.trainjobs, rt.trainjob_recovery, observe)
+    await _track_job(rt.deps, type, trainjob, rt.deps.trainjobs, rt.trainjob_recovery, observe)
     if type == "DELETED":
         meta = meta_of(trainjob)
         rt.deps.attempts_seen.forget(str(meta.namespace), str(meta.name))
@@ -352,7 +359,8 @@ async def on_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
 
 async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: PodIndex) -> None:
     """A training pod's watch event: the pod index (recovery reads it instead of listing),
-    and a report of an opted-in pod that runs without the agent."""
+    a report of an opted-in pod that runs without the agent, and its job's replica peer
+    map once every rank is on a node."""
     if type == "DELETED":
         index.remove(pod)
         uid = str(meta_of(pod).uid or "")
@@ -363,6 +371,7 @@ async def _index_pod(type: str | None, pod: dict[str, Any], deps: Deps, index: P
     index.upsert(pod)
     await report_unprotected(deps, pod)
     await report_fenced_pod(deps, pod)
+    await publish_peer_map(deps, pod)
 
 
 async def on_training_pod_event(
@@ -399,9 +408,12 @@ async def on_node_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_:
     deps = _rt(memo).deps
     if type == "DELETED":  # its pool is kept: the failures of its pods still count
         deps.node_signals.forget(str(meta_of(body).name))
+        deps.node_labels.forget(str(meta_of(body).name))
         return
     node = _raw(body)
     deps.pools.note_node(node, deps.config.recovery.node_pool_labels)
+    meta = meta_of(node)
+    deps.node_labels.note(str(meta.name), meta.labels, (ZONE_LABEL, deps.config.replica_rack_label))
     await signal_node(deps, node)
 
 

@@ -13,7 +13,14 @@ from ckpt_operator.adapters.events import EventSink
 from ckpt_operator.adapters.kube import KubeApi, NotFoundError
 from ckpt_operator.adapters.metrics import Metrics
 from ckpt_operator.adapters.sources import SourceFactory
-from ckpt_operator.behaviours.state import AgentAnswers, NodeSignals, RefusedAttempts, ReportedPods
+from ckpt_operator.behaviours.state import (
+    AgentAnswers,
+    NodeLabels,
+    NodeSignals,
+    PeerMaps,
+    RefusedAttempts,
+    ReportedPods,
+)
 from ckpt_operator.kinds.kind import JobKind
 from ckpt_operator.kinds.pytorchjob import PYTORCHJOB
 from ckpt_operator.kinds.registry import KINDS, kind_of
@@ -83,6 +90,10 @@ class Deps:
     agent_answers: AgentAnswers = field(default_factory=AgentAnswers)
     """What each pod's agent port answered the probes: serving (not probed again until a
     container restarts) or refused since when (dropped when the pod is deleted)."""
+    node_labels: NodeLabels = field(default_factory=NodeLabels)
+    """Nodes' zone and rack labels (the replica peer choice), from the node watch."""
+    peer_maps: PeerMaps = field(default_factory=PeerMaps)
+    """Jobs whose replica peer map exists (never changed once made)."""
     admission_api: KubeApi | None = None
     """The API client the webhook falls back to on a cache miss (its own worker threads,
     so admission never waits behind reconciliation); None: ``api``."""

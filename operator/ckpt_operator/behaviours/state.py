@@ -8,7 +8,18 @@ run on the operator's event loop, so none needs a lock.
 
 from __future__ import annotations
 
-__all__ = ["AgentAnswers", "NodeSignals", "RefusedAttempts", "ReportedPods"]
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "AgentAnswers",
+    "NodeLabels",
+    "NodeSignals",
+    "PeerMaps",
+    "RefusedAttempts",
+    "ReportedPods",
+]
 
 
 class NodeSignals:
@@ -125,3 +136,58 @@ class AgentAnswers:
 
     def __len__(self) -> int:
         return len(self._serving.keys() | self._refused.keys())
+
+
+class NodeLabels:
+    """Node name → the labels the replica peer choice reads (its zone and rack labels only),
+    from the node watch (:mod:`ckpt_operator.app.handlers` writes and forgets;
+    :mod:`.replica_maps` reads; a miss is one API read there). Bounded: the oldest node
+    noted is dropped past ``max_nodes``."""
+
+    __slots__ = ("_by_node", "max_nodes")
+
+    def __init__(self, max_nodes: int = 20_000) -> None:
+        self._by_node: OrderedDict[str, dict[str, str]] = OrderedDict()
+        self.max_nodes = max_nodes
+
+    def note(self, name: str, labels: Mapping[str, Any], keys: Iterable[str]) -> None:
+        """Remember ``keys`` of ``labels`` for node ``name`` (the newest note wins)."""
+        kept = {k: v for k in keys if k and isinstance(v := labels.get(k), str)}
+        self._by_node.pop(name, None)
+        self._by_node[name] = kept
+        while len(self._by_node) > self.max_nodes:
+            self._by_node.popitem(last=False)
+
+    def get(self, name: str) -> dict[str, str] | None:
+        """The labels noted for ``name`` (None: not noted)."""
+        got = self._by_node.get(name)
+        return dict(got) if got is not None else None
+
+    def forget(self, name: str) -> None:
+        self._by_node.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._by_node)
+
+
+class PeerMaps:
+    """Uids of the jobs whose replica peer map exists (:mod:`.replica_maps` marks it once
+    made or found made; a deleted job is forgotten): the map is never changed, so their pod
+    events need no work."""
+
+    __slots__ = ("_uids",)
+
+    def __init__(self) -> None:
+        self._uids: set[str] = set()
+
+    def done(self, uid: str) -> bool:
+        return uid in self._uids
+
+    def mark(self, uid: str) -> None:
+        self._uids.add(uid)
+
+    def forget(self, uid: str) -> None:
+        self._uids.discard(uid)
+
+    def __len__(self) -> int:
+        return len(self._uids)

@@ -170,6 +170,10 @@ class OperatorConfig:
     """Create each replicating job's Secret ``ckpt-replica-<job>`` (a random key, owned by
     the job) when the webhook admits its first pod (docs/replicas.md). Off: create it by
     hand; the chart's ``rbac.issueReplicaSecrets`` grants the right, bounded."""
+    replica_rack_label: str = ""
+    """The node label naming a node's rack, for choosing replica peers in other racks
+    (docs/replicas.md, "Peers"; empty: racks are not known, only zones and nodes).
+    Kubernetes has no standard one."""
     storage_timeout_s: float = 30.0
     """Longest wait for one storage call (opening, listing, claiming, deleting, GC)."""
     verify_timeout_s: float = 3600.0
@@ -289,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bool,
         help="create the Secret ckpt-replica-<job> of each job with spec.agent.replicas "
         "(default false: created by hand, docs/replicas.md)",
+    )
+    a(
+        "--replica-rack-label",
+        help="node label naming a node's rack: replica peers are chosen in other zones "
+        "(topology.kubernetes.io/zone), else other racks, else other nodes (default: none)",
     )
     a("--webhook", type=_bool, help="serve the admission webhooks (default true)")
     a("--webhook-listen", help="listen address (default 0.0.0.0)")
@@ -468,6 +477,7 @@ def parse_config(
         verbose=verbose,
         read_storage_secrets=secrets,
         issue_replica_secrets=issue_secrets,
+        replica_rack_label=(pick("replica_rack_label", "replica-rack-label") or "").strip(),
         storage_timeout_s=storage_timeout,
         verify_timeout_s=verify_timeout,
         workers=workers,

@@ -5,10 +5,16 @@ sidecar, and only when the policy has ``spec.agent.replicas.enabled`` (otherwise
 changes). For a pod whose rank and peers are known (:mod:`ckpt_operator.planners.replica_peers`)
 the sidecar gets:
 
-* env: ``CKPT_REPLICA_PORT``, ``CKPT_REPLICA_PEERS`` (``host:port,…``),
-  ``CKPT_REPLICA_SECRET_FILE``, ``CKPT_REPLICA_JOB`` (``namespace/job``); ``CKPT_NODE_NAME``
+* env: ``CKPT_REPLICA_PORT``, ``CKPT_REPLICA_PEERS`` (``host:port,…``: the ring),
+  ``CKPT_REPLICA_SECRET_FILE``, ``CKPT_REPLICA_JOB`` (``namespace/job``),
+  ``CKPT_REPLICA_RANK`` (its rank) and ``CKPT_REPLICA_PEERS_DIR``; ``CKPT_NODE_NAME``
   (the downward API's ``spec.nodeName``) it already has
   (:mod:`ckpt_agent.policy.replica_contract`, read by ``ckpt sidecar``);
+* the job's peer map, the ConfigMap
+  :func:`~ckpt_operator.planners.replica_peer_map.replica_peers_map_name`, at
+  :data:`PEERS_MAP_DIR` (read-only, the whole ConfigMap: no ``subPath``, so the kubelet
+  refreshes it; ``optional: true``: the operator makes it once every rank is scheduled,
+  :mod:`ckpt_operator.behaviours.replica_maps`, and the sidecar uses the ring until then);
 * a ``ckpt-replica`` container port;
 * the job's Secret :func:`replica_secret_name` (key ``secret``) as a read-only file, mounted
   in the sidecar only. The operator issues it when it may (``--issue-replica-secrets``:
@@ -32,7 +38,9 @@ from ckpt_agent.policy import CheckpointPolicySpec
 from ckpt_agent.policy.replica_contract import (
     ENV_REPLICA_JOB,
     ENV_REPLICA_PEERS,
+    ENV_REPLICA_PEERS_DIR,
     ENV_REPLICA_PORT,
+    ENV_REPLICA_RANK,
     ENV_REPLICA_SECRET_FILE,
     REPLICA_SECRET_KEY,
 )
@@ -40,13 +48,16 @@ from ckpt_operator.kinds.registry import kind_of
 from ckpt_operator.model.bodies import Body, meta_of
 from ckpt_operator.model.jsonpatch import JSONPatchOp, add
 from ckpt_operator.model.names import derived_name
+from ckpt_operator.planners.replica_peer_map import replica_peers_map_name
 from ckpt_operator.planners.replica_peers import replica_peers
 
 __all__ = [
+    "PEERS_MAP_DIR",
     "REPLICA_PORT_NAME",
     "REPLICA_SECRET_DIR",
     "REPLICA_SECRET_PATH",
     "VOL_REPLICA",
+    "VOL_REPLICA_PEERS",
     "add_replication",
     "mounts_replica_secret",
     "replica_secret_name",
@@ -56,6 +67,8 @@ VOL_REPLICA: Final = "ckpt-replica"
 REPLICA_PORT_NAME: Final = "ckpt-replica"
 REPLICA_SECRET_DIR: Final = "/etc/ckpt-replica"
 REPLICA_SECRET_PATH: Final = f"{REPLICA_SECRET_DIR}/{REPLICA_SECRET_KEY}"
+VOL_REPLICA_PEERS: Final = "ckpt-replica-peers"
+PEERS_MAP_DIR: Final = "/etc/ckpt-replica-peers"
 
 
 def replica_secret_name(job_name: str) -> str:
@@ -76,8 +89,9 @@ def mounts_replica_secret(ops: Sequence[JSONPatchOp]) -> bool:
 
 
 def _taken(pod_spec: Mapping[str, Any], port: int) -> str | None:
-    if any(v.get("name") == VOL_REPLICA for v in pod_spec.get("volumes") or ()):
-        return f"the pod already has a volume named {VOL_REPLICA!r}"
+    for vol in pod_spec.get("volumes") or ():
+        if vol.get("name") in (VOL_REPLICA, VOL_REPLICA_PEERS):
+            return f"the pod already has a volume named {vol.get('name')!r}"
     for ctr in [*(pod_spec.get("containers") or ()), *(pod_spec.get("initContainers") or ())]:
         for p in ctr.get("ports") or ():
             if p.get("containerPort") == port or p.get("name") == REPLICA_PORT_NAME:
@@ -119,6 +133,8 @@ def add_replication(
         {"name": ENV_REPLICA_PEERS, "value": ",".join(plan.peers)},
         {"name": ENV_REPLICA_SECRET_FILE, "value": REPLICA_SECRET_PATH},
         {"name": ENV_REPLICA_JOB, "value": f"{ns}/{job_name}"},
+        {"name": ENV_REPLICA_RANK, "value": str(plan.rank)},
+        {"name": ENV_REPLICA_PEERS_DIR, "value": PEERS_MAP_DIR},
     ]
     sidecar["ports"] = [
         *sidecar["ports"],
@@ -127,6 +143,7 @@ def add_replication(
     sidecar["volumeMounts"] = [
         *sidecar["volumeMounts"],
         {"name": VOL_REPLICA, "mountPath": REPLICA_SECRET_DIR, "readOnly": True},
+        {"name": VOL_REPLICA_PEERS, "mountPath": PEERS_MAP_DIR, "readOnly": True},
     ]
     volume = {
         "name": VOL_REPLICA,
@@ -137,4 +154,9 @@ def add_replication(
         },
     }
     ops.append(add("/spec/volumes/-", volume))
+    peer_map = {
+        "name": VOL_REPLICA_PEERS,
+        "configMap": {"name": replica_peers_map_name(job_name), "optional": True},
+    }
+    ops.append(add("/spec/volumes/-", peer_map))
     return []

@@ -22,8 +22,12 @@ Where the ranks and their names come from, per job kind (:mod:`ckpt_operator.kin
   ``spec.trainer.numNodes``, else the trainer's ``PET_NNODES``. A replicated Job with more
   than one Job (``job-index`` ≠ 0) is not a layout the operator knows: off.
 
-Not rack- or zone-aware yet, and two ranks on one node replicate to each other's memory
-on that node (one training pod per node is assumed).
+These are the peers a pod starts with, chosen before it has a node. Once every pod of the
+job is scheduled the operator chooses again from the nodes' zones and racks
+(:mod:`ckpt_operator.planners.replica_topology`, published by
+:mod:`ckpt_operator.behaviours.replica_maps`), and the sidecar follows that choice. One
+training pod per node is assumed (two ranks on one node would hold each other's replicas
+in that node's memory while the ring is used).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ __all__ = [
     "LABEL_COMPLETION_INDEX",
     "LABEL_JOBSET_JOB_INDEX",
     "LABEL_JOBSET_REPLICATED_JOB",
+    "Layout",
     "ReplicaPeers",
+    "layout",
     "replica_peers",
     "ring",
 ]
@@ -71,13 +77,16 @@ class ReplicaPeers:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
+    """A pod's rank among the job's replicating pods and every rank's stable host name
+    (``hosts[r]``); ``rank`` None: not known, ``why`` says why."""
+
     rank: int | None
     hosts: tuple[str, ...]
     why: str | None = None
 
     @classmethod
-    def unknown(cls, why: str) -> _Layout:
+    def unknown(cls, why: str) -> Layout:
         return cls(None, (), why)
 
 
@@ -106,13 +115,13 @@ def _host(name: str, namespace: str) -> str:
     return f"{name}.{namespace}.svc"
 
 
-def _pytorchjob(pod: Mapping[str, Any], job: Mapping[str, Any], namespace: str) -> _Layout:
+def _pytorchjob(pod: Mapping[str, Any], job: Mapping[str, Any], namespace: str) -> Layout:
     specs = Body(job).spec.get(REPLICA_SPECS) or {}
     if not isinstance(specs, Mapping) or not specs:
-        return _Layout.unknown(f"the PyTorchJob has no spec.{REPLICA_SPECS}")
+        return Layout.unknown(f"the PyTorchJob has no spec.{REPLICA_SPECS}")
     other = sorted(str(t) for t in specs if t not in _PYTORCH_TYPES)
     if other:
-        return _Layout.unknown(f"replica type(s) {', '.join(other)} (only Master and Worker)")
+        return Layout.unknown(f"replica type(s) {', '.join(other)} (only Master and Worker)")
     job_name = str(meta_of(job).name or "")
     hosts: list[str] = []
     first: dict[str, tuple[int, int]] = {}  # replica type label → (first rank, replicas)
@@ -122,21 +131,21 @@ def _pytorchjob(pod: Mapping[str, Any], job: Mapping[str, Any], namespace: str) 
         rspec = specs[rtype]
         replicas = _count(rspec.get("replicas", 1)) if isinstance(rspec, Mapping) else None
         if replicas is None:
-            return _Layout.unknown(f"{rtype}.replicas is not a count")
+            return Layout.unknown(f"{rtype}.replicas is not a count")
         first[rtype.lower()] = (len(hosts), replicas)
         hosts += [_host(f"{job_name}-{rtype.lower()}-{i}", namespace) for i in range(replicas)]
     labels = meta_of(pod).labels
     rtype_label = str(labels.get(c.LABEL_TO_REPLICA_TYPE) or "").lower()
     index = _count(labels.get(c.LABEL_TO_REPLICA_INDEX))
     if rtype_label not in first or index is None:
-        return _Layout.unknown(
+        return Layout.unknown(
             f"the pod's {c.LABEL_TO_REPLICA_TYPE} and {c.LABEL_TO_REPLICA_INDEX} labels do not "
             "name a replica of the job"
         )
     start, replicas = first[rtype_label]
     if index >= replicas:
-        return _Layout.unknown(f"{rtype_label}-{index} is beyond the job's {replicas} replicas")
-    return _Layout(start + index, tuple(hosts))
+        return Layout.unknown(f"{rtype_label}-{index} is beyond the job's {replicas} replicas")
+    return Layout(start + index, tuple(hosts))
 
 
 def _nnodes(pod: Mapping[str, Any]) -> int | None:
@@ -147,7 +156,7 @@ def _nnodes(pod: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _trainjob(pod: Mapping[str, Any], job: Mapping[str, Any], namespace: str) -> _Layout:
+def _trainjob(pod: Mapping[str, Any], job: Mapping[str, Any], namespace: str) -> Layout:
     meta = meta_of(pod)
     labels = meta.labels
     jobset = str(labels.get(c.LABEL_JOBSET_NAME) or meta_of(job).name or "")
@@ -156,12 +165,12 @@ def _trainjob(pod: Mapping[str, Any], job: Mapping[str, Any], namespace: str) ->
     raw_rank = labels.get(LABEL_COMPLETION_INDEX) or meta.annotations.get(LABEL_COMPLETION_INDEX)
     rank = _count(raw_rank)
     if not jobset or not rjob or rank is None:
-        return _Layout.unknown(
+        return Layout.unknown(
             f"the pod has no {LABEL_JOBSET_REPLICATED_JOB} or {LABEL_COMPLETION_INDEX} "
             "(not an Indexed Job pod of a JobSet)"
         )
     if job_index != 0:
-        return _Layout.unknown(
+        return Layout.unknown(
             f"replicated Job {rjob} has more than one Job ({LABEL_JOBSET_JOB_INDEX} "
             f"{labels.get(LABEL_JOBSET_JOB_INDEX)!r})"
         )
@@ -169,12 +178,17 @@ def _trainjob(pod: Mapping[str, Any], job: Mapping[str, Any], namespace: str) ->
     world = _count(trainer.get("numNodes")) if isinstance(trainer, Mapping) else None
     world = world if world is not None else _nnodes(pod)
     if world is None or world < 1:
-        return _Layout.unknown(f"no node count (spec.trainer.numNodes or {ENV_PET_NNODES})")
+        return Layout.unknown(f"no node count (spec.trainer.numNodes or {ENV_PET_NNODES})")
     subdomain = str(Body(pod).spec.get("subdomain") or jobset)
     hosts = tuple(f"{jobset}-{rjob}-0-{i}.{subdomain}.{namespace}.svc" for i in range(world))
     if rank >= world:
-        return _Layout.unknown(f"completion index {rank} is beyond the {world} nodes")
-    return _Layout(rank, hosts)
+        return Layout.unknown(f"completion index {rank} is beyond the {world} nodes")
+    return Layout(rank, hosts)
+
+
+def layout(kind: JobKind, job: Mapping[str, Any], pod: Mapping[str, Any], namespace: str) -> Layout:
+    """``pod``'s rank in ``job`` and the hosts of every rank (see the module doc)."""
+    return (_trainjob if kind is TRAINJOB else _pytorchjob)(pod, job, namespace)
 
 
 def replica_peers(
@@ -191,13 +205,13 @@ def replica_peers(
     ns = namespace or str(meta_of(job).namespace or meta_of(pod).namespace or "")
     if not ns:
         return ReplicaPeers(None, None, off="the job's namespace is not known")
-    layout = (_trainjob if kind is TRAINJOB else _pytorchjob)(pod, job, ns)
-    if layout.rank is None:
-        return ReplicaPeers(None, None, off=f"the pod's rank is not known: {layout.why}")
-    world = len(layout.hosts)
+    where = layout(kind, job, pod, ns)
+    if where.rank is None:
+        return ReplicaPeers(None, None, off=f"the pod's rank is not known: {where.why}")
+    world = len(where.hosts)
     if world < 2:
         return ReplicaPeers(
-            layout.rank, world, off="a world of one node has no peer to replicate to"
+            where.rank, world, off="a world of one node has no peer to replicate to"
         )
-    chosen = ring(layout.rank, world, peers)
-    return ReplicaPeers(layout.rank, world, tuple(f"{layout.hosts[r]}:{port}" for r in chosen))
+    chosen = ring(where.rank, world, peers)
+    return ReplicaPeers(where.rank, world, tuple(f"{where.hosts[r]}:{port}" for r in chosen))

@@ -93,6 +93,14 @@ def test_switches_and_lists_take_the_flag_then_the_variable_then_the_default() -
         parse_config(["--webhook=false"], {"CKPT_OPERATOR_RETENTION": "maybe"})
 
 
+def test_the_replica_rack_label_from_the_flag_or_the_variable() -> None:
+    assert parse_config(["--webhook=false"], {}).replica_rack_label == ""
+    env = {"CKPT_OPERATOR_REPLICA_RACK_LABEL": "example.com/rack"}
+    assert parse_config(["--webhook=false"], env).replica_rack_label == "example.com/rack"
+    flag = ["--webhook=false", "--replica-rack-label", "topology.example.com/rack"]
+    assert parse_config(flag, env).replica_rack_label == "topology.example.com/rack"
+
+
 def test_webhook_without_certificate_is_a_clear_error() -> None:
     with pytest.raises(SystemExit, match="--webhook-cert-dir"):
         parse_config([], {})

@@ -75,6 +75,8 @@ def test_the_sidecar_gets_env_port_and_the_jobs_secret(fixture: Any) -> None:
     assert env["CKPT_REPLICA_PEERS"] == "mnist-ddp-worker-1.ml-team.svc:7471"
     assert env["CKPT_REPLICA_SECRET_FILE"] == "/etc/ckpt-replica/secret"
     assert env["CKPT_REPLICA_JOB"] == "ml-team/mnist-ddp"
+    assert env["CKPT_REPLICA_RANK"] == "1"
+    assert env["CKPT_REPLICA_PEERS_DIR"] == "/etc/ckpt-replica-peers"
     assert env["CKPT_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert {"name": "ckpt-replica", "containerPort": 7471, "protocol": "TCP"} in sc["ports"]
     assert {
@@ -88,9 +90,18 @@ def test_the_sidecar_gets_env_port_and_the_jobs_secret(fixture: Any) -> None:
         "items": [{"key": "secret", "path": "secret"}],
         "optional": True,  # a job without it runs, and restarts, without replication
     }
+    # the operator's peer map: the whole ConfigMap (the kubelet refreshes it), optional
+    assert {
+        "name": "ckpt-replica-peers",
+        "mountPath": "/etc/ckpt-replica-peers",
+        "readOnly": True,
+    } in sc["volumeMounts"]
+    assert not any("subPath" in m for m in sc["volumeMounts"])
+    peer_map = next(v for v in out["spec"]["volumes"] if v["name"] == "ckpt-replica-peers")
+    assert peer_map["configMap"] == {"name": "ckpt-replica-peers-mnist-ddp", "optional": True}
     # the training container sees neither the secret nor the replica settings
     trainer = next(c for c in out["spec"]["containers"] if c["name"] == "pytorch")
-    assert all(m["name"] != "ckpt-replica" for m in trainer["volumeMounts"])
+    assert all(not m["name"].startswith("ckpt-replica") for m in trainer["volumeMounts"])
     assert not any(k.startswith("CKPT_REPLICA_") for k in _env(trainer))
 
 
@@ -105,6 +116,7 @@ def test_what_the_webhook_sets_is_what_the_sidecar_reads(fixture: Any) -> None:
         job_id="mnist-ddp",
         secret_file="/etc/ckpt-replica/secret",
         peers=("mnist-ddp-worker-1.ml-team.svc:7500", "mnist-ddp-master-0.ml-team.svc:7500"),
+        peers_file="/etc/ckpt-replica-peers/rank-1",
         listen_port=7500,
     )
 
@@ -125,7 +137,7 @@ def test_a_world_of_one_is_injected_without_replication_and_noted(fixture: Any) 
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = 1  # the pod is worker-0
     out, notes = _inject(pod, _spec(fixture, ON), job)
     assert not any(k.startswith("CKPT_REPLICA_") for k in _env(_sidecar(out)))
-    assert all(v["name"] != "ckpt-replica" for v in out["spec"]["volumes"])
+    assert all(not v["name"].startswith("ckpt-replica") for v in out["spec"]["volumes"])
     assert len(notes) == 1 and "peer replication off" in notes[0] and "world of one" in notes[0]
 
 
@@ -154,6 +166,11 @@ def test_a_taken_volume_name_or_port_is_noted(fixture: Any) -> None:
     out, notes = _inject(taken, _spec(fixture, ON), job)
     assert "volume named 'ckpt-replica'" in notes[0]
     assert [v["name"] for v in out["spec"]["volumes"]].count("ckpt-replica") == 1
+    peers = copy.deepcopy(pod)
+    peers["spec"]["volumes"].append({"name": "ckpt-replica-peers", "emptyDir": {}})
+    out, notes = _inject(peers, _spec(fixture, ON), job)
+    assert "volume named 'ckpt-replica-peers'" in notes[0]
+    assert "CKPT_REPLICA_RANK" not in _env(_sidecar(out))
     port = copy.deepcopy(pod)
     port["spec"]["containers"][0].setdefault("ports", []).append({"containerPort": 7471})
     out, notes = _inject(port, _spec(fixture, ON), job)
@@ -177,7 +194,7 @@ def test_a_pod_without_volumes_gets_the_secret_volume_too(fixture: Any) -> None:
     del pod["spec"]["volumes"]
     out, _ = _inject(pod, _spec(fixture, ON), job)
     names = [v["name"] for v in out["spec"]["volumes"]]
-    assert names[0] == "ckpt-config" and names[-1] == "ckpt-replica"
+    assert names[0] == "ckpt-config" and names[-2:] == ["ckpt-replica", "ckpt-replica-peers"]
 
 
 def test_the_input_pod_and_job_are_not_changed(fixture: Any) -> None:
