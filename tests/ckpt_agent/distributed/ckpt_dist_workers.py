@@ -269,15 +269,21 @@ def node_sidecar(
 ) -> None:
     """Rank ``rank`` runs on node ``rep["nodes"][rank]`` (its shared memory
     ``shm.<node>`` beside ``out``) in sidecar mode; that node's sidecar runs in a daemon
-    thread of this process (it dies with it, as with its node), serves replicas on
-    ``rep["ports"][node]`` and pushes to the next rank's node."""
+    thread of the node's first rank's process (it dies with it, as with its node), serves
+    replicas on ``rep["ports"][node]`` and pushes to the next node (several ranks may share
+    a node: one sidecar serves all their areas)."""
     from ckpt_agent.flash.replica.replicator import ReplicaOptions
     from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 
     nodes, ports = rep["nodes"], rep["ports"]
-    node, peer = nodes[rank], nodes[(rank + 1) % world]
+    del world
+    node = nodes[rank]
+    distinct = list(dict.fromkeys(nodes))
+    peer = distinct[(distinct.index(node) + 1) % len(distinct)]
     over["shmDir"] = str(out.parent / f"shm.{node}")
     over["agent"] = {**over.get("agent", {}), "sidecar": True}
+    if nodes.index(node) != rank:
+        return  # the node's first rank runs its sidecar
     secret = out.parent / "replica-secret"
     if not secret.exists():
         secret.write_bytes(b"0123456789abcdef0123456789abcdef")
