@@ -271,6 +271,7 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
             (
                 "time (UTC)",
                 "action",
+                "from",
                 "checkpoint",
                 "ladder rung",
                 "recovery time",
@@ -281,6 +282,7 @@ def run_page(s: dict[str, Any], svgs: dict[str, str]) -> str:
                 (
                     _when(r["time"]),
                     r["action"],
+                    r.get("source", ""),
                     r["checkpoint"] or "",
                     r["rung"] or "",
                     _sec(r["seconds"]),

@@ -217,6 +217,31 @@ def _saves(
     return sorted(rows.values(), key=lambda r: (r["step"], r["tier"]))
 
 
+def _before(events: Sequence[dict[str, Any]], rank: Any, time: float | None) -> dict[str, Any]:
+    """The newest of ``events`` of ``rank`` at or before ``time`` ({}: none)."""
+    found: dict[str, Any] = {}
+    for e in events:
+        t = _num(e.get("time"))
+        if e.get("rank") == rank and t is not None and (time is None or t <= time):
+            found = e
+    return found
+
+
+def _source(ev: dict[str, list[dict[str, Any]]], start: dict[str, Any]) -> str:
+    """Where a start's state came from: this node's memory, a peer's replica (rehydrated
+    first), or storage (with the in-place restart's reason when it was tried)."""
+    rank, time = start.get("rank"), _num(start.get("time"))
+    inplace = _before(ev.get("inplace_restore", []), rank, time)
+    if not inplace:
+        return ""
+    if inplace.get("outcome") != "memory":
+        return _str(f"storage: {inplace.get('reason', '')}")
+    asked = _before(ev.get("rehydrate", []), rank, time)
+    if asked.get("found"):
+        return _str(f"peer replica from {asked.get('source')} (step {asked.get('step')})")
+    return "shared memory (in place)"
+
+
 def _restarts(ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     out = []
     for e in ev.get("start", []):
@@ -226,6 +251,7 @@ def _restarts(ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             {
                 "time": _num(e.get("time")),
                 "action": action,
+                "source": _source(ev, e),
                 "checkpoint": _str(e.get("checkpoint")) or None,
                 "next_step": _num(e.get("next_step")),
                 "rung": len(rejected) + 1 if e.get("checkpoint") else None,
@@ -240,6 +266,7 @@ def _restarts(ev: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             {
                 "time": _num(e.get("time")),
                 "action": "failed",
+                "source": "",
                 "checkpoint": None,
                 "next_step": None,
                 "rung": None,

@@ -126,6 +126,30 @@ def test_unknown_bytes_read_n_a_not_zero() -> None:
     assert "4.0 KiB / n/a / n/a" in page and "0 B" not in page
 
 
+def test_restarts_say_where_the_state_came_from() -> None:
+    """An in-place restart from this node's memory, a rank rehydrated from a peer's replica,
+    and one sent to storage: each restart's line says which (#31)."""
+    events = [
+        {"event": "inplace_restore", "rank": 0, "outcome": "memory", "step": 14, "time": 1.0},
+        {"event": "start", "rank": 0, "action": "resume_shm", "next_step": 15, "time": 1.5},
+        {"event": "rehydrate", "rank": 1, "found": True, "step": 14, "source": "n1", "time": 1.0},
+        {"event": "inplace_restore", "rank": 1, "outcome": "memory", "step": 14, "time": 1.1},
+        {"event": "start", "rank": 1, "action": "resume_shm", "next_step": 15, "time": 1.6},
+        {"event": "inplace_restore", "rank": 0, "outcome": "storage", "time": 5.0,
+         "reason": "no shared-memory snapshot usable: ranks [1] have none"},
+        {"event": "start", "rank": 0, "action": "resume", "next_step": 11, "time": 5.5},
+        {"event": "start", "rank": 0, "action": "fresh", "time": 0.1},  # before any
+    ]  # fmt: skip
+    s = run_summary("r", [], events)
+    assert [(r["action"], r["source"]) for r in s["restarts"]] == [
+        ("fresh", ""),
+        ("resume_shm", "shared memory (in place)"),
+        ("resume_shm", "peer replica from n1 (step 14)"),
+        ("resume", "storage: no shared-memory snapshot usable: ranks [1] have none"),
+    ]
+    assert "peer replica from n1 (step 14)" in run_page(s, {})
+
+
 def test_html_report_is_self_contained(rp_run: RealRun, tmp_path: Path) -> None:
     out = tmp_path / "r.html"
     text = _report(rp_run, "--out", str(out))
