@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,8 +104,12 @@ class Replicator:
         self.pushed = 0
         self.failed = 0
         self.superseded = 0
+        self.bytes_sent = 0
+        """Chunk bytes sent by every push (what the changed chunks cost the network)."""
         self.last_error = ""
         self.last: PushResult | None = None
+        self.last_lag_s: float | None = None
+        """Seconds from the last pushed snapshot's write (trainer) to its push done."""
         self._pending: dict[int, tuple[ShmReader, Descriptor, tuple[Peer, ...] | None]] = {}
         """rank → the snapshot to push and to whom (None: every current peer)."""
         self._newest: dict[int, tuple[ShmReader, Descriptor]] = {}
@@ -157,6 +162,9 @@ class Replicator:
                 "pushed": self.pushed,
                 "failed": self.failed,
                 "superseded": self.superseded,
+                "bytes_sent": self.bytes_sent,
+                "last_step": None if self.last is None else self.last.step,
+                "last_lag_s": None if self.last_lag_s is None else round(self.last_lag_s, 6),
                 "last_error": self.last_error or None,
                 "marks_pushed": self.marks.pushed,
                 "marks_failed": self.marks.failed,
@@ -259,7 +267,9 @@ class Replicator:
                     continue
                 with self._cond:
                     self.pushed += 1
+                    self.bytes_sent += result.bytes_sent
                     self.last = result
+                    self.last_lag_s = max(0.0, time.time() - desc.created_at)
 
 
 def _usable(

@@ -143,11 +143,13 @@ class Sidecar:
         if self.options.replicas is None:
             return None
         try:
-            return Replicator(self.options.replicas, self.shm_dir, self.run_id)
+            replicator = Replicator(self.options.replicas, self.shm_dir, self.run_id)
         except (OSError, ValueError, ReplicaError) as e:
             log.error("peer replication is off: %s", clean(e))
             self._event("replication_off", error=str(e))
             return None
+        self.metrics.watch_replication(replicator)
+        return replicator
 
     # ------------------------------------------------------------------ one pass
 

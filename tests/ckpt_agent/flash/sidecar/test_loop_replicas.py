@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from replica_helpers import RUN, SECRET, make_snap, write_slot
 
 from ckpt_agent.flash.area import ShmArea
@@ -61,8 +62,26 @@ def test_a_handled_snapshot_is_replicated_to_the_peer(
         _, details = sidecar.health()
         replicas = details["replicas"]
         assert isinstance(replicas, dict) and replicas["pushed"] == 1
+        metrics = _scrape(sidecar)
+        assert metrics['ckpt_sidecar_replica_pushes_total{outcome="pushed"}'] == 1
+        assert metrics['ckpt_sidecar_replica_pushes_total{outcome="failed"}'] == 0
+        assert metrics["ckpt_sidecar_replica_bytes_sent_total"] == len(payload)
+        assert metrics["ckpt_sidecar_replica_last_pushed_step"] == 5
+        assert metrics["ckpt_sidecar_replica_lag_seconds"] >= 0
+        assert metrics["ckpt_sidecar_replica_peers"] == 1
+        assert metrics["ckpt_sidecar_replicas_held"] == 0  # node a holds nobody's
     finally:
         server.close()
+
+
+def _scrape(sidecar: Sidecar) -> dict[str, float]:
+    """The sidecar's metrics as Prometheus would read them: ``name{labels}`` → value."""
+    text = generate_latest(sidecar.metrics.registry).decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_a_dead_peer_is_counted_and_the_snapshot_persisted_all_the_same(
@@ -78,6 +97,9 @@ def test_a_dead_peer_is_counted_and_the_snapshot_persisted_all_the_same(
     assert replicator is not None
     _wait(lambda: replicator.failed == 1 and replicator.idle())
     assert sidecar.persisted == 1 and sidecar.failed == 0
+    metrics = _scrape(sidecar)
+    assert metrics['ckpt_sidecar_replica_pushes_total{outcome="failed"}'] == 1
+    assert metrics["ckpt_sidecar_replica_last_pushed_step"] == -1
     mark = ShmArea(tmp_path / "shm-a", RUN, 0).persisted()
     assert mark is not None and mark.ok and mark.committed
 
