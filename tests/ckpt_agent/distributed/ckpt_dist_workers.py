@@ -147,9 +147,12 @@ class MlpRun:
     RNG), AdamW, StepLR and a data position; every step's loss goes to
     ``losses.rank<r>.txt`` and the final parameter hash to ``final.rank<r>.json``."""
 
-    def __init__(self, rank: int, out: Path, *, ddp: bool) -> None:
+    def __init__(self, rank: int, out: Path, *, ddp: bool, compute_s: float = 0.0) -> None:
         self.rank = rank
         self.out = out
+        self.compute_s = compute_s
+        """Seconds each step sleeps between its forward and backward pass (a benchmark's
+        stand-in for an accelerator's compute time; 0: none)."""
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
         self.net: nn.Module = self.model
@@ -240,6 +243,8 @@ class MlpRun:
                 x = torch.randn(8, 16, generator=g)
                 y = torch.randn(8, 4, generator=g)
                 loss = nnf.mse_loss(self.net(x), y)
+                if self.compute_s:
+                    time.sleep(self.compute_s)
                 self.opt.zero_grad()
                 if step == stall_at and (out / f"stall.rank{rank}").exists():
                     (out / f"stalled.rank{rank}").touch()
@@ -312,7 +317,7 @@ def _memory_saved(d: Any) -> bool:
 
 def train_ddp(rank: int, world: int, out: Path, steps: int, opts: dict[str, Any]) -> None:
     """A 2-rank DDP run with dropout (per-rank RNG), AdamW, StepLR and a data position."""
-    run = MlpRun(rank, out, ddp=True)
+    run = MlpRun(rank, out, ddp=True, compute_s=float(opts.get("compute_s", 0.0)))
     ckpt: Checkpointer | None = None
     start = 0
     if opts.get("checkpoint", True):
