@@ -21,32 +21,21 @@ and final weights equal the uninterrupted run's, bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "ckpt_agent" / "distributed"), str(ROOT / "e2e")]
-
-import ckpt_dist_harness as h  # noqa: E402
-import ckpt_dist_workers as w  # noqa: E402
+from _kill_campaign import arguments, h, lost_table, reference, resumed, stitched_exact, w
 
 WORLD, STEPS = 4, 24
 PULSE = w.tiers(5, 5, 5)
 FLASH = {"shm": True, "backpressure": "wait", "config": {"tiers": PULSE}}
 JIT = {**FLASH, "config": {"tiers": PULSE, "agent": {"jitSave": True}}}
-
-
-def _finals(out: Path) -> list[Any]:
-    return [json.loads((out / f"final.rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 def _trial(root: Path, opts: dict[str, Any], victim: int, step: int, kind: str, frac: float,
@@ -75,37 +64,25 @@ def _trial(root: Path, opts: dict[str, Any], victim: int, step: int, kind: str, 
     done = min(len(h.losses(out, r)) for r in range(WORLD))
     ok = h.launch(w.train_ddp, WORLD, out, STEPS, opts, timeout=150)
     seconds = time.monotonic() - t0
-    resumed = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in range(WORLD)]
-    exact = (
-        all(c == 0 for c in ok)
-        and [h.losses(out, r) for r in range(WORLD)] == ref["losses"]
-        and _finals(out) == ref["final"]
-    )
+    first = resumed(out, WORLD)[0]
     return {
         "victim_code": codes[victim],
         "finished_before": done,
-        "resume_step": resumed[0]["step"],
-        "lost": done - resumed[0]["step"],
-        "action": resumed[0]["action"],
-        "exact": exact,
+        "resume_step": first["step"],
+        "lost": done - first["step"],
+        "action": first["action"],
+        "exact": stitched_exact(out, ok, ref),
         "seconds": seconds,
     }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--trials", type=int, default=6)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--keep", action="store_true", help="keep the trials' folders")
-    args = p.parse_args()
+    args = arguments(__doc__, 6)
     rng = random.Random(args.seed)
     base = Path(tempfile.mkdtemp(prefix="bench-jit-"))
     load = os.getloadavg()[0]
     t0 = time.monotonic()
-    ref_out = base / "ref" / "job"
-    h.codes_ok(h.launch(w.train_ddp, WORLD, ref_out, STEPS, {"checkpoint": False}, timeout=150),
-               ref_out)  # fmt: skip
-    ref = {"losses": [h.losses(ref_out, r) for r in range(WORLD)], "final": _finals(ref_out)}
+    ref = reference(base, WORLD, STEPS)
     rows: list[dict[str, Any]] = []
     for n in range(args.trials):
         kind = "mid-step" if n % 2 == 0 else "any instant"
@@ -121,20 +98,8 @@ def main() -> int:
         f"load {load:.1f} before / {os.getloadavg()[0]:.1f} after, "
         f"{time.monotonic() - t0:.0f} s\n"
     )
-    print("| kill | mode | trials | steps lost: each | mean | max | resumed from | bitwise |")
-    print("|---|---|---:|---|---:|---:|---|---:|")
-    for kind in ("mid-step", "any instant"):
-        for mode in ("JIT", "no JIT"):
-            sel = [r for r in rows if r["kind"] == kind and r["mode"] == mode]
-            if not sel:
-                continue
-            lost = [r["lost"] for r in sel]
-            actions = sorted({r["action"] for r in sel})
-            print(
-                f"| {kind} | {mode} | {len(sel)} | {', '.join(map(str, lost))} | "
-                f"{statistics.fmean(lost):.1f} | {max(lost)} | {', '.join(actions)} | "
-                f"{sum(r['exact'] for r in sel)}/{len(sel)} |"
-            )
+    groups = [(k, m) for k in ("mid-step", "any instant") for m in ("JIT", "no JIT")]
+    print("\n".join(lost_table(rows, groups, ("kind", "mode"))))
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
     return 0

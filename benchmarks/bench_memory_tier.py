@@ -19,25 +19,18 @@ uninterrupted run's, bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "ckpt_agent" / "distributed"), str(ROOT / "e2e")]
+from _kill_campaign import arguments, h, lost_table, reference, resumed, stitched_exact, w
 
-import ckpt_dist_harness as h  # noqa: E402
-import ckpt_dist_workers as w  # noqa: E402
-
-from ckpt_e2e.api import free_port  # noqa: E402
+from ckpt_e2e.api import free_port
 
 WORLD, STEPS, EVERY = 2, 30, 2
 COMPUTE_S = 0.1
@@ -50,10 +43,6 @@ MODES = {
                                                                      "everySteps": EVERY}}},
     "pulses only": {"tiers": PULSES},
 }  # fmt: skip
-
-
-def _finals(out: Path) -> list[Any]:
-    return [json.loads((out / f"final.rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 def _trial(root: Path, config: dict[str, Any], step: int, frac: float,
@@ -81,36 +70,24 @@ def _trial(root: Path, config: dict[str, Any], step: int, frac: float,
     again = {**opts, "replicated": {"nodes": ["n0", "n2"], "ports": ports}}
     ok = h.launch(w.train_ddp, WORLD, out, STEPS, again, timeout=150)
     seconds = time.monotonic() - t0
-    resumed = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in range(WORLD)]
-    exact = (
-        all(c == 0 for c in ok)
-        and [h.losses(out, r) for r in range(WORLD)] == ref["losses"]
-        and _finals(out) == ref["final"]
-    )
+    first = resumed(out, WORLD)[0]
     return {
         "finished_before": done,
-        "resume_step": resumed[0]["step"],
-        "lost": done - resumed[0]["step"],
-        "action": resumed[0]["action"],
-        "exact": exact,
+        "resume_step": first["step"],
+        "lost": done - first["step"],
+        "action": first["action"],
+        "exact": stitched_exact(out, ok, ref),
         "seconds": round(seconds, 1),
     }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--trials", type=int, default=6)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--keep", action="store_true", help="keep the trials' folders")
-    args = p.parse_args()
+    args = arguments(__doc__, 6)
     rng = random.Random(args.seed)
     base = Path(tempfile.mkdtemp(prefix="bench-memory-tier-"))
     load = os.getloadavg()[0]
     t0 = time.monotonic()
-    ref_out = base / "ref" / "job"
-    h.codes_ok(h.launch(w.train_ddp, WORLD, ref_out, STEPS, {"checkpoint": False}, timeout=150),
-               ref_out)  # fmt: skip
-    ref = {"losses": [h.losses(ref_out, r) for r in range(WORLD)], "final": _finals(ref_out)}
+    ref = reference(base, WORLD, STEPS)
     rows: list[dict[str, Any]] = []
     for n in range(args.trials):
         step, frac = rng.randint(8, STEPS - 4), rng.random()
@@ -124,17 +101,7 @@ def main() -> int:
         f"seed {args.seed}, load {load:.1f} before / {os.getloadavg()[0]:.1f} after, "
         f"{time.monotonic() - t0:.0f} s\n"
     )
-    print("| mode | trials | steps lost: each | mean | max | resumed from | bitwise |")
-    print("|---|---:|---|---:|---:|---|---:|")
-    for mode in MODES:
-        sel = [r for r in rows if r["mode"] == mode]
-        lost = [r["lost"] for r in sel]
-        actions = sorted({r["action"] for r in sel})
-        print(
-            f"| {mode} | {len(sel)} | {', '.join(map(str, lost))} | "
-            f"{statistics.fmean(lost):.1f} | {max(lost)} | {', '.join(actions)} | "
-            f"{sum(r['exact'] for r in sel)}/{len(sel)} |"
-        )
+    print("\n".join(lost_table(rows, [(m,) for m in MODES], ("mode",))))
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
     return 0

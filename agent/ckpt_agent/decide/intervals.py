@@ -175,12 +175,9 @@ def pulse_interval(
     ``uncovered``: the share of failures the memory tier does not cover (1: no memory tier);
     the Young/Daly interval is sized for their MTBF, ``mtbf / uncovered``."""
     interval, rule = pulse.base_interval, "base"
-    st = model.step_time
-    delta = model.costs[Tier.PULSE].total
-    if spec.risk.enabled and st is not None and st > 0 and delta is not None and delta > 0:
-        tau = math.sqrt(2.0 * delta * model.mtbf / (max(hazard, 1e-12) * uncovered))
-        interval = max(1, math.floor(min(tau / st, 1e12)))
-        rule = "warning" if hazard > 1.0 else "young_daly"
+    yd = _young_daly(spec, model, model.costs[Tier.PULSE].total, hazard, uncovered)
+    if yd is not None:
+        interval, rule = yd
     if score > 0:
         capped = min(score, spec.max_interval_score)
         interval, rule = max(1, int(interval * (1.0 - capped) + 0.5)), "score"
@@ -191,16 +188,48 @@ def bound_interval(
     interval: int, rule: str, spec: SchedulerSpec, pulse: PulseTierSpec, model: CostModel
 ) -> tuple[int, str]:
     """Rules 3 and 4: the stall-budget floor (with ``risk.enabled``), then the policy's bounds."""
+    return _bounded(
+        interval,
+        rule,
+        spec,
+        model,
+        model.costs[Tier.PULSE].stall,
+        (pulse.min_interval, pulse.max_interval),
+    )
+
+
+def _young_daly(
+    spec: SchedulerSpec, model: CostModel, delta: float | None, hazard: float, uncovered: float
+) -> tuple[int, str] | None:
+    """Young/Daly's ``√(2·δ·M/(h·u))`` in steps and its rule (``warning`` while the hazard is
+    raised); None without ``risk.enabled`` or before δ and the step time are measured."""
     st = model.step_time
-    stall = model.costs[Tier.PULSE].stall
+    if not (spec.risk.enabled and st is not None and st > 0 and delta is not None and delta > 0):
+        return None
+    tau = math.sqrt(2.0 * delta * model.mtbf / (max(hazard, 1e-12) * uncovered))
+    return max(1, math.floor(min(tau / st, 1e12))), "warning" if hazard > 1.0 else "young_daly"
+
+
+def _bounded(
+    interval: int,
+    rule: str,
+    spec: SchedulerSpec,
+    model: CostModel,
+    stall: float | None,
+    bounds: tuple[int, int],
+) -> tuple[int, str]:
+    """The stall-budget floor for ``stall`` per snapshot (with ``risk.enabled``), then the
+    clamp to ``bounds`` (min, max)."""
+    st = model.step_time
     if spec.risk.enabled and st is not None and st > 0 and stall is not None and stall > 0:
         floor = math.ceil(stall / (spec.risk.stall_budget * st) - 1e-9)
         if floor > interval:
             interval, rule = floor, "stall_budget"
-    if interval < pulse.min_interval:
-        interval, rule = pulse.min_interval, "min"
-    elif interval > pulse.max_interval:
-        interval, rule = pulse.max_interval, "max"
+    lo, hi = bounds
+    if interval < lo:
+        interval, rule = lo, "min"
+    elif interval > hi:
+        interval, rule = hi, "max"
     return interval, rule
 
 
@@ -211,17 +240,6 @@ def memory_interval(
     ``memory.enabled``."""
     if memory.every_steps is not None:
         return memory.every_steps, "fixed"
-    interval, rule = memory.base_interval, "base"
-    st, stall = model.step_time, model.memory.stall
-    if spec.risk.enabled and st is not None and st > 0 and stall is not None and stall > 0:
-        tau = math.sqrt(2.0 * stall * model.mtbf / max(hazard, 1e-12))
-        interval = max(1, math.floor(min(tau / st, 1e12)))
-        rule = "warning" if hazard > 1.0 else "young_daly"
-        floor = math.ceil(stall / (spec.risk.stall_budget * st) - 1e-9)
-        if floor > interval:
-            interval, rule = floor, "stall_budget"
-    if interval < memory.min_interval:
-        interval, rule = memory.min_interval, "min"
-    elif interval > memory.max_interval:
-        interval, rule = memory.max_interval, "max"
-    return interval, rule
+    stall = model.memory.stall
+    interval, rule = _young_daly(spec, model, stall, hazard, 1.0) or (memory.base_interval, "base")
+    return _bounded(interval, rule, spec, model, stall, (memory.min_interval, memory.max_interval))
