@@ -74,16 +74,15 @@ class RefusedAttempts:
         return len(self._newest)
 
 
-class ReportedPods:
-    """Uids of unprotected pods already reported (:func:`.admission.report_unprotected`;
-    once per pod; a deleted pod is forgotten)."""
+class _Uids:
+    """A set of object uids, marked once and forgotten when the object is deleted."""
 
     __slots__ = ("_uids",)
 
     def __init__(self) -> None:
         self._uids: set[str] = set()
 
-    def reported(self, uid: str) -> bool:
+    def has(self, uid: str) -> bool:
         return uid in self._uids
 
     def mark(self, uid: str) -> None:
@@ -94,6 +93,14 @@ class ReportedPods:
 
     def __len__(self) -> int:
         return len(self._uids)
+
+
+class ReportedPods(_Uids):
+    """Uids of unprotected pods already reported (:func:`.admission.report_unprotected`;
+    once per pod; a deleted pod is forgotten)."""
+
+    __slots__ = ()
+    reported = _Uids.has
 
 
 class AgentAnswers:
@@ -170,24 +177,10 @@ class NodeLabels:
         return len(self._by_node)
 
 
-class PeerMaps:
+class PeerMaps(_Uids):
     """Uids of the jobs whose replica peer map exists (:mod:`.replica_maps` marks it once
     made or found made; a deleted job is forgotten): the map is never changed, so their pod
     events need no work."""
 
-    __slots__ = ("_uids",)
-
-    def __init__(self) -> None:
-        self._uids: set[str] = set()
-
-    def done(self, uid: str) -> bool:
-        return uid in self._uids
-
-    def mark(self, uid: str) -> None:
-        self._uids.add(uid)
-
-    def forget(self, uid: str) -> None:
-        self._uids.discard(uid)
-
-    def __len__(self) -> int:
-        return len(self._uids)
+    __slots__ = ()
+    done = _Uids.has
