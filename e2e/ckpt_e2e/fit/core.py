@@ -43,7 +43,12 @@ RECOVERY_LIMIT_S = 90.0
 #: Loss difference allowed after a resume that is not bit-exact.
 LOSS_TOLERANCE = 1e-4
 #: The modules that register scenarios (imported by :func:`load_all`).
-SCENARIO_MODULES = ("ckpt_e2e.fit.local", "ckpt_e2e.fit.cluster", "ckpt_e2e.fit.s3faults")
+SCENARIO_MODULES = (
+    "ckpt_e2e.fit.local",
+    "ckpt_e2e.fit.cluster",
+    "ckpt_e2e.fit.s3faults",
+    "ckpt_e2e.fit.replicas",
+)
 
 
 @dataclass

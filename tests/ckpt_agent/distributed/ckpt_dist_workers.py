@@ -276,7 +276,11 @@ def node_sidecar(
     ``shm.<node>`` beside ``out``) in sidecar mode; that node's sidecar runs in a daemon
     thread of the node's first rank's process (it dies with it, as with its node), serves
     replicas on ``rep["ports"][node]`` and pushes to the next node (several ranks may share
-    a node: one sidecar serves all their areas)."""
+    a node: one sidecar serves all their areas). Optional, per node: ``rep["peers"]``
+    a ``host:port`` pushed to instead of the next node (a peer outside the job, e.g. a
+    replica server a test can freeze or kill), ``rep["metrics_ports"]`` the port its
+    sidecar serves ``/metrics`` and ``/healthz`` on (default: none); ``rep["timeout_s"]``
+    the replication's per-operation timeout (default 10 s)."""
     from ckpt_agent.flash.replica.replicator import ReplicaOptions
     from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 
@@ -297,13 +301,14 @@ def node_sidecar(
         namespace="team-a",
         job_id="job-1",
         secret_file=str(secret),
-        peers=(f"127.0.0.1:{ports[peer]}",),
+        peers=(rep.get("peers", {}).get(node, f"127.0.0.1:{ports[peer]}"),),
         listen_host="127.0.0.1",
         listen_port=ports[node],
-        timeout_s=10.0,
+        timeout_s=float(rep.get("timeout_s", 10.0)),
     )
     own = config(out, **{**over, "workDir": str(out / f"work.sidecar.{node}")})
-    sidecar = Sidecar(own, SidecarOptions(metrics_port=0, poll_s=0.01, replicas=options))
+    metrics_port = int(rep.get("metrics_ports", {}).get(node, 0))
+    sidecar = Sidecar(own, SidecarOptions(metrics_port=metrics_port, poll_s=0.01, replicas=options))
     threading.Thread(target=sidecar.run, daemon=True).start()
 
 
