@@ -483,6 +483,7 @@ class Checkpointer:
         if self._jit is None or not self._started or self._closed:
             return None
         try:
+            self._wait_prepared()  # the slots' preparation may still run in the background
             return self._jit.save(error)
         except Exception:
             log.warning("the just-in-time save failed", exc_info=True)

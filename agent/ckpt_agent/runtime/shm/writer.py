@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class ShmWriter(ShmArea):
                 f"{run_id!r} rank {rank} on one node?"
             )
         self._slots: dict[int, _Slot] = {}
+        self._slots_lock = threading.Lock()
         self._seq = self.highest_seq()
         self.writes = 0
 
@@ -84,9 +86,12 @@ class ShmWriter(ShmArea):
     def _slot(self, i: int) -> _Slot:
         s = self._slots.get(i)
         if s is None:
-            fd = os.open(self.data_path(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            s = _Slot(fd=fd, size=os.fstat(fd).st_size)
-            self._slots[i] = s
+            with self._slots_lock:  # prepare() may run on a background thread meanwhile
+                s = self._slots.get(i)
+                if s is None:
+                    fd = os.open(self.data_path(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                    s = _Slot(fd=fd, size=os.fstat(fd).st_size)
+                    self._slots[i] = s
         return s
 
     def _protected(self) -> set[int]:

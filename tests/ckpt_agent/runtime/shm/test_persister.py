@@ -43,6 +43,7 @@ class FakeTarget:
     local_persister: bool = False
     writer: object | None = None
     written: list[dict[str, Any]] = field(default_factory=list)
+    prepared: list[list[str]] = field(default_factory=list)
     marks: list[PersistedMark] = field(default_factory=list)
     waited_free: int = 0
     closed: bool = False
@@ -88,6 +89,7 @@ class FakeTarget:
         return 1, 12.5
 
     def prepare(self, sections: Mapping[str, object], files_bytes: int = 0) -> int:
+        self.prepared.append(sorted(sections))
         return 0
 
     def close(self, timeout: float | None = 60.0) -> bool:
@@ -173,3 +175,35 @@ def test_before_start_it_is_idle_and_close_stops_the_target(ck_config: ConfigFac
     p.poll()  # nothing to take in
     p.close(1)
     assert target.closed and p.take_errors() == []
+
+
+def test_prepare_is_work_for_a_background_thread(ck_config: ConfigFactory) -> None:
+    """The slots are sized and touched off ``start()``'s critical path: prepare() returns the
+    work (the checkpointer runs it on a thread and joins it before the first snapshot)."""
+    p, target, _ = _persister(ck_config(shmDir="/dev/shm/unused"))
+    work = p.prepare(0)
+    assert work is not None and target.prepared == []
+    work()
+    assert target.prepared and "model" in target.prepared[0]
+
+
+def test_a_memory_tier_snapshot_is_memory_only_and_feeds_its_own_costs(
+    ck_config: ConfigFactory,
+) -> None:
+    p, target, engine = _persister(ck_config(shmDir="/dev/shm/unused"))
+    p.start(Handover(prev_hash="11" * 32, lineage=LINEAGE, checkpoint_step=10))
+    memory = Decision(step=12, save=False, tier=None, memory=True, memory_interval=2)
+    assert p.save(memory, {}) == checkpoint_id(Tier.PULSE, 12)
+    meta = target.written[-1]["meta"]
+    assert meta["memory_only"] is True and "-memory-" in meta["token"]
+    assert target.written[-1]["tier"] == Tier.PULSE
+    target.handled(1, 12, ok=True, committed=False, manifest_hash=None, persist_s=0.01)
+    p.poll()
+    got: list[SaveOutcome] = []
+    while not engine.feedback.empty():
+        got.append(engine.feedback.get_nowait())
+    assert [(o.result, o.memory) for o in got] == [(SaveResult.PERSISTED, True)]
+    assert engine.stats.committed == 0 and p.take_errors() == []
+    _save(p, 13)  # the next durable save still links to the last commit
+    assert target.written[-1]["meta"]["prev_hash"] == "11" * 32
+    assert "memory_only" not in target.written[-1]["meta"]
