@@ -35,6 +35,7 @@ __all__ = [
     "IntegrityError",
     "JsonTreeError",
     "NotFoundError",
+    "PeerUnreachableError",
     "PermanentError",
     "PermanentStorageError",
     "PersistError",
@@ -255,6 +256,15 @@ class ReplicaError(CkptError, RuntimeError):
     push, or another source, may succeed)."""
 
     retryable: ClassVar[bool] = True
+
+
+class PeerUnreachableError(ReplicaError):
+    """No connection to a replica peer (``refused``: nothing listens on its port yet, e.g.
+    its sidecar is starting)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class ReplicaAuthError(ReplicaError, PermanentError):

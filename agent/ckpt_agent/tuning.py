@@ -89,6 +89,9 @@ REHYDRATE_TIMEOUT_S: Final = 300.0
 #: The sidecar asks each peer which replicas it holds with this timeout (a peer not up yet
 #: must not hold a fresh start back for long).
 REHYDRATE_LIST_TIMEOUT_S: Final = 2.0
+#: A peer that refuses the connection (its sidecar is starting: every pod of a job starts
+#: at once, or the peer's sidecar restarted) is asked again for this long.
+REHYDRATE_REFUSED_RETRY_S: Final = 3.0
 #: ``close()`` without a timeout: how long the shared-memory persister waits for its local
 #: persister process to finish.
 SHM_CLOSE_TIMEOUT_S: Final = 300.0

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ckpt_agent.errors import ReplicaError
+from ckpt_agent.errors import PeerUnreachableError, ReplicaError
 from ckpt_agent.flash.checksums import HASH_CHUNK_BYTES, RecordedHashes, chunk_hashes
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.replica.auth import JobScope, connect_as_client
@@ -85,9 +85,10 @@ def open_connection(
     try:
         sock = socket.create_connection((peer.host, peer.port), timeout=timeout_s)
     except OSError as e:
-        raise ReplicaError(
+        raise PeerUnreachableError(
             f"cannot reach replica peer {peer}: {e} (is its sidecar running, the port open "
-            "and allowed by the NetworkPolicy?)"
+            "and allowed by the NetworkPolicy?)",
+            refused=isinstance(e, ConnectionRefusedError),
         ) from None
     conn = Conn(sock, timeout_s=timeout_s, limits=HANDSHAKE_LIMITS, deadline=deadline)
     conn.peer = str(peer)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from ckpt_agent import tuning
-from ckpt_agent.errors import ReplicaError
+from ckpt_agent.errors import PeerUnreachableError, ReplicaError
 from ckpt_agent.flash.protocol import Descriptor
 from ckpt_agent.flash.replica.client import Peer
 from ckpt_agent.flash.replica.fetch import fetch, list_replicas, open_local
@@ -101,11 +102,26 @@ class Rehydration:
             if r.rank == rank
         ]
         timeout_s = min(rep.options.timeout_s, tuning.REHYDRATE_LIST_TIMEOUT_S)
-        for peer in rep.named_peers():
-            try:
-                listed += [(peer, e) for e in list_replicas(peer, rep.scope, timeout_s=timeout_s)]
-            except (ReplicaError, OSError) as e:
-                notes.append(f"peer {peer}: {clean(e)}")
+        ask = rep.named_peers()
+        retry_until = time.monotonic() + tuning.REHYDRATE_REFUSED_RETRY_S
+        while ask:
+            refused: list[Peer] = []
+            for peer in ask:
+                try:
+                    found = list_replicas(peer, rep.scope, timeout_s=timeout_s)
+                except PeerUnreachableError as e:
+                    if e.refused and time.monotonic() < retry_until:
+                        refused.append(peer)  # its sidecar may be starting: ask again
+                    else:
+                        notes.append(f"peer {peer}: {clean(e)}")
+                    continue
+                except (ReplicaError, OSError) as e:
+                    notes.append(f"peer {peer}: {clean(e)}")
+                    continue
+                listed += [(peer, e) for e in found]
+            ask = refused
+            if ask:
+                time.sleep(0.2)
         for held in newest_held(listed, rank):
             where = "this node's store" if held.peer is None else f"peer {held.peer}"
             try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -149,6 +151,45 @@ def test_nothing_held_an_unreachable_peer_or_replication_off_is_an_answer_not_an
     sidecar_on("c", replicating=False).run_once()
     off = read_answer(other, "n5")
     assert off is not None and not off.found and off.why == "peer replication is off on this node"
+
+
+def test_a_peer_whose_sidecar_is_starting_is_asked_again(
+    tmp_path: Path, sidecar_on: Callable[..., Sidecar]
+) -> None:
+    """Node b refuses connections for the first 0.6 s (its sidecar is starting, as when
+    every pod of the job starts at once): node c asks again and gets the replica."""
+    store = ReplicaStore(tmp_path / "shm-b", RUN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    snap = make_snap({"w": PAYLOAD}, step=42, seq=9, world_size=1, meta={"token": "t42"})
+    started: list[ReplicaServer] = []
+
+    def start_b() -> None:
+        time.sleep(0.6)
+        server = ReplicaServer(store, SCOPE, host="127.0.0.1", port=port, timeout_s=5.0)
+        started.append(server.start())
+
+    area = ShmArea(tmp_path / "shm-c", RUN, 0)
+    write_request(area, "n6")
+    sidecar = sidecar_on("c", f"127.0.0.1:{port}")
+    later = threading.Thread(target=start_b)
+    later.start()
+    try:
+        # node a pushed to b before it was lost: the replica is on b's store already
+        push_now = ReplicaServer(store, SCOPE, host="127.0.0.1", timeout_s=5.0).start()
+        push(Peer(*push_now.address), SCOPE, snap.desc, snap.view, snap.hashes,
+             source="node-a", chunk_bytes=CHUNK)  # fmt: skip
+        push_now.close()
+        t0 = time.monotonic()
+        sidecar.run_once()
+        answer = read_answer(area, "n6")
+        assert answer is not None and answer.found, answer
+        assert answer.step == 42 and 0.5 < time.monotonic() - t0 < 3.5
+    finally:
+        later.join()
+        for server in started:
+            server.close()
 
 
 @pytest.mark.parametrize("holder", ["map", "ring"])
