@@ -126,14 +126,18 @@ def sidecar(
 def serve(store_dir: str) -> int:
     """Node b: a replica server until stdin closes; prints its port, then its peak RSS."""
     from ckpt_agent.flash.replica.auth import JobScope
+    from ckpt_agent.flash.replica.marks import MarkStore
     from ckpt_agent.flash.replica.server import ReplicaServer
     from ckpt_agent.flash.replica.store import ReplicaStore
 
     base = _rss_kib("VmRSS")
     server = ReplicaServer(
-        ReplicaStore(store_dir, RUN), JobScope("bench", "job", SECRET.encode()),
-        host="127.0.0.1", timeout_s=120.0,
-    ).start()  # fmt: skip
+        ReplicaStore(store_dir, RUN),
+        JobScope("bench", "job", SECRET.encode()),
+        host="127.0.0.1",
+        timeout_s=120.0,
+        marks=MarkStore(store_dir, RUN),
+    ).start()  # fmt: skip  (marks: a rehydration also asks for the rank's step heartbeat)
     print(json.dumps({"port": server.address[1]}), flush=True)
     sys.stdin.read()
     server.close()
