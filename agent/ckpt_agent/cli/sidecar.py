@@ -139,8 +139,9 @@ def sidecar(
     to CKPT_REPLICA_PEERS until that file is there. A trainer recreated on
     this node (its old node lost) gets its rank's snapshot back from them before
     it resumes, with its step heartbeat (spec.agent.jitSave: the sidecar pushes
-    each rank's to the peers too). A just-in-time snapshot is hashed for the
-    in-place restart and replicated, never written to storage.
+    each rank's to the peers too). A memory-only snapshot (spec.tiers.memory's, or a
+    just-in-time save) is hashed for the in-place restart and replicated, never
+    written to storage; a pulse or full taken before it is persisted first.
 
     Exit code 2 for a missing or invalid config.
     """
