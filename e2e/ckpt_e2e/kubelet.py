@@ -7,6 +7,11 @@ like a kubelet would, starts the ``pytorch`` container of each new Running pod a
 local process (:class:`ckpt_e2e.localpod.LocalPod`: the env, volumes and config the
 webhook injected, read back from the API server; the exit reported as the pod status).
 
+``sidecars=True``: each native sidecar of the pod (an init container with ``restartPolicy:
+Always``, e.g. the webhook's ``ckpt-agent``) is started first, each as its own LocalPod
+of the same pod (``PodRun.sidecars``; they share the pod's volumes), then the main
+container; a sidecar ends when the pod does (the ``ckpt_e2e.localpod`` contract).
+
 A ``decide(pod)`` callback can make a pod ``crash`` (started, then SIGKILLed after
 ``crash_after`` seconds: an OOM kill or a node dying right after the start) or be
 ``ignore``\\ d (left Running with no process, e.g. to end it by hand).
@@ -24,6 +29,7 @@ from typing import Any, Literal, Self
 
 from .cluster import LocalCluster
 from .localpod import LocalPod
+from .podspec import native_sidecars
 from .procs import wait_until
 
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
@@ -41,6 +47,8 @@ class PodRun:
     decision: Decision
     pod: dict[str, Any]
     local: LocalPod | None = None
+    sidecars: list[LocalPod] = field(default_factory=list)
+    """The pod's native sidecars run here (``PodRunner(sidecars=True)``), in start order."""
     started_at: float = field(default_factory=time.time)
     """Wall-clock time the process was started (or the pod was seen, for ``ignore``)."""
 
@@ -74,9 +82,11 @@ class PodRunner:
         crash_after: float = 0.3,
         poll_interval: float = 0.3,
         job_label: str = JOB_NAME_LABEL,
+        sidecars: bool = False,
         **localpod_kwargs: Any,
     ) -> None:
         self.cluster = cluster
+        self.sidecars = sidecars
         self.job_label = job_label
         self.namespace = namespace
         self.decide = decide or (lambda pod: "run")
@@ -111,6 +121,9 @@ class PodRunner:
             if run.local is not None:
                 with contextlib.suppress(Exception):
                     run.local.stop(timeout=1)
+            for sc in run.sidecars:
+                with contextlib.suppress(Exception):
+                    sc.stop(timeout=timeout)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -184,6 +197,15 @@ class PodRunner:
         decision = self.decide(dict(pod))
         run = PodRun(str(meta.get("name")), uid, job, decision, dict(pod))
         try:
+            if decision != "ignore" and self.sidecars:
+                for name in native_sidecars(pod):
+                    sc = LocalPod(
+                        self.cluster,
+                        self.namespace,
+                        run.name,
+                        **{**self.localpod_kwargs, "container": name},
+                    )
+                    run.sidecars.append(sc.start())
             if decision != "ignore":
                 run.local = LocalPod(
                     self.cluster, self.namespace, run.name, **self.localpod_kwargs

@@ -8,9 +8,26 @@ Contract
 ========
 **Pod and container.** The Pod is read back from the API server. The container is
 ``container=`` or, by default, the one named ``pytorch`` (what the training-operator
-watches), else the first one. Init and other containers are not run (start another
-``LocalPod(container=...)`` for a sidecar). By default the runner waits until kwok has
-marked the pod Running (``wait_running``).
+watches), else the first one. ``container=`` may also name a *native sidecar* (an init
+container with ``restartPolicy: Always``, e.g. the webhook's ``ckpt-agent``); init
+containers that run to completion are refused, and nothing is run that no LocalPod was
+started for: one LocalPod runs one container, so run the sidecar with its own
+``LocalPod(container="ckpt-agent")`` (:class:`~ckpt_e2e.kubelet.PodRunner` does, with
+``sidecars=True``: each native sidecar first, then the main container, as the kubelet
+starts them). By default the runner waits until kwok has marked the pod Running
+(``wait_running``).
+
+**One pod, several LocalPods.** LocalPods of the same pod (its uid) share the pod's local
+folder ``<cluster workdir>/pods/<ns>/<name>`` and so every volume: an ``emptyDir`` is
+``<pod dir>/volumes/<volume>``, a ``medium: Memory`` one
+``/dev/shm/ckpt-e2e-<pod uid>/<volume>``, the same folder for the trainer, its sidecar and
+a restarted trainer (a container restarted in place, the kubelet's ``OnFailure``: a new
+LocalPod of the same pod and container). Like an emptyDir, it outlives any one container:
+the memory folders are removed when the *last* LocalPod of the pod that was started is
+stopped (:meth:`LocalPod.stop`), so start the restarted container's LocalPod before
+stopping the old one unless another container of the pod (the sidecar) still runs.
+Logs and termination-message files are per container (``<container>.log``; a restart
+appends to the same log).
 
 **Volumes → local folders.** Each volume the container mounts gets a local path:
 
@@ -70,13 +87,16 @@ whatever it left behind is SIGKILLed before the exit is reported; :meth:`LocalPo
 and :meth:`LocalPod.signal_container` act on all of them (SIGSTOP/SIGCONT freeze and
 thaw the container like the cgroup freezer).
 
-**Deletion.** While the process runs the pod carries the annotation
+**Deletion.** While a process of the pod runs here the pod carries the annotation
 ``e2e.ckpt.dev/local-process=<pid>``; kwok's delete stage skips such pods. When the pod
 gets a ``deletionTimestamp`` (``kubectl delete``, eviction/drain, garbage collection) or
 disappears, the main process gets SIGTERM (like a container runtime, which signals the
 container's init process only) and, after ``terminationGracePeriodSeconds``, every
 process of the container SIGKILL. Then the exit is reported and the annotation
-removed, and kwok completes the deletion.
+removed (set to another running container's pid while one runs), and kwok completes
+the deletion. Every LocalPod of the pod acts on the deletion by itself, so a sidecar
+gets its SIGTERM at the same time as the main container (the kubelet would wait for the
+main containers first; the agent's sidecar drains what is pending either way).
 
 **Exit report.** Through the ``pods/status`` subresource, like a kubelet: the container's
 ``state.terminated`` (``exitCode``, ``reason`` Completed/Error, ``startedAt``,
@@ -91,6 +111,17 @@ Failed. ``OnFailure`` with exit 0 → Succeeded; ``OnFailure`` with a failure, o
 ``Always``: the pod stays Running with ``restartCount+1`` and ``lastState.terminated``,
 as after a kubelet restart (run it again if the scenario needs it).
 :meth:`LocalPod.lose_node` kills the container and reports nothing: the node died with it.
+
+**Native sidecars.** A sidecar's exit never changes the pod's phase and touches only its
+entry in ``initContainerStatuses`` (the other entries kept as kwok wrote them): while the
+pod runs, ``restartCount+1`` with ``lastState.terminated`` and ``state.running`` (the
+kubelet restarts a sidecar whatever the pod's ``restartPolicy``; run it again if the
+scenario needs it); once the pod is Succeeded/Failed, ``state.terminated``. When the pod
+reaches Succeeded/Failed (its main container's exit, reported by its LocalPod) the
+sidecar's LocalPod ends it like a deletion does (SIGTERM to its main process, SIGKILL to
+all of it after the grace; ``terminated_with_pod``), as the kubelet ends sidecars after
+the main containers. ``argv[0]`` ``ckpt`` (the agent image's entry point) is the ``ckpt``
+console script beside this interpreter.
 
 Threads: a daemon thread per LocalPod polls the pod (every ``poll_interval`` s) and
 reports the exit; :meth:`LocalPod.wait` re-raises any error it hit.
@@ -116,7 +147,14 @@ from typing import Any, Self
 
 from .cluster import LocalCluster
 from .errors import LocalPodError
-from .podspec import PathTranslator, build_argv, process_env, select_container, working_dir
+from .podspec import (
+    PathTranslator,
+    build_argv,
+    is_native_sidecar,
+    process_env,
+    select_container,
+    working_dir,
+)
 from .podstatus import is_not_found, mark_local_process, now, pod_path, report_container_exit
 from .procs import ManagedProcess, clean_env, container_pids, wait_until
 from .volumes import PodVolumes, claim_folder
@@ -126,6 +164,24 @@ __all__ = ["LocalPod", "pvc_path", "run_pod_locally"]
 #: The Kubernetes default ``terminationMessagePath``; the kubelet keeps 4096 bytes of it.
 TERMINATION_LOG = "/dev/termination-log"
 MESSAGE_BYTES = 4096
+
+
+#: Pod phases after which a native sidecar is stopped (the kubelet ends it with the pod).
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+#: ``argv[0]`` of the agent image's entry point (the webhook's sidecar runs ``ckpt sidecar``)
+#: → the console script of this interpreter's environment, when it has one.
+_CKPT_EXE = Path(sys.executable).parent / "ckpt"
+
+#: Pod uid → the LocalPods of that pod started and not yet stopped (any container): the pod's
+#: volumes live while one of them does, and its local-process annotation while one runs.
+_holders: dict[str, set[LocalPod]] = {}
+_holders_lock = threading.Lock()
+
+
+def _others(lp: LocalPod) -> list[LocalPod]:
+    with _holders_lock:
+        return [o for o in _holders.get(lp.pod_uid, ()) if o is not lp]
 
 
 def pvc_path(cluster: LocalCluster, namespace: str, claim: str) -> Path:
@@ -172,7 +228,10 @@ class LocalPod:
         self.container_name = container
         self.workdir = workdir or cluster.pods_dir / namespace / name
         self.path_overrides = {k: Path(v) for k, v in (path_overrides or {}).items()}
-        self.exe_map = {"python": sys.executable, "python3": sys.executable, **(exe_map or {})}
+        default_exe = {"python": sys.executable, "python3": sys.executable}
+        if _CKPT_EXE.exists():
+            default_exe["ckpt"] = str(_CKPT_EXE)
+        self.exe_map = {**default_exe, **(exe_map or {})}
         self.extra_env = dict(extra_env or {})
         self.rewrite_files = rewrite_files
         self.wait_running = wait_running
@@ -192,6 +251,9 @@ class LocalPod:
         self.terminated_by_deletion = False
         #: :meth:`lose_node` was called: the exit is never reported
         self.node_lost = False
+        #: a native sidecar stopped because the pod ended (SIGTERM, then SIGKILL)
+        self.terminated_with_pod = False
+        self._registered = False
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -228,6 +290,16 @@ class LocalPod:
     def running(self) -> bool:
         return self.process is not None and not self._done.is_set()
 
+    @property
+    def pod_uid(self) -> str:
+        meta = self.pod.get("metadata") or {}
+        return str(meta.get("uid") or f"{self.namespace}/{self.name}")
+
+    @property
+    def is_sidecar(self) -> bool:
+        """The container is a native sidecar (an init container, ``restartPolicy: Always``)."""
+        return is_native_sidecar(self.container)
+
     def start(self) -> Self:
         """Read the pod, prepare volumes/env/argv, start the process and the monitor."""
         path = pod_path(self.namespace, self.name)
@@ -242,6 +314,9 @@ class LocalPod:
         else:
             self.pod = self.cluster.request("GET", path)
         self.container = select_container(self.pod, self.container_name)
+        with _holders_lock:
+            _holders.setdefault(self.pod_uid, set()).add(self)
+            self._registered = True
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._prepare()
         self.cwd.mkdir(parents=True, exist_ok=True)
@@ -338,7 +413,16 @@ class LocalPod:
                 self.kill()
                 self._done.wait(timeout)
         self._sweep()
-        if self.volumes is not None:
+        last = True
+        if self._registered:
+            with _holders_lock:
+                holders = _holders.get(self.pod_uid, set())
+                holders.discard(self)
+                last = not holders
+                if last:
+                    _holders.pop(self.pod_uid, None)
+            self._registered = False
+        if self.volumes is not None and last:  # the pod's other containers still use them
             self.volumes.cleanup()
 
     def __enter__(self) -> Self:
@@ -419,9 +503,15 @@ class LocalPod:
                 ].get("uid"):
                     self.pod_deleted = True
                 deleting = self.pod_deleted or (pod and pod["metadata"].get("deletionTimestamp"))
-                if deleting and not self.node_lost:  # a lost node's kubelet does nothing
+                ending = (
+                    self.is_sidecar
+                    and pod is not None
+                    and (pod.get("status") or {}).get("phase") in TERMINAL_PHASES
+                )
+                if (deleting or ending) and not self.node_lost:  # a lost node's kubelet: none
                     if term_deadline is None:
-                        self.terminated_by_deletion = True
+                        self.terminated_by_deletion = bool(deleting)
+                        self.terminated_with_pod = not deleting
                         grace = self.process.grace
                         if pod and pod["metadata"].get("deletionGracePeriodSeconds") is not None:
                             grace = float(pod["metadata"]["deletionGracePeriodSeconds"])
@@ -473,8 +563,12 @@ class LocalPod:
             if not is_not_found(e):
                 raise
             self.pod_deleted = True
+        # the annotation stays while another container of the pod runs here
+        alive = [o for o in _others(self) if o.running and o.process is not None]
         with contextlib.suppress(Exception):
-            mark_local_process(self.cluster, self.namespace, self.name, None)
+            mark_local_process(
+                self.cluster, self.namespace, self.name, alive[0].pid if alive else None
+            )
 
 
 def run_pod_locally(

@@ -38,8 +38,16 @@ def default_container(names: Sequence[str]) -> str:
     return PYTORCH_CONTAINER if PYTORCH_CONTAINER in names else names[0]
 
 
+def is_native_sidecar(container: Mapping[str, Any]) -> bool:
+    """An init container with ``restartPolicy: Always``: a native sidecar (Kubernetes
+    ≥ 1.29), which runs beside the pod's containers for the pod's whole life."""
+    return container.get("restartPolicy") == "Always"
+
+
 def select_container(pod: Mapping[str, Any], want: str | None) -> dict[str, Any]:
-    """Container ``want`` of the pod (default: :func:`default_container`)."""
+    """Container ``want`` of the pod (default: :func:`default_container`): one of its
+    ``containers`` or a native sidecar (:func:`is_native_sidecar`) of its ``initContainers``.
+    An init container that runs to completion is refused: the harness never runs those."""
     containers = pod["spec"]["containers"]
     names = [c["name"] for c in containers]
     want = want or default_container(names)
@@ -47,9 +55,25 @@ def select_container(pod: Mapping[str, Any], want: str | None) -> dict[str, Any]
         if c["name"] == want:
             return dict(c)
     meta = pod.get("metadata") or {}
+    where = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    init = pod["spec"].get("initContainers") or []
+    for c in init:
+        if c["name"] == want:
+            if is_native_sidecar(c):
+                return dict(c)
+            raise LocalPodError(
+                f"{where}: init container {want!r} is not a native sidecar (restartPolicy: "
+                "Always); the harness runs containers and native sidecars only"
+            )
     raise LocalPodError(
-        f"pod {meta.get('namespace')}/{meta.get('name')} has no container {want!r}: {names}"
+        f"{where} has no container {want!r}: {names}"
+        + (f", init containers {[c['name'] for c in init]}" if init else "")
     )
+
+
+def native_sidecars(pod: Mapping[str, Any]) -> list[str]:
+    """Names of the pod's native sidecars, in the order the kubelet starts them."""
+    return [c["name"] for c in pod["spec"].get("initContainers") or [] if is_native_sidecar(c)]
 
 
 def expand_vars(value: str, env: Mapping[str, str]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .api import KubeClient
 from .errors import LocalPodError
-from .podspec import default_container
+from .podspec import default_container, native_sidecars
 
 LOCAL_PROCESS_ANNOTATION = "e2e.ckpt.dev/local-process"
 
@@ -63,12 +63,16 @@ def report_container_exit(
     spec, status = pod["spec"], pod.get("status") or {}
     names = [c["name"] for c in spec["containers"]]
     target = container or default_container(names)
-    if target not in names:
+    sidecar = target not in names and target in native_sidecars(pod)
+    if target not in names and not sidecar:
         raise LocalPodError(f"pod {namespace}/{name} has no container {target!r}: {names}")
     ts = now()
-    old = {s["name"]: s for s in status.get("containerStatuses") or []}
+    key = "initContainerStatuses" if sidecar else "containerStatuses"
+    old = {s["name"]: s for s in status.get(key) or []}
     restart_policy = spec.get("restartPolicy", "Always")
     restart = restart_policy == "Always" or (restart_policy == "OnFailure" and exit_code != 0)
+    if sidecar:  # restarted whatever the pod's policy, unless the pod is ending
+        restart = status.get("phase") not in ("Succeeded", "Failed")
     terminated = {
         "exitCode": exit_code,
         "reason": reason or ("Completed" if exit_code == 0 else "Error"),
@@ -78,6 +82,8 @@ def report_container_exit(
     }
     if message:
         terminated["message"] = message
+    if sidecar:
+        return _report_sidecar(cluster, namespace, name, spec, old, target, terminated, restart)
     statuses = [
         _container_status(
             c,
@@ -107,6 +113,36 @@ def report_container_exit(
         "PATCH",
         pod_path(namespace, name) + "/status",
         patch,
+        content_type="application/merge-patch+json",
+    )
+    result: dict[str, Any] = updated.get("status") or {}
+    return result
+
+
+def _report_sidecar(
+    cluster: KubeClient,
+    namespace: str,
+    name: str,
+    spec: Mapping[str, Any],
+    old: Mapping[str, Mapping[str, Any]],
+    target: str,
+    terminated: Mapping[str, Any],
+    restart: bool,
+) -> dict[str, Any]:
+    """A native sidecar's exit: only ``initContainerStatuses`` change, never the phase
+    (a sidecar does not decide the pod's fate; the kubelet restarts it while the pod runs)."""
+    ts = str(terminated["finishedAt"])
+    pod = f"{namespace}/{name}"
+    statuses = [
+        _container_status(c, old.get(c["name"], {}), pod, ts, restart, terminated)
+        if c["name"] == target
+        else dict(old.get(c["name"]) or {"name": c["name"], "image": c.get("image", "")})
+        for c in spec.get("initContainers") or []
+    ]
+    updated = cluster.request(
+        "PATCH",
+        pod_path(namespace, name) + "/status",
+        {"status": {"initContainerStatuses": statuses}},
         content_type="application/merge-patch+json",
     )
     result: dict[str, Any] = updated.get("status") or {}

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from ckpt_e2e import LocalCluster, LocalPod, PathTranslator, pvc_path
+from ckpt_e2e import LocalCluster, LocalPod, LocalPodError, PathTranslator, pvc_path
+from ckpt_e2e.podspec import native_sidecars, select_container
 
 pytestmark = pytest.mark.e2e
 
@@ -298,3 +299,89 @@ def test_deletion_signals_the_main_process_and_nothing_outlives_the_container(
         assert not _alive(child) and not _alive(helper)
     finally:
         lp.stop()
+
+
+def test_select_container_native_sidecars_only() -> None:
+    spec = {
+        "containers": [{"name": "pytorch"}],
+        "initContainers": [{"name": "setup"}, {"name": "agent", "restartPolicy": "Always"}],
+    }
+    pod = {"metadata": {"namespace": "ns", "name": "p"}, "spec": spec}
+    assert select_container(pod, None)["name"] == "pytorch"
+    assert select_container(pod, "agent")["restartPolicy"] == "Always"
+    assert native_sidecars(pod) == ["agent"]
+    with pytest.raises(LocalPodError, match="not a native sidecar"):
+        select_container(pod, "setup")
+    with pytest.raises(LocalPodError, match="no container 'x'"):
+        select_container(pod, "x")
+
+
+# A native sidecar: answers the main container through the pod's memory emptyDir, then
+# waits for its SIGTERM (the pod ending).
+SIDECAR_PROGRAM = r"""
+import os, pathlib, signal, sys, time
+shm = pathlib.Path(os.environ["SHM"])
+def term(*_):
+    (shm / "sidecar-term").write_text("1")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+deadline = time.time() + 60
+while not (shm / "hello").exists() and time.time() < deadline:
+    time.sleep(0.05)
+(shm / "ack").write_text((shm / "hello").read_text())
+time.sleep(120)
+sys.exit(7)
+"""
+
+MAIN_PROGRAM = r"""
+import os, pathlib, sys, time
+shm = pathlib.Path(os.environ["SHM"])
+(shm / "hello").write_text(str(os.getpid()))
+deadline = time.time() + 60
+while not (shm / "ack").exists() and time.time() < deadline:
+    time.sleep(0.05)
+sys.exit(0 if (shm / "ack").read_text() == str(os.getpid()) else 4)
+"""
+
+
+def test_native_sidecar_shares_the_pods_volumes_and_ends_with_the_pod(
+    cluster: LocalCluster, namespace: str
+) -> None:
+    mounts = [{"name": "shm", "mountPath": "/shm"}]
+    env = [{"name": "SHM", "value": "/shm"}]
+    main = {"name": "pytorch", "image": "none", "command": ["python3", "-c", MAIN_PROGRAM]}
+    side = {"name": "agent", "image": "none", "command": ["python3", "-c", SIDECAR_PROGRAM]}
+    manifest = json.loads(
+        _pod(
+            "duo",
+            [{**main, "env": env, "volumeMounts": mounts}],
+            [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        )
+    )
+    manifest["spec"]["initContainers"] = [
+        {**side, "restartPolicy": "Always", "env": env, "volumeMounts": mounts}
+    ]
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+    sidecar = LocalPod(cluster, namespace, "duo", container="agent", timeout=60).start()
+    trainer = LocalPod(cluster, namespace, "duo", timeout=60).start()
+    try:
+        shm = trainer.local_path("/shm")
+        assert sidecar.is_sidecar and shm == sidecar.local_path("/shm")
+        assert trainer.wait(60) == 0, trainer.log_text()  # it saw the sidecar's answer
+        pod = cluster.get_json("pod", "duo", "-n", namespace)
+        assert pod["metadata"]["annotations"]["e2e.ckpt.dev/local-process"] == str(sidecar.pid)
+        # the pod Succeeded: the kubelet ends its sidecar (SIGTERM), reported as an init
+        # container's status, the pod's phase untouched
+        assert sidecar.wait(30) == 0, sidecar.log_text()
+        assert sidecar.terminated_with_pod and (shm / "sidecar-term").exists()
+        pod = cluster.get_json("pod", "duo", "-n", namespace)
+        assert pod["status"]["phase"] == "Succeeded"
+        [status] = pod["status"]["initContainerStatuses"]
+        assert status["name"] == "agent" and status["state"]["terminated"]["exitCode"] == 0
+        assert "e2e.ckpt.dev/local-process" not in pod["metadata"].get("annotations", {})
+        trainer.stop()
+        assert shm.is_dir()  # the sidecar's LocalPod still holds the pod's volumes
+    finally:
+        trainer.stop()
+        sidecar.stop()
+    assert not shm.exists()
