@@ -13,6 +13,7 @@ from typing import Final
 __all__ = [
     "DEFAULT_REPLICA_PORT",
     "ENV_REPLICA_JOB",
+    "ENV_REPLICA_LISTEN_HOST",
     "ENV_REPLICA_PEERS",
     "ENV_REPLICA_PEERS_DIR",
     "ENV_REPLICA_PEERS_REFRESH_S",
@@ -32,6 +33,10 @@ MAX_REPLICA_PEERS: Final = 3
 
 ENV_REPLICA_PORT: Final = "CKPT_REPLICA_PORT"
 """The port this sidecar serves its peers on (set: replication is on)."""
+ENV_REPLICA_LISTEN_HOST: Final = "CKPT_REPLICA_LISTEN_HOST"
+"""The address this sidecar serves its peers on (default ``0.0.0.0``, every address of the
+pod; not set by the webhook: for a pod that shares its network with others, e.g. a test
+harness running pods as local processes, each on its own loopback address)."""
 ENV_REPLICA_PEERS: Final = "CKPT_REPLICA_PEERS"
 """Comma-separated ``host:port`` of the peers this sidecar pushes to (empty: serve only):
 the ring the webhook chose at admission, used until the operator's peer map is there."""

@@ -17,6 +17,8 @@
   ``CKPT_REPLICA_PEERS`` (the ring) until it is there. A malformed or lone one is logged
   and the sidecar keeps to the ring: the map only places the replicas better. The file is
   read every ``CKPT_REPLICA_PEERS_REFRESH_S`` seconds (default 10; a bad value: the default).
+* ``CKPT_REPLICA_LISTEN_HOST``: the address to serve the peers on (default ``0.0.0.0``;
+  not set by the webhook).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ckpt_agent.format.layout import is_run_id
 from ckpt_agent.policy.agent_config import ENV_NODE_NAME
 from ckpt_agent.policy.replica_contract import (
     ENV_REPLICA_JOB,
+    ENV_REPLICA_LISTEN_HOST,
     ENV_REPLICA_PEERS,
     ENV_REPLICA_PEERS_DIR,
     ENV_REPLICA_PEERS_REFRESH_S,
@@ -44,6 +47,9 @@ from ckpt_agent.text import clean
 __all__ = ["ReplicaEnvError", "replica_options_from_env", "replicas_or_off"]
 
 log = logging.getLogger(__name__)
+
+#: Where the sidecar serves its peers unless ``CKPT_REPLICA_LISTEN_HOST`` says otherwise.
+DEFAULT_LISTEN_HOST = "0.0.0.0"
 
 _SWITCHES = (ENV_REPLICA_PORT, ENV_REPLICA_PEERS, ENV_REPLICA_SECRET_FILE)
 
@@ -116,6 +122,15 @@ def _refresh_s(env: Mapping[str, str]) -> float:
     return value
 
 
+def _listen_host(env: Mapping[str, str]) -> str:
+    host = _get(env, ENV_REPLICA_LISTEN_HOST)
+    if not host:
+        return DEFAULT_LISTEN_HOST
+    if any(c.isspace() or c in "/,@" for c in host) or len(host) > 253:
+        raise ReplicaEnvError(f"{ENV_REPLICA_LISTEN_HOST}={_shown(host)} is not an address")
+    return host.removeprefix("[").removesuffix("]")
+
+
 def _job(env: Mapping[str, str]) -> tuple[str, str]:
     raw = _required(env, ENV_REPLICA_JOB, "namespace/job, the job the peers must belong to")
     namespace, sep, job = raw.partition("/")
@@ -159,6 +174,7 @@ def replica_options_from_env(environ: Mapping[str, str] | None = None) -> Replic
         peers=peers,
         peers_file=peers_file,
         peers_refresh_s=_refresh_s(env),
+        listen_host=_listen_host(env),
         listen_port=port,
     )
 

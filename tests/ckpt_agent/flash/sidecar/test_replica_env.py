@@ -53,6 +53,15 @@ def test_no_peers_serves_only() -> None:
     assert options is not None and options.peers == ()
 
 
+def test_the_listen_address_defaults_to_every_address_and_can_be_named() -> None:
+    options = replica_options_from_env(GOOD)
+    assert options is not None and options.listen_host == "0.0.0.0"
+    options = replica_options_from_env({**GOOD, "CKPT_REPLICA_LISTEN_HOST": " 127.77.0.3 "})
+    assert options is not None and options.listen_host == "127.77.0.3"
+    options = replica_options_from_env({**GOOD, "CKPT_REPLICA_LISTEN_HOST": "[::1]"})
+    assert options is not None and options.listen_host == "::1"
+
+
 def test_ipv6_peers() -> None:
     options = replica_options_from_env({**GOOD, "CKPT_REPLICA_PEERS": "[fd00::1]:7471"})
     assert options is not None and options.peers == ("[fd00::1]:7471",)
@@ -76,6 +85,8 @@ def test_ipv6_peers() -> None:
         ({**GOOD, "CKPT_REPLICA_JOB": "/job"}, "is not namespace/job"),
         (_without("CKPT_NODE_NAME"), "CKPT_NODE_NAME is not set"),
         ({**GOOD, "CKPT_NODE_NAME": "../etc"}, "CKPT_NODE_NAME='../etc' is not a node name"),
+        ({**GOOD, "CKPT_REPLICA_LISTEN_HOST": "a b"}, "CKPT_REPLICA_LISTEN_HOST='a b' is not"),
+        ({**GOOD, "CKPT_REPLICA_LISTEN_HOST": "h:1/x"}, "is not an address"),
     ],
 )
 def test_a_bad_or_missing_value_is_named(env: dict[str, str], message: str) -> None:
