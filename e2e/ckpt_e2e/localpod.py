@@ -68,8 +68,16 @@ spec.serviceAccountName, status.podIP/hostIP/podIPs), ``secretKeyRef``,
 ``configMapKeyRef``, ``resourceFieldRef`` (limits/requests of cpu, memory,
 ephemeral-storage with ``divisor``; unset limits fall back to this machine's size). A pod
 on a node with a loopback pod CIDR (``create_node(pod_cidr="127.…")``) is reachable at its
-pod IP here: ``CKPT_METRICS_ADDR=<pod IP>`` (before the container's ``env``) makes the
-agent listen there, as it would on its own network namespace's address in a cluster.
+pod IP here: ``CKPT_METRICS_ADDR=<pod IP>`` and ``CKPT_REPLICA_LISTEN_HOST=<pod IP>``
+(before the container's ``env``) make the agent and its sidecar listen there (metrics,
+replica peers), as they would on their own network namespace's address in a cluster.
+Such a pod also gets the cluster's DNS (``ckpt_e2e.names``): in the values of
+``MASTER_ADDR`` and ``CKPT_REPLICA_PEERS`` (the training-operator's Service
+``<job>-master-0``, the webhook's peers ``<pod>.<ns>.svc:<port>``) and in the text of
+materialized configMap files (the operator's replica peer map), a name of a pod or a
+Service (its selected Running pod) of the namespace that has a loopback pod IP is
+replaced by that IP, the environment's once at the start (waiting up to 30 s for a named
+pod to get its IP), the files' at every refresh (a pod recreated with a new IP is found).
 Then ``extra_env``, and ``CKPT_E2E_CONTAINER``, ``CKPT_E2E_POD_NAME``,
 ``CKPT_E2E_POD_NAMESPACE``, ``CKPT_E2E_PATH_MAP``.
 
@@ -110,7 +118,8 @@ training-operator's choice for PyTorchJob pods): phase Succeeded for exit 0, els
 Failed. ``OnFailure`` with exit 0 → Succeeded; ``OnFailure`` with a failure, or
 ``Always``: the pod stays Running with ``restartCount+1`` and ``lastState.terminated``,
 as after a kubelet restart (run it again if the scenario needs it).
-:meth:`LocalPod.lose_node` kills the container and reports nothing: the node died with it.
+:meth:`LocalPod.lose_node` kills the container, removes the pod's ``medium: Memory``
+folders (the node's memory) and reports nothing: the node died with it.
 
 **Native sidecars.** A sidecar's exit never changes the pod's phase and touches only its
 entry in ``initContainerStatuses`` (the other entries kept as kwok wrote them): while the
@@ -147,6 +156,7 @@ from typing import Any, Self
 
 from .cluster import LocalCluster
 from .errors import LocalPodError
+from .names import PodNames
 from .podspec import (
     PathTranslator,
     build_argv,
@@ -380,12 +390,20 @@ class LocalPod:
         """The node dies with the pod: SIGKILL every process of the container and report
         nothing (no kubelet is left to report the exit or finish a deletion).
 
+        The node's memory goes with it: the pod's ``medium: Memory`` emptyDirs are removed
+        (their folders are per pod, ``/dev/shm/ckpt-e2e-<pod uid>/``, so what the lost node
+        held in memory is gone for every container of the pod; a pod recreated elsewhere is
+        a new uid with new, empty folders). Call it for each container of the pod run here
+        (e.g. the trainer and its sidecar): each is killed by its own LocalPod.
+
         ``kill=False``: the node is cut off instead (a partition): its processes keep
         running — a *zombie* — and nothing here acts on the pod's deletion or reports
-        its exit."""
+        its exit; its memory stays."""
         self.node_lost = True
         if kill:
             self.kill()
+            if self.volumes is not None:
+                self.volumes.cleanup()
 
     def _terminate(self) -> None:
         """SIGTERM to the main process only (what a container runtime does)."""
@@ -451,6 +469,7 @@ class LocalPod:
         # the kubelet's per-container termination-message file: fresh for each start
         self.termination_log.write_bytes(b"")
         message_path = self.container.get("terminationMessagePath") or TERMINATION_LOG
+        hosts = self._pod_names()
         self.volumes = volumes = PodVolumes(
             self.cluster,
             self.pod,
@@ -459,6 +478,7 @@ class LocalPod:
             self.cluster.pvc_dir,
             overrides={message_path: self.termination_log, **self.path_overrides},
             rewrite_files=self.rewrite_files,
+            hosts=hosts,
         )
         base = clean_env()
         base.pop("KUBECONFIG", None)
@@ -473,6 +493,9 @@ class LocalPod:
             extra=self.extra_env,
             marker=self.marker,
         )
+        if hosts is not None:  # cluster DNS names → pod IPs; extra_env still wins
+            resolved = hosts.resolve_env(self.env, timeout=min(self.timeout, 30.0))
+            self.env.update({k: v for k, v in resolved.items() if k not in self.extra_env})
         self.argv = build_argv(
             self.container,
             self.env,
@@ -481,6 +504,18 @@ class LocalPod:
             f"{self.namespace}/{self.name}",
         )
         self.cwd = working_dir(self.container, volumes.translator, self.workdir) or self.cwd
+
+    def _pod_names(self) -> PodNames | None:
+        """The namespace's names → loopback IPs, for a pod that has a loopback IP itself."""
+        if not str((self.pod.get("status") or {}).get("podIP") or "").startswith("127."):
+            return None
+        base = f"/api/v1/namespaces/{self.namespace}"
+
+        def items(kind: str) -> list[dict[str, Any]]:
+            found: list[dict[str, Any]] = self.cluster.request("GET", f"{base}/{kind}")["items"]
+            return found
+
+        return PodNames(self.namespace, items)
 
     # -- monitor ---------------------------------------------------------------------
     def _monitor(self, started_at: str) -> None:

@@ -274,7 +274,11 @@ def process_env(
     pod_ip = str((pod.get("status") or {}).get("podIP") or "")
     # A loopback pod IP is this pod's own address here: the agent listens there, so the
     # operator reaches it at the pod IP as in a cluster (a pod's own network namespace).
-    own_address = {"CKPT_METRICS_ADDR": pod_ip} if pod_ip.startswith("127.") else {}
+    own_address = (
+        {"CKPT_METRICS_ADDR": pod_ip, "CKPT_REPLICA_LISTEN_HOST": pod_ip}
+        if pod_ip.startswith("127.")
+        else {}
+    )
     return {
         **base,
         "HOSTNAME": meta["name"],

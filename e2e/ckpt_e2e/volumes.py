@@ -17,6 +17,7 @@ from typing import Any
 
 from .api import KubeClient
 from .errors import LocalPodError
+from .names import PodNames
 from .podspec import (
     MATERIALIZED,
     PathTranslator,
@@ -81,6 +82,7 @@ class PodVolumes:
         *,
         overrides: Mapping[str, Path],
         rewrite_files: bool,
+        hosts: PodNames | None = None,
     ) -> None:
         self.api = api
         self.pod = pod
@@ -89,6 +91,8 @@ class PodVolumes:
         self.root = root
         self.pvc_root = pvc_root
         self.rewrite_files = rewrite_files
+        self.hosts = hosts
+        """Pod names → loopback IPs, rewritten in configMap files (``ckpt_e2e.names``)."""
         self._materialized: list[tuple[str, Mapping[str, Any], Path]] = []
         self._shm_dirs: list[Path] = []
         self.paths = mount_paths(pod, container, self._volume_dir)
@@ -102,6 +106,8 @@ class PodVolumes:
 
     def refresh(self, pod: Mapping[str, Any], full: bool) -> None:
         """Rewrite the materialized files from ``pod`` (``full``: also the API-backed ones)."""
+        if full and self.hosts is not None and self._materialized:
+            self.hosts.refresh()
         for kind, src, d in self._materialized:
             if not full and volume_uses_api(kind, src):
                 continue
@@ -109,6 +115,8 @@ class PodVolumes:
             default_mode = src.get("defaultMode")
             for rel, (raw, mode) in files.items():
                 text = self.translator.text(raw) if self.rewrite_files and kind != "secret" else raw
+                if self.hosts is not None and kind == "configMap":
+                    text = self.hosts.rewrite(text)
                 write_atomic(d / rel, text.encode(), mode if mode is not None else default_mode)
 
     def cleanup(self) -> None:
