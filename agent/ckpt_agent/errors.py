@@ -47,6 +47,7 @@ __all__ = [
     "RetryableError",
     "RetryableStorageError",
     "RunOwnershipError",
+    "ServeError",
     "ShmError",
     "StepOrderError",
     "StorageError",
@@ -256,6 +257,11 @@ class ReplicaError(CkptError, RuntimeError):
     push, or another source, may succeed)."""
 
     retryable: ClassVar[bool] = True
+
+
+class ServeError(CkptError):
+    """An agent's HTTP server (``/metrics``, ``/healthz``) cannot listen where it was told:
+    the port is taken, or the address is not this host's."""
 
 
 class PeerUnreachableError(ReplicaError):

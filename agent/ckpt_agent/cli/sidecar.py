@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from ckpt_agent.cli.common import fail, guarded, is_seconds, non_negative, plain
+from ckpt_agent.errors import ServeError
 from ckpt_agent.flash.sidecar import SidecarOptions, load_config, run_sidecar
 from ckpt_agent.flash.sidecar.options import DEFAULT_COMMIT_TIMEOUT_S, ENV_GRACE, grace_from_env
 from ckpt_agent.flash.sidecar.replica_env import replicas_or_off
@@ -168,4 +169,8 @@ def sidecar(
         ranks=tuple(rank) if rank else None,
         replicas=replicas_or_off(),
     )
-    raise typer.Exit(run_sidecar(cfg, options))
+    try:
+        code = run_sidecar(cfg, options)
+    except ServeError as e:
+        raise fail(str(e)) from None
+    raise typer.Exit(code)

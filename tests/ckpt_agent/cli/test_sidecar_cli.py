@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 
 import ckpt_agent.cli.sidecar as cli_sidecar
 from ckpt_agent.cli.main import app
-from ckpt_agent.flash.sidecar import SidecarOptions
+from ckpt_agent.flash.sidecar import Sidecar, SidecarOptions
 from ckpt_agent.policy import AgentConfig
 
 runner = CliRunner()
@@ -64,3 +65,45 @@ def test_flags_and_config_reach_the_sidecar(
     assert config.s3 is not None and config.s3.part_size_mb == 32
     assert options.ranks == (0, 2) and options.exit_with_trainer
     assert options.metrics_port == 0 and options.grace_s == 7.0
+
+
+def test_a_taken_metrics_port_is_a_clear_usage_error_not_a_storage_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_ckpt_env: None
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("CKPT_METRICS_ADDR", "127.0.0.1")
+        res = runner.invoke(
+            app,
+            ["sidecar", "--shm-dir", str(tmp_path / "shm"), "--run-id", "r1",
+             "--storage", (tmp_path / "store").as_uri(), "--metrics-port", str(port)],
+        )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert f"cannot serve the sidecar's /metrics and /healthz on 127.0.0.1:{port}" in res.output
+    assert "storage failed" not in res.output
+
+
+def test_the_sidecar_listens_on_the_configured_metrics_address(tmp_path: Path) -> None:
+    """CKPT_METRICS_ADDR: a pod's own address (two sidecars of two pods on one machine, or
+    an IPv6 pod), as the trainer already did."""
+    cfg = AgentConfig.model_validate(
+        {
+            "runId": "r1",
+            "storageUrl": (tmp_path / "store").as_uri(),
+            "shmDir": str(tmp_path / "shm"),
+            "workDir": str(tmp_path / "work"),
+            "metricsAddr": "127.0.0.2",
+        }
+    )
+    with socket.socket() as other:  # the same port on another loopback address is taken
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        sidecar = Sidecar(cfg, SidecarOptions(metrics_port=port, poll_s=0.01))
+        try:
+            code = sidecar.run(until=lambda: True)
+            assert code == 0
+        finally:
+            sidecar.close()

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ckpt_agent.errors import ReplicaError
+from ckpt_agent.errors import ReplicaError, ServeError
 from ckpt_agent.flash.protocol import Descriptor, PersistedMark, atomic_write
 from ckpt_agent.flash.replica.rehydrate import advertise
 from ckpt_agent.flash.replica.replicator import Replicator
@@ -393,7 +393,15 @@ class Sidecar:
         if port is None:
             port = self.config.metrics_port
         if port:
-            self.serve_http(port)
+            addr = self.config.metrics_addr
+            try:
+                self.serve_http(port, addr)
+            except OSError as e:
+                raise ServeError(
+                    f"cannot serve the sidecar's /metrics and /healthz on {addr}:{port}: "
+                    f"{e.strerror or e} (another process on the port? set CKPT_METRICS_PORT, "
+                    "or CKPT_METRICS_ADDR to this pod's own address)"
+                ) from None
         self._event(
             "start",
             pid=os.getpid(),
