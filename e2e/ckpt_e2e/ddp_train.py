@@ -10,7 +10,16 @@ MLP with dropout (each rank its own dropout stream: RNG state that must be resto
 AdamW, a StepLR schedule and a data position (each step's batch derived from the step and
 the rank). Outputs: ``--loss-log`` (one JSON line ``{"step", "loss"}`` per step,
 appended: a restart continues it) and ``--out`` (the final parameters' SHA-256, the
-losses of this process, the first step it ran and its resume point).
+losses of this process, the first step it ran and its resume point); ``{rank}`` in either
+path is replaced by the process's global rank.
+
+``--nproc-per-node N`` (N > 1) runs N local ranks per pod, as ``torchrun
+--nproc_per_node=N`` (the training-operator's ``nprocPerNode``) would: this process only
+starts N children of itself with ``RANK = N·RANK + i``, ``LOCAL_RANK = i``,
+``LOCAL_WORLD_SIZE = N`` and ``WORLD_SIZE = N·WORLD_SIZE``, forwards SIGTERM to them and
+exits with the first failure among them (0 when all succeed). DDP uses
+``find_unused_parameters=True``: no bucket rebuild, so a resume is bitwise with three or
+more gloo ranks too (docs/distributed.md, "Bitwise with more than two ranks").
 
 Standard library, torch and ckpt_agent only: the pod runs it as a file
 (``/opt/ckpt-e2e/ddp_train.py``, this folder mounted by ``hostPath``).
@@ -23,6 +32,8 @@ import datetime
 import hashlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,19 +66,62 @@ def params_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def spawn_local_ranks(nproc: int, argv: list[str]) -> int:
+    """Run ``nproc`` local ranks of this pod (module doc); their first failure, else 0."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    node_rank = int(os.environ.get("RANK") or 0)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *argv],
+            env={
+                **os.environ,
+                "RANK": str(node_rank * nproc + i),
+                "LOCAL_RANK": str(i),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "WORLD_SIZE": str(world * nproc),
+            },
+        )
+        for i in range(nproc)
+    ]
+
+    def forward(signum: int, _frame: Any) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    codes = [proc.wait() for proc in procs]
+    failed = [c for c in codes if c != 0]
+    return (128 - failed[0] if failed[0] < 0 else failed[0]) if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--nproc-per-node", type=int, default=1, help="local ranks per pod")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (pacing)")
     p.add_argument("--out", type=Path)
     p.add_argument("--loss-log", type=Path)
     p.add_argument("--no-checkpoint", action="store_true")
-    args = p.parse_args(argv)
+    raw = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(raw)
+    if args.nproc_per_node > 1:
+        rest, it = [], iter(raw)
+        for a in it:
+            if a == "--nproc-per-node":
+                next(it)
+            elif not a.startswith("--nproc-per-node="):
+                rest.append(a)
+        return spawn_local_ranks(args.nproc_per_node, rest)
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE") or 1)
     rank = int(os.environ.get("RANK") or 0)
+    for name in ("out", "loss_log"):
+        path = getattr(args, name)
+        if path is not None:
+            setattr(args, name, Path(str(path).replace("{rank}", str(rank))))
     if world > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(args.seed)

@@ -1,20 +1,23 @@
-"""A lost node's rank rehydrates from its peer's replica, through Kubernetes (issue #31).
+"""A lost node's ranks rehydrate from their peer's replicas, through Kubernetes (issue #31).
 
-A 2-node × 1-rank gloo DDP PyTorchJob (a Master and one Worker, ``restartPolicy:
-OnFailure``, a required anti-affinity: one pod per kwok node) under a policy with the
-webhook's sidecar, peer replication (the per-job Secret ``ckpt-replica-<job>`` made by hand,
-docs/replicas.md) and the memory tier (a snapshot every 2 steps, a pulse every 10). The kwok
+A 2-node gloo DDP PyTorchJob, 1 or 2 ranks per pod (``ddp_train.py --nproc-per-node``: the
+pod's ranks ``2·pod + local`` as ``torchrun --nproc_per_node=2`` would start them, one
+sidecar per pod serving and pushing every area of the pod; a Master and one Worker,
+``restartPolicy: OnFailure``, a required anti-affinity: one pod per kwok node) under a
+policy with the webhook's sidecar, peer replication (the per-job Secret
+``ckpt-replica-<job>`` made by hand, docs/replicas.md) and the memory tier (a snapshot
+every 2 steps, a pulse every 10). The kwok
 nodes have loopback pod CIDRs: each pod has its own address here, its sidecar serves its
 peers there (``CKPT_REPLICA_LISTEN_HOST``) and the harness resolves the cluster's names
 (``MASTER_ADDR``, the webhook's ``<pod>.<ns>.svc`` peers, the operator's peer map) to pod
 IPs (``ckpt_e2e.names``).
 
-Once a memory snapshot of the Worker is in the Master sidecar's replica store, both trainers
+Once a memory snapshot of every Worker rank is in the Master sidecar's replica store, both trainers
 are frozen, the Worker's node is lost (its processes killed, its shared memory gone, the
 Node and the pod deleted as the node lifecycle does) and the Master's trainer fails (its
 peer is gone: SIGKILL, restarted in place by ``OnFailure``). The training-operator recreates
-the Worker, which lands on a third node: its sidecar rehydrates the rank from the Master
-node's replica; every rank resumes from memory (``resume_shm``) at the step after the
+the Worker, which lands on a third node: its sidecar rehydrates its ranks from the Master
+node's replicas; every rank resumes from memory (``resume_shm``) at the step after the
 snapshot, newer than storage's newest pulse, and the run ends bitwise equal to an
 uninterrupted one.
 """
@@ -52,24 +55,24 @@ SHM_DIR = "/var/run/ckpt/shm"  # ckpt_operator.model.constants.SHM_DIR
 REPLICA_TYPE = "training.kubeflow.org/replica-type"
 
 
-def _reference(workdir: Path) -> list[dict[str, Any]]:
-    """The uninterrupted run: two local processes, no checkpointing."""
+def _reference(workdir: Path, world: int) -> list[dict[str, Any]]:
+    """The uninterrupted run: ``world`` local processes, no checkpointing."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     argv = [sys.executable, str(SCRIPT), "--steps", str(STEPS), "--seed", str(SEED)]
     procs = [
         subprocess.Popen(
             [*argv, "--no-checkpoint", "--out", str(workdir / f"ref{r}.json")],
-            env={**env, "WORLD_SIZE": "2", "RANK": str(r)},
+            env={**env, "WORLD_SIZE": str(world), "RANK": str(r)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        for r in range(2)
+        for r in range(world)
     ]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()[-3000:]
-    return [json.loads((workdir / f"ref{r}.json").read_text()) for r in range(2)]
+    return [json.loads((workdir / f"ref{r}.json").read_text()) for r in range(world)]
 
 
 def _tiers() -> dict[str, Any]:
@@ -82,7 +85,9 @@ def _tiers() -> dict[str, Any]:
     }
 
 
-def _manifest(scenario: Scenario, job: str, pool: str, master_port: int) -> dict[str, Any]:
+def _manifest(
+    scenario: Scenario, job: str, pool: str, master_port: int, nproc: int
+) -> dict[str, Any]:
     # the example's pod (its env, results volume, opt-in), running ddp_train.py instead
     pool_label = {"e2e.ckpt.dev/pool": pool}
     training = Training(steps=STEPS)
@@ -112,10 +117,11 @@ def _manifest(scenario: Scenario, job: str, pool: str, master_port: int) -> dict
     [container] = spec["containers"]
     container["volumeMounts"].append({"name": "e2e-code", "mountPath": CODE, "readOnly": True})
     container["command"] = ["python", f"{CODE}/{SCRIPT.name}"]
-    out = f"{RESULTS_MOUNT}/$(POD_NAME).$(POD_UID)"
+    out = f"{RESULTS_MOUNT}/$(POD_NAME).$(POD_UID).{{rank}}"  # one file per rank
     container["args"] = [
         *("--steps", str(STEPS), "--seed", str(SEED), "--step-sleep", str(STEP_SLEEP)),
         *("--out", f"{out}.json", "--loss-log", f"{out}.losses.jsonl"),
+        *(("--nproc-per-node", str(nproc)) if nproc > 1 else ()),
     ]
     # the training-operator's MASTER_PORT: a free one, not 23456
     container["ports"] = [{"name": "pytorchjob-port", "containerPort": master_port}]
@@ -123,22 +129,25 @@ def _manifest(scenario: Scenario, job: str, pool: str, master_port: int) -> dict
     return manifest
 
 
-def _base(results: Path, pod: dict[str, Any]) -> str:
-    return str(results / f"{pod['metadata']['name']}.{pod['metadata']['uid']}")
+def _base(results: Path, pod: dict[str, Any], rank: int) -> str:
+    return str(results / f"{pod['metadata']['name']}.{pod['metadata']['uid']}.{rank}")
 
 
-def _losses(results: Path, pod: dict[str, Any]) -> list[dict[str, Any]]:
-    """The steps one pod logged (``--loss-log``: a restart in place appends)."""
-    lines = Path(f"{_base(results, pod)}.losses.jsonl").read_text().splitlines()
+def _losses(results: Path, pod: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """The steps one rank of a pod logged (``--loss-log``: a restart in place appends)."""
+    lines = Path(f"{_base(results, pod, rank)}.losses.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines]
 
 
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2 nodes x 1 rank", "2 nodes x 2 ranks"])
 def test_a_lost_nodes_worker_rehydrates_from_the_masters_replica_and_resumes_bitwise(
-    scenario: Scenario,
+    scenario: Scenario, nproc: int
 ) -> None:
     started = time.monotonic()
     cluster, ns = scenario.cluster, scenario.namespace
-    ref = _reference(cluster.workdir / "reference-ddp")
+    ref = _reference(cluster.workdir / f"reference-ddp-{nproc}", 2 * nproc)
+    master_ranks = list(range(nproc))  # the pod's ranks: nproc·pod + local
+    worker_ranks = list(range(nproc, 2 * nproc))
     job, pool = "lost", f"nl-{uuid.uuid4().hex[:5]}"
     octet = 100 + int.from_bytes(os.urandom(1)) % 100
     taint = {"key": "ckpt-e2e/pool", "value": pool, "effect": "NoSchedule"}
@@ -172,7 +181,7 @@ def test_a_lost_nodes_worker_rehydrates_from_the_masters_replica_and_resumes_bit
         # no /metrics: the sidecar binds its metrics port on 0.0.0.0 whatever
         # CKPT_METRICS_ADDR says, so two pods' sidecars here would take the same port
         runner = scenario.runner(sidecars=True, extra_env={"CKPT_METRICS_PORT": "0"})
-        cluster.apply(_manifest(scenario, job, pool, free_port()), namespace=ns)
+        cluster.apply(_manifest(scenario, job, pool, free_port(), nproc), namespace=ns)
         runner.wait_run(job, index=1, timeout=120)
         runs = {r.pod["metadata"]["labels"][REPLICA_TYPE]: r for r in runner.runs_of(job)}
         master, worker = runs["master"], runs["worker"]
@@ -189,11 +198,16 @@ def test_a_lost_nodes_worker_rehydrates_from_the_masters_replica_and_resumes_bit
         worker_node = worker.pod["spec"]["nodeName"]
 
         def worker_replicas() -> list[int]:
-            return sorted(
-                r.desc.step
-                for r in on_master.replicas()
-                if r.source == worker_node and r.desc.rank == 1
-            )
+            """The steps held on the Master's node for every one of the Worker's ranks."""
+            held = [
+                {
+                    r.desc.step
+                    for r in on_master.replicas()
+                    if r.source == worker_node and r.desc.rank == rank
+                }
+                for rank in worker_ranks
+            ]
+            return sorted(set.intersection(*held))
 
         def replicated() -> bool:
             assert master.running and worker.running, worker.local.log_text()[-3000:]  # type: ignore[union-attr]
@@ -239,10 +253,11 @@ def test_a_lost_nodes_worker_rehydrates_from_the_masters_replica_and_resumes_bit
         finally:
             again.stop()
 
-        for rank, run in ((0, master), (1, recreated)):
+        ranked = [(r, master) for r in master_ranks] + [(r, recreated) for r in worker_ranks]
+        for rank, run in ranked:
             pod = cluster.get_json("pod", run.name, "-n", ns)
-            res = json.loads(Path(f"{_base(scenario.results, pod)}.json").read_text())
-            log = _losses(scenario.results, pod)
+            res = json.loads(Path(f"{_base(scenario.results, pod, rank)}.json").read_text())
+            log = _losses(scenario.results, pod, rank)
             resumed = res["resume"]
             assert (resumed["action"], resumed["step"], resumed["exact"]) == (
                 "resume_shm",
@@ -252,19 +267,23 @@ def test_a_lost_nodes_worker_rehydrates_from_the_masters_replica_and_resumes_bit
             assert res["final_params_sha256"] == ref[rank]["final_params_sha256"], rank
             for e in log:
                 assert e["loss"] == ref[rank]["losses"][str(e["step"])], (rank, e)
-        assert {e["step"] for e in _losses(scenario.results, master.pod)} == set(range(STEPS))
+        for rank in master_ranks:
+            steps = {e["step"] for e in _losses(scenario.results, master.pod, rank)}
+            assert steps == set(range(STEPS)), rank
         # the Worker's two pods together logged every step, each as the reference did
-        first = _losses(scenario.results, worker.pod)
-        second = _losses(scenario.results, cluster.get_json("pod", recreated.name, "-n", ns))
-        for e in first:
-            assert e["loss"] == ref[1]["losses"][str(e["step"])], e
-        assert {e["step"] for e in first} | {e["step"] for e in second} == set(range(STEPS))
-        # the recreated Worker's sidecar installed the replica held on the Master's node
+        again_pod = cluster.get_json("pod", recreated.name, "-n", ns)
         [sc] = recreated.sidecars
-        installed = f"rehydration of rank 1: step {replica_step} from peer {master_ip}:"
-        assert installed in sc.log_text(), sc.log_text()[-3000:]
-        print(f"node loss: replica step {replica_step}, storage {stored_at_loss.step}, "
-              f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        for rank in worker_ranks:
+            first = _losses(scenario.results, worker.pod, rank)
+            second = _losses(scenario.results, again_pod, rank)
+            for e in first:
+                assert e["loss"] == ref[rank]["losses"][str(e["step"])], (rank, e)
+            assert {e["step"] for e in first} | {e["step"] for e in second} == set(range(STEPS))
+            # the recreated Worker's sidecar installed the replica held on the Master's node
+            installed = f"rehydration of rank {rank}: step {replica_step} from peer {master_ip}:"
+            assert installed in sc.log_text(), sc.log_text()[-3000:]
+        print(f"node loss ({nproc} rank(s) per pod): replica step {replica_step}, storage "
+              f"{stored_at_loss.step}, {time.monotonic() - started:.0f} s")  # fmt: skip
     finally:
         cluster.kubectl("delete", "pytorchjob", job, "-n", ns, "--ignore-not-found", check=False)
         for name in nodes:
