@@ -137,8 +137,9 @@ reports the exit; :meth:`LocalPod.wait` re-raises any error it hit.
 
 Where each part lives: the pure spec translation (env, argv, volume files, paths) in
 ``ckpt_e2e.podspec``, the local folders of the volumes in ``ckpt_e2e.volumes``, the exit
-report in ``ckpt_e2e.podstatus``, the processes in ``ckpt_e2e.procs``; this module runs
-and watches them.
+report in ``ckpt_e2e.podstatus``, the processes in ``ckpt_e2e.procs``, the bookkeeping of a
+pod's several LocalPods (the volumes' lifetime, the local-process annotation, when a native
+sidecar ends) in ``ckpt_e2e.podgroup``; this module runs and watches them.
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from . import podgroup
 from .cluster import LocalCluster
 from .errors import LocalPodError
 from .names import PodNames
@@ -175,23 +177,9 @@ __all__ = ["LocalPod", "pvc_path", "run_pod_locally"]
 TERMINATION_LOG = "/dev/termination-log"
 MESSAGE_BYTES = 4096
 
-
-#: Pod phases after which a native sidecar is stopped (the kubelet ends it with the pod).
-TERMINAL_PHASES = ("Succeeded", "Failed")
-
 #: ``argv[0]`` of the agent image's entry point (the webhook's sidecar runs ``ckpt sidecar``)
 #: → the console script of this interpreter's environment, when it has one.
 _CKPT_EXE = Path(sys.executable).parent / "ckpt"
-
-#: Pod uid → the LocalPods of that pod started and not yet stopped (any container): the pod's
-#: volumes live while one of them does, and its local-process annotation while one runs.
-_holders: dict[str, set[LocalPod]] = {}
-_holders_lock = threading.Lock()
-
-
-def _others(lp: LocalPod) -> list[LocalPod]:
-    with _holders_lock:
-        return [o for o in _holders.get(lp.pod_uid, ()) if o is not lp]
 
 
 def pvc_path(cluster: LocalCluster, namespace: str, claim: str) -> Path:
@@ -324,9 +312,8 @@ class LocalPod:
         else:
             self.pod = self.cluster.request("GET", path)
         self.container = select_container(self.pod, self.container_name)
-        with _holders_lock:
-            _holders.setdefault(self.pod_uid, set()).add(self)
-            self._registered = True
+        podgroup.join(self)
+        self._registered = True
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._prepare()
         self.cwd.mkdir(parents=True, exist_ok=True)
@@ -431,15 +418,8 @@ class LocalPod:
                 self.kill()
                 self._done.wait(timeout)
         self._sweep()
-        last = True
-        if self._registered:
-            with _holders_lock:
-                holders = _holders.get(self.pod_uid, set())
-                holders.discard(self)
-                last = not holders
-                if last:
-                    _holders.pop(self.pod_uid, None)
-            self._registered = False
+        last = podgroup.leave(self) if self._registered else True
+        self._registered = False
         if self.volumes is not None and last:  # the pod's other containers still use them
             self.volumes.cleanup()
 
@@ -538,11 +518,7 @@ class LocalPod:
                 ].get("uid"):
                     self.pod_deleted = True
                 deleting = self.pod_deleted or (pod and pod["metadata"].get("deletionTimestamp"))
-                ending = (
-                    self.is_sidecar
-                    and pod is not None
-                    and (pod.get("status") or {}).get("phase") in TERMINAL_PHASES
-                )
+                ending = podgroup.sidecar_ends(self.is_sidecar, pod)
                 if (deleting or ending) and not self.node_lost:  # a lost node's kubelet: none
                     if term_deadline is None:
                         self.terminated_by_deletion = bool(deleting)
@@ -599,11 +575,9 @@ class LocalPod:
                 raise
             self.pod_deleted = True
         # the annotation stays while another container of the pod runs here
-        alive = [o for o in _others(self) if o.running and o.process is not None]
+        pid = podgroup.annotation_pid(self)
         with contextlib.suppress(Exception):
-            mark_local_process(
-                self.cluster, self.namespace, self.name, alive[0].pid if alive else None
-            )
+            mark_local_process(self.cluster, self.namespace, self.name, pid)
 
 
 def run_pod_locally(
